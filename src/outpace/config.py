@@ -1,0 +1,76 @@
+"""User-facing configuration: small dataclasses validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from outpace.errors import InvalidParameterError
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise InvalidParameterError(message)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens. temperature 0 is greedy; top_k 0 and top_p 1 and min_p 0 disable filters."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(self.temperature >= 0, f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids must be non-negative integers")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+SPEC_METHODS = ("none", "ngram")
+
+
+@dataclass
+class SpecConfig:
+    """Speculative decoding. method 'ngram' drafts by prompt lookup over prompt plus output.
+
+    num_draft_tokens: most tokens drafted per step (TensorRT-LLM's max_draft_len).
+    min_ngram / max_ngram: suffix lengths tried, longest first (max_matching_ngram_size).
+    match: which earlier occurrence of the suffix drafts: 'recent' (the last one) or 'first'.
+    exact: every forward is numerically independent of how many tokens it holds, so speculative
+        greedy output is bit-identical to plain greedy output in the same mode.
+    """
+
+    method: str = "ngram"
+    num_draft_tokens: int = 8
+    min_ngram: int = 1
+    max_ngram: int = 4
+    match: str = "recent"
+    exact: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.method in SPEC_METHODS, f"spec method must be one of {SPEC_METHODS}, got {self.method!r}")
+        _check(1 <= self.num_draft_tokens <= 32, f"num_draft_tokens must be in [1, 32], got {self.num_draft_tokens}")
+        _check(self.min_ngram >= 1, f"min_ngram must be >= 1, got {self.min_ngram}")
+        _check(self.max_ngram >= self.min_ngram,
+               f"max_ngram ({self.max_ngram}) must be >= min_ngram ({self.min_ngram})")
+        _check(self.match in ("recent", "first"), f"match must be 'recent' or 'first', got {self.match!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"

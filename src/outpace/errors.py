@@ -1,0 +1,25 @@
+"""Errors a user can cause. Each is a ValueError subclass whose message says what to change."""
+
+
+class OutpaceError(ValueError):
+    """Base class: the command line prints the message alone, without a traceback."""
+
+
+class ModelNotFoundError(OutpaceError):
+    pass
+
+
+class UnsupportedModelError(OutpaceError):
+    pass
+
+
+class CorruptModelError(OutpaceError):
+    pass
+
+
+class PromptTooLongError(OutpaceError):
+    pass
+
+
+class InvalidParameterError(OutpaceError):
+    pass
