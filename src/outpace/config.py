@@ -74,3 +74,26 @@ class SpecConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "none"
+
+
+@dataclass
+class EngineConfig:
+    """Capacity and placement, fixed at start. Defaults suit the default model on this CPU."""
+
+    model: str = "smollm2-135m"
+    dtype: str = "auto"             # auto: bfloat16 (CPU with bf16 support, and CUDA), else float32
+    device: str = "auto"            # auto: cuda when available, else cpu
+    max_num_seqs: int = 8           # running sequences (KV slots); more requests wait in a queue
+    max_model_len: int = 2048       # prompt plus output tokens per sequence
+    max_prefill_tokens: int = 512   # prompt tokens cached per step (chunked prefill)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    calibrate: bool = True          # measure verify cost per batch size at start (draft controller)
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+               f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        _check(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
+               f"device must be auto, cpu or cuda, got {self.device!r}")
+        _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _check(self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}")
+        _check(self.max_prefill_tokens >= 1, f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")

@@ -1,0 +1,116 @@
+"""The `outpace` command: generate, pull, bench, serve."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from outpace.errors import OutpaceError
+
+DTYPE_HELP = ("float32, bfloat16 or auto (default): bfloat16 on CUDA and on CPUs with native bf16 "
+              "(AVX-512 bf16 / AMX), float32 on other CPUs")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m",
+                   help="a known name (smollm2-135m, the default), a Hugging Face folder, or a .gguf file")
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="prompt plus output tokens (default 2048)")
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec", default="ngram", choices=["none", "ngram"],
+                   help="speculative decoding method (default ngram: prompt lookup)")
+    p.add_argument("--num-draft-tokens", type=int, default=8, help="most tokens drafted per step (default 8)")
+    p.add_argument("--min-ngram", type=int, default=1, help="shortest suffix matched (default 1)")
+    p.add_argument("--max-ngram", type=int, default=4, help="longest suffix matched, tried first (default 4)")
+    p.add_argument("--exact", action="store_true",
+                   help="numerically exact mode: speculative greedy output bit-identical to plain greedy")
+
+
+def spec_config(args):
+    from outpace.config import SpecConfig
+    return SpecConfig(method=args.spec, num_draft_tokens=args.num_draft_tokens, min_ngram=args.min_ngram,
+                      max_ngram=args.max_ngram, exact=args.exact)
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"new tokens at most (default {max_tokens})")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 (default) disables top-k")
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None, help="makes sampled output reproducible")
+
+
+def sampling_params(args):
+    from outpace.config import SamplingParams
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          seed=args.seed, max_tokens=args.max_tokens)
+
+
+def cmd_generate(args) -> None:
+    from outpace.llm import LLM
+    params = sampling_params(args)
+    llm = LLM(args.model, spec=spec_config(args), dtype=args.dtype, device=args.device,
+              max_model_len=args.max_model_len, max_num_seqs=1)
+    printed = 0
+
+    def stream(seq):
+        nonlocal printed
+        if not args.json:
+            sys.stdout.write(seq.text[printed:])
+            sys.stdout.flush()
+            printed = len(seq.text)
+
+    run = llm.chat if args.chat else llm.generate
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    out = run(prompt, params, on_tokens=stream)[0]
+    if args.json:
+        print(json.dumps({
+            "text": out.text, "token_ids": out.token_ids, "num_prompt_tokens": out.num_prompt_tokens,
+            "num_generated_tokens": out.num_generated_tokens, "finish_reason": out.finish_reason,
+            "timing": out.timing, "spec": out.spec if args.spec != "none" else None,
+        }))
+    else:
+        sys.stdout.write(out.text[printed:] + "\n")
+        t = out.timing
+        print(f"[{out.num_generated_tokens} tokens, {t['decode_tokens_per_s']:.1f} tokens/s, "
+              f"finish: {out.finish_reason}]", file=sys.stderr)
+
+
+def cmd_pull(args) -> None:
+    from outpace.model.hub import resolve_model
+    print(resolve_model(args.name))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="outpace", description="Speculative-decoding LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="format the prompt with the model's chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_model_args(g)
+    add_sampling_args(g, max_tokens=256)
+    add_spec_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("pull", help="fetch a known model into the cache")
+    p.add_argument("name", nargs="?", default="smollm2-135m")
+    p.set_defaults(func=cmd_pull)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except OutpaceError as e:
+        print(f"outpace: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("outpace: interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -1,0 +1,188 @@
+"""LLMEngine: continuous batching with speculative decoding. One step reads as the algorithm:
+schedule, propose, verify, accept, postprocess."""
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from outpace.config import EngineConfig, SamplingParams
+from outpace.engine.calibrate import measure_verify_cost
+from outpace.engine.model_runner import ModelRunner, Row
+from outpace.engine.sampler import SamplingState
+from outpace.engine.scheduler import Scheduler, StepPlan
+from outpace.engine.sequence import Sequence, SpecStats
+from outpace.engine.stopping import StopChecker
+from outpace.errors import InvalidParameterError, PromptTooLongError
+from outpace.model.hub import resolve_model
+from outpace.model.loader import load_model
+from outpace.model.tokenizer import Tokenizer
+from outpace.spec.controller import DraftController
+from outpace.spec.drafter import Draft, Drafter
+from outpace.spec.factory import make_drafter
+from outpace.spec.verify import verify_greedy, verify_sampling
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidParameterError("device cuda was asked for but torch sees no CUDA GPU; use --device cpu")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        # bfloat16 is the fastest correct choice on CUDA and on CPUs with native bf16 (AVX-512 bf16/AMX)
+        is_bf16_cpu = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return torch.bfloat16 if device.startswith("cuda") or is_bf16_cpu else torch.float32
+    return getattr(torch, dtype)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, drafter: Drafter | None = None):
+        self.config = config
+        t0 = time.perf_counter()
+        folder = resolve_model(config.model)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.tokenizer = Tokenizer.from_folder(folder)
+        self.model = load_model(folder, self.dtype, self.device, config.max_model_len)
+        spec = config.spec
+        self.max_draft = spec.num_draft_tokens if spec.enabled or drafter is not None else 0
+        self.runner = ModelRunner(self.model, config.max_num_seqs, config.max_model_len,
+                                  max_step_tokens=max(config.max_prefill_tokens, self.max_draft + 1),
+                                  exact_tokens=spec.num_draft_tokens + 1 if spec.exact else None)
+        self.drafter = drafter if drafter is not None else make_drafter(spec)
+        cost = None
+        if self.max_draft and config.calibrate and not spec.exact:
+            cost = measure_verify_cost(self.runner, config.max_num_seqs, self.max_draft + 1)
+        self.controller = DraftController(self.max_draft, cost)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_prefill_tokens)
+        self.stats = SpecStats()
+        self.sequences: dict[int, Sequence] = {}
+        self._ids = itertools.count()
+        self.load_s = time.perf_counter() - t0
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        limit = self.config.max_model_len
+        if not prompt_ids:
+            raise InvalidParameterError("the prompt is empty: give at least one token")
+        if len(prompt_ids) >= limit:
+            raise PromptTooLongError(f"the prompt has {len(prompt_ids)} tokens; the context holds "
+                                     f"{limit} (prompt plus at least one new token): shorten it "
+                                     f"or raise max_model_len")
+        vocab = self.model.cfg.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise InvalidParameterError(f"prompt token ids must be in [0, {vocab})")
+        seq = Sequence(next(self._ids), prompt_ids, params)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        seq.stopper = StopChecker(self.tokenizer, params, self.model.cfg.eos_token_ids, limit)
+        self.sequences[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        self.drafter.begin(seq.seq_id, prompt_ids)
+        return seq
+
+    def abort(self, seq_id: int) -> None:
+        """Cancel a request: its slot is free for the next step; other requests are untouched."""
+        seq = self.sequences.get(seq_id)
+        if seq is not None and not seq.is_finished:
+            seq.finish_reason = "abort"
+            self._finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Run one step; returns the sequences that got new tokens or finished."""
+        plan = self.scheduler.schedule()
+        if plan.prefill:
+            self.prefill(plan)
+        if not plan.decode:
+            return []
+        drafts = self.propose(plan.decode)
+        tokens, counts = self.verify(plan.decode, drafts)
+        self.accept(plan.decode, drafts, tokens, counts)
+        return self.postprocess(plan.decode)
+
+    def prefill(self, plan: StepPlan) -> None:
+        t0 = time.perf_counter()
+        rows = [Row(c.seq.slot, c.seq.token_ids[c.start:c.end], c.start) for c in plan.prefill]
+        self.runner.forward(rows, logits="none")
+        elapsed = time.perf_counter() - t0
+        for c in plan.prefill:
+            c.seq.num_cached = c.end
+            c.seq.prefill_s += elapsed
+
+    def propose(self, seqs: list[Sequence]) -> list[Draft | None]:
+        if not self.max_draft:
+            return [None] * len(seqs)
+        t0 = time.perf_counter()
+        room = [min(self.controller.num_draft(s.seq_id, len(seqs)),
+                    s.params.max_tokens - s.num_output_tokens - 1,
+                    self.config.max_model_len - len(s.token_ids) - 1) for s in seqs]
+        asking = [i for i, k in enumerate(room) if k > 0]
+        drafts: list[Draft | None] = [None] * len(seqs)
+        if asking:
+            got = self.drafter.propose([seqs[i].seq_id for i in asking], [room[i] for i in asking])
+            for i, d in zip(asking, got):
+                drafts[i] = Draft(d.tokens[:room[i]], d.parents, d.probs) if d else None
+        elapsed = time.perf_counter() - t0
+        for s in seqs:
+            s.stats.draft_s += elapsed / len(seqs)
+        return drafts
+
+    def verify(self, seqs: list[Sequence], drafts: list[Draft | None]):
+        """One target forward over [last token + draft] of every sequence, then the acceptance
+        rule (greedy or rejection sampling) as batched tensor math. Returns host lists."""
+        t0 = time.perf_counter()
+        num_draft = [len(d) if d else 0 for d in drafts]
+        rows = [Row(s.slot, s.token_ids[-1:] + (d.tokens if d else []), len(s.token_ids) - 1)
+                for s, d in zip(seqs, drafts)]
+        pad_to = self.max_draft + 1 if self.config.spec.exact else None
+        logits, _ = self.runner.forward(rows, pad_to=pad_to)                       # [B, S, V]
+        K = logits.shape[1] - 1
+        draft_tokens = torch.tensor([(d.tokens if d else []) + [0] * (K - n) for d, n in zip(drafts, num_draft)],
+                                    dtype=torch.long, device=logits.device).view(len(seqs), K)
+        draft_lens = torch.tensor(num_draft, device=logits.device)
+        if all(s.params.is_greedy for s in seqs):
+            out, num_out = verify_greedy(logits, draft_tokens, draft_lens)
+        else:
+            state = SamplingState.build([s.params for s in seqs], [s.generator for s in seqs], logits.device)
+            out, num_out = verify_sampling(logits, draft_tokens, draft_lens, state)
+        # the one host synchronisation of the step: accepted tokens return to the scheduler
+        host = torch.cat([num_out[:, None], out], dim=1).tolist()
+        elapsed = time.perf_counter() - t0
+        for s in seqs:
+            s.stats.verify_s += elapsed / len(seqs)
+        return [h[1:1 + h[0]] for h in host], [h[0] for h in host]
+
+    def accept(self, seqs, drafts, tokens, counts) -> None:
+        now = time.perf_counter()
+        for seq, draft, new, n in zip(seqs, drafts, tokens, counts):
+            num_draft = len(draft) if draft else 0
+            seq.stats.record(num_draft, n - 1)
+            self.controller.observe(seq.seq_id, num_draft, n - 1)
+            # the last token and the accepted drafts are now cached; the new last token is not
+            seq.num_cached = len(seq.token_ids) + n - 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            self.drafter.accept(seq.seq_id, seq.stopper.append(seq, new))
+
+    def postprocess(self, seqs: list[Sequence]) -> list[Sequence]:
+        for seq in seqs:
+            if seq.finish_reason is not None and not seq.is_finished:
+                self._finish(seq)
+        return seqs
+
+    def _finish(self, seq: Sequence) -> None:
+        seq.finish_time = time.perf_counter()
+        self.scheduler.finish(seq)
+        self.drafter.end(seq.seq_id)
+        self.controller.end(seq.seq_id)
+        self.stats.add(seq.stats)
+        self.sequences.pop(seq.seq_id, None)

@@ -1,0 +1,76 @@
+"""ModelRunner: the one place where host-side rows become tensors and the target model runs.
+
+A row is one sequence's new tokens in a step: a prompt chunk, or its last token followed by its
+draft. Rows are padded to the longest in the step; padded tokens are written past the sequence's
+length (the cache has `max_step_tokens` spare positions for that), masked from every query, and
+overwritten later.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from outpace.model.decoder import DecoderLM
+from outpace.model.kv_cache import KVCache
+from outpace.model.layers import ForwardBatch
+
+
+@dataclass
+class Row:
+    slot: int
+    token_ids: list[int]
+    start: int          # position of token_ids[0]
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderLM, num_slots: int, max_len: int, max_step_tokens: int,
+                 exact_tokens: int | None = None):
+        """exact_tokens: in exact mode, every decode forward is padded to this many tokens per row
+        and attends over the whole cache, so its arithmetic never depends on the draft length."""
+        self.model = model
+        cfg = model.cfg
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.max_len = max_len
+        self.cache = KVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, max_len + max_step_tokens,
+                             cfg.head_dim, self.dtype, self.device)
+        self.exact_tokens = exact_tokens
+        self.window = cfg.sliding_window
+        self._arange = torch.arange(max_len + max_step_tokens, device=self.device)
+
+    @torch.inference_mode()
+    def forward(self, rows: list[Row], logits: str = "all", pad_to: int | None = None,
+                need_hidden: bool = False):
+        """logits: 'all' -> [B, S, V]; 'none' -> None. Returns (logits, hidden [B, S, H] or None)."""
+        B = len(rows)
+        S = max(len(r.token_ids) for r in rows)
+        if pad_to is not None:
+            S = max(S, pad_to)
+        ids = [r.token_ids + [0] * (S - len(r.token_ids)) for r in rows]
+        starts = torch.tensor([r.start for r in rows], device=self.device)
+        positions = starts[:, None] + self._arange[None, :S]                    # [B, S]
+        slots = [r.slot for r in rows]
+        kv_len = max(r.start for r in rows) + S
+        exact = self.exact_tokens is not None and pad_to is not None
+        if exact:
+            kv_len = self.cache.max_len
+        mask = None
+        if S > 1 or B > 1 or exact or self.window:
+            keys = self._arange[:kv_len]
+            allowed = keys[None, None, :] <= positions[:, :, None]             # [B, S, L]
+            if self.window:
+                allowed &= keys[None, None, :] > positions[:, :, None] - self.window
+            mask = allowed.unsqueeze(1)
+        is_contiguous = slots == list(range(slots[0], slots[0] + B))
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, device=self.device),
+            positions=positions,
+            slots=torch.tensor(slots, device=self.device),
+            kv_len=kv_len,
+            mask=mask,
+            slot_start=slots[0] if is_contiguous else None,
+            logit_rows=None if logits == "all" else torch.zeros(0, dtype=torch.long, device=self.device),
+        )
+        out, hidden = self.model(batch, self.cache, need_hidden=need_hidden)
+        return (out.view(B, S, -1) if logits == "all" else None), hidden

@@ -1,0 +1,107 @@
+"""Sequence: one request's tokens and bookkeeping. Plain Python; no torch."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from outpace.config import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters of one request (summed over requests for totals)."""
+
+    num_verify_steps: int = 0       # target forwards that produced tokens for this sequence
+    num_drafts: int = 0             # verify steps that carried a non-empty draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        self.num_verify_steps += 1
+        if num_draft:
+            self.num_drafts += 1
+            self.num_draft_tokens += num_draft
+            self.num_accepted_tokens += num_accepted
+            if len(self.accepted_per_position) < num_draft:
+                self.accepted_per_position += [0] * (num_draft - len(self.accepted_per_position))
+            for i in range(num_accepted):
+                self.accepted_per_position[i] += 1
+
+    def add(self, other: "SpecStats") -> None:
+        for name in ("num_verify_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                     "draft_s", "verify_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        n = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        mine = self.accepted_per_position + [0] * (n - len(self.accepted_per_position))
+        theirs = other.accepted_per_position + [0] * (n - len(other.accepted_per_position))
+        self.accepted_per_position = [a + b for a, b in zip(mine, theirs)]
+
+    def as_dict(self, total_s: float | None = None) -> dict:
+        steps = self.num_verify_steps
+        d = {
+            "num_verify_steps": steps,
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0,
+            # vLLM/SGLang convention: tokens gained per verify step, the target's own token included
+            "mean_acceptance_length": (self.num_accepted_tokens + steps) / steps if steps else 0.0,
+            "accepted_per_position": list(self.accepted_per_position),
+            "acceptance_per_position": [a / self.num_drafts if self.num_drafts else 0.0
+                                        for a in self.accepted_per_position],
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+        }
+        if total_s is not None:
+            d["other_s"] = max(total_s - self.draft_s - self.verify_s, 0.0)
+        return d
+
+
+class Sequence:
+    def __init__(self, seq_id: int, prompt_ids: list[int], params: SamplingParams, arrival: float | None = None):
+        self.seq_id = seq_id
+        self.prompt_ids = list(prompt_ids)
+        self.token_ids = list(prompt_ids)   # prompt plus output: the one buffer drafters read too
+        self.params = params
+        self.status = Status.WAITING
+        self.slot: int | None = None
+        self.num_cached = 0                 # tokens whose keys/values are in the cache
+        self.finish_reason: str | None = None
+        self.stats = SpecStats()
+        self.generator = None               # torch.Generator for seeded sampling, set by the engine
+        self.arrival = time.perf_counter() if arrival is None else arrival
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.prefill_s = 0.0
+        self.text = ""                      # detokenized output, stop strings applied
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        # the last token is always left uncached: it is the input of the next decode step
+        return self.num_cached < len(self.token_ids) - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED

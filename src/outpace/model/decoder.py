@@ -1,0 +1,84 @@
+"""DecoderLM: the decoder-only transformer all supported families share, and its weight mapping."""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from outpace.model.config import ModelConfig
+from outpace.model.kv_cache import KVCache
+from outpace.model.layers import DecoderLayer, ForwardBatch, RMSNorm
+from outpace.model.rope import rope_tables
+
+
+class DecoderLM(nn.Module):
+    # Hugging Face parameter name (per layer, after "model.layers.N.") -> (our name, shard index).
+    # Fused matrices take their parts in the listed order: qkv = [q; k; v], gate_up = [gate; up].
+    LAYER_WEIGHTS = {
+        "self_attn.q_proj": ("attn.qkv", 0),
+        "self_attn.k_proj": ("attn.qkv", 1),
+        "self_attn.v_proj": ("attn.qkv", 2),
+        "self_attn.o_proj": ("attn.o", None),
+        "self_attn.q_norm": ("attn.q_norm", None),
+        "self_attn.k_norm": ("attn.k_norm", None),
+        "mlp.gate_proj": ("mlp.gate_up", 0),
+        "mlp.up_proj": ("mlp.gate_up", 1),
+        "mlp.down_proj": ("mlp.down", None),
+        "input_layernorm": ("input_norm", None),
+        "post_attention_layernorm": ("post_norm", None),
+    }
+    TOP_WEIGHTS = {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "lm_head"}
+
+    def __init__(self, cfg: ModelConfig, max_len: int):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_len, cfg.rope_scaling)
+        self.register_buffer("rope_cos", cos, persistent=False)   # [max_len, D] float32
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def forward(self, batch: ForwardBatch, cache: KVCache, need_hidden: bool = False):
+        """Returns logits [N, V] float32 for batch.logit_rows (all B*S rows when None), and the
+        last layer's hidden states before the final norm [B, S, H] when need_hidden (else None)."""
+        h = self.embed(batch.input_ids)                                  # [B, S, H]
+        cos = self.rope_cos[batch.positions].to(h.dtype).unsqueeze(1)    # [B, 1, S, D]
+        sin = self.rope_sin[batch.positions].to(h.dtype).unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, batch, cache.k[i], cache.v[i])
+        flat = h.flatten(0, 1)
+        if batch.logit_rows is not None:
+            flat = flat.index_select(0, batch.logit_rows)
+        logits = self.lm_head(self.norm(flat)).float()
+        return logits, (h if need_hidden else None)
+
+    def map_weight(self, hf_name: str) -> tuple[str, int | None] | None:
+        """Our parameter name and shard index for a Hugging Face tensor name; None = not used."""
+        base, _, kind = hf_name.rpartition(".")                         # kind: weight or bias
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", base)
+        if m:
+            target = self.LAYER_WEIGHTS.get(m.group(2))
+            if target is None:
+                return None
+            return f"layers.{m.group(1)}.{target[0]}.{kind}", target[1]
+        if base in self.TOP_WEIGHTS:
+            if base == "lm_head" and self.cfg.tie_word_embeddings:
+                return None
+            return f"{self.TOP_WEIGHTS[base]}.{kind}", None
+        return None
+
+    def shard_sizes(self, name: str) -> list[int]:
+        """Row counts of the parts of a fused parameter, in LAYER_WEIGHTS order."""
+        c = self.cfg
+        if ".attn.qkv." in name:
+            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        if ".mlp.gate_up." in name:
+            return [c.intermediate_size, c.intermediate_size]
+        raise KeyError(name)

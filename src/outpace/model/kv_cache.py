@@ -1,0 +1,24 @@
+"""The KV cache: allocated once, written at given positions, never copied or reallocated.
+
+Layout per layer: [num_slots, num_kv_heads, max_len, head_dim]. A sequence owns one slot; its
+valid length lives on the host (engine.sequence). Dropping rejected draft tokens is a change of
+that length: their entries stay in place and are overwritten by the next step's writes, and the
+attention mask never lets a query see a position beyond its own.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_slots = num_slots
+        self.max_len = max_len
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()

@@ -1,0 +1,111 @@
+"""Shared layers of the decoder-only families: RMSNorm, attention with a KV cache, SwiGLU MLP.
+
+Every forward takes a padded batch [B, S]: row b holds S new tokens of one sequence at explicit
+positions (1 for decoding, k+1 for verifying k drafts, many for a prompt chunk). Attention reads
+keys from the cache through an explicit boolean mask, so a tree of drafts is one more mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from outpace.model.config import ModelConfig
+from outpace.model.rope import apply_rope
+
+
+@dataclass
+class ForwardBatch:
+    """Where a forward reads and writes the cache. Built by the model runner, shared by all layers."""
+
+    input_ids: torch.Tensor        # [B, S] int64
+    positions: torch.Tensor        # [B, S] int64, cache position of each new token
+    slots: torch.Tensor            # [B] int64, cache slot of each row
+    kv_len: int                    # keys attended: cache positions [0, kv_len)
+    mask: torch.Tensor | None      # [B, 1, S, kv_len] bool, True = may attend; None = all keys
+    slot_start: int | None = None  # slots are slot_start .. slot_start+B-1: read the cache as a view
+    logit_rows: torch.Tensor | None = None  # flat indices into B*S of the rows that need logits
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in float32, scale in the model dtype (as the reference implementations do)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
+        self.o = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x, cos, sin, batch: ForwardBatch, k_cache, v_cache):
+        B, S, _ = x.shape
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
+        q = q.view(B, S, self.num_heads, self.head_dim)
+        k = k.view(B, S, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)              # [B, H, S, D]
+        k = apply_rope(k.transpose(1, 2), cos, sin)              # [B, KVH, S, D]
+        v = v.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # write the new keys/values at their positions; stale entries past a sequence's length
+        # are never attended (mask) and get overwritten by later writes
+        index = (batch.slots[:, None, None], self._heads(x.device), batch.positions[:, None, :])
+        k_cache.index_put_(index, k)
+        v_cache.index_put_(index, v)
+        if batch.slot_start is not None:
+            keys = k_cache[batch.slot_start:batch.slot_start + B, :, :batch.kv_len]
+            values = v_cache[batch.slot_start:batch.slot_start + B, :, :batch.kv_len]
+        else:
+            keys = k_cache[:, :, :batch.kv_len].index_select(0, batch.slots)
+            values = v_cache[:, :, :batch.kv_len].index_select(0, batch.slots)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
+        return self.o(out.transpose(1, 2).reshape(B, S, -1))
+
+    def _heads(self, device) -> torch.Tensor:
+        heads = getattr(self, "_heads_index", None)
+        if heads is None or heads.device != device:
+            heads = self._heads_index = torch.arange(self.num_kv_heads, device=device)[None, :, None]
+        return heads
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matrix."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer_idx)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, cos, sin, batch, k_cache, v_cache):
+        h = h + self.attn(self.input_norm(h), cos, sin, batch, k_cache, v_cache)
+        return h + self.mlp(self.post_norm(h))

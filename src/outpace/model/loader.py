@@ -1,0 +1,84 @@
+"""Build a model from a Hugging Face style folder: config.json plus (sharded) safetensors."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors import SafetensorError
+
+from outpace.errors import CorruptModelError, ModelNotFoundError
+from outpace.model.config import ModelConfig
+from outpace.model.decoder import DecoderLM
+from outpace.model.llama import LlamaForCausalLM
+from outpace.model.qwen2 import Qwen2ForCausalLM
+from outpace.model.qwen3 import Qwen3ForCausalLM
+from outpace.model.rope import rope_tables
+
+FAMILIES: dict[str, type[DecoderLM]] = {
+    "llama": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+}
+
+
+def load_model(folder: Path, dtype: torch.dtype, device: str, max_len: int) -> DecoderLM:
+    folder = Path(folder)
+    cfg = ModelConfig.from_folder(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors weights in {folder}")
+    with torch.device("meta"):
+        model = FAMILIES[cfg.family](cfg, max_len)
+    model.to_empty(device=device)
+    model.to(dtype)
+    # rope tables stay float32 whatever the model dtype; to_empty left them uninitialised
+    cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_len, cfg.rope_scaling)
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for hf_name in f.keys():
+                    target = model.map_weight(hf_name)
+                    if target is None:
+                        continue
+                    name, shard = target
+                    if name not in params:
+                        raise CorruptModelError(f"{file.name}: tensor {hf_name} has no place in {cfg.architecture}")
+                    _copy_into(model, params[name], name, shard, f.get_tensor(hf_name), hf_name)
+                    loaded.add(name if shard is None else f"{name}#{shard}")
+        except SafetensorError as e:
+            raise CorruptModelError(f"{file} is not a readable safetensors file: {e}") from None
+    model.tie_weights()
+    missing = [n for n in _expected(model) if n not in loaded]
+    if missing:
+        raise CorruptModelError(f"weights missing from {folder}: {', '.join(missing[:5])}"
+                                f"{' ...' if len(missing) > 5 else ''}")
+    return model.eval().requires_grad_(False)
+
+
+def _copy_into(model: DecoderLM, param: torch.nn.Parameter, name: str, shard: int | None,
+               tensor: torch.Tensor, hf_name: str) -> None:
+    dest = param.data
+    if shard is not None:
+        sizes = model.shard_sizes(name)
+        start = sum(sizes[:shard])
+        dest = dest.narrow(0, start, sizes[shard])
+    if dest.shape != tensor.shape:
+        raise CorruptModelError(f"tensor {hf_name} has shape {tuple(tensor.shape)}, "
+                                f"config.json implies {tuple(dest.shape)}")
+    dest.copy_(tensor)
+
+
+def _expected(model: DecoderLM) -> list[str]:
+    names = []
+    for name, _ in model.named_parameters():
+        if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+            continue
+        try:
+            names += [f"{name}#{i}" for i in range(len(model.shard_sizes(name)))]
+        except KeyError:
+            names.append(name)
+    return names

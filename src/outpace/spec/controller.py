@@ -1,0 +1,56 @@
+"""DraftController: how many tokens to draft for each sequence, from measured acceptance and cost.
+
+With a per-token acceptance probability a (a sequence's running estimate) and k drafted tokens,
+a verify step yields E(k) = 1 + a + a^2 + ... + a^k tokens (accepted prefix plus the target's
+own), and costs c(k) = T(batch, 1 + k) / T(batch, 1) plain steps, T measured at start-up. The
+controller drafts the k in [0, max_draft] maximising E(k) / c(k); k = 0 is a plain step, so
+speculation that does not pay does not run.
+"""
+from __future__ import annotations
+
+import bisect
+
+
+class DraftController:
+    def __init__(self, max_draft: int, cost: dict[int, list[float]] | None = None,
+                 prior_accepted: float = 1.0, prior_drafted: float = 2.0, decay: float = 0.9):
+        """cost[b][s-1]: forward time of a batch of b rows of s tokens (any unit); None = flat."""
+        self.max_draft = max_draft
+        self.cost = cost or {}
+        self.buckets = sorted(self.cost)
+        self.prior = (prior_accepted, prior_drafted)
+        self.decay = decay
+        self.counts: dict[int, list[float]] = {}   # seq_id -> [accepted, drafted], decayed sums
+
+    def acceptance(self, seq_id: int) -> float:
+        accepted, drafted = self.counts.get(seq_id, self.prior)
+        return accepted / drafted if drafted else 0.0
+
+    def cost_ratio(self, batch_size: int, num_draft: int) -> float:
+        if not self.buckets:
+            return 1.0
+        i = min(bisect.bisect_left(self.buckets, batch_size), len(self.buckets) - 1)
+        curve = self.cost[self.buckets[i]]
+        return curve[min(num_draft, len(curve) - 1)] / curve[0]
+
+    def num_draft(self, seq_id: int, batch_size: int) -> int:
+        a = min(self.acceptance(seq_id), 0.99)
+        best_k, best_rate, expected = 0, 1.0, 1.0
+        for k in range(1, self.max_draft + 1):
+            expected += a ** k
+            rate = expected / self.cost_ratio(batch_size, k)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
+    def observe(self, seq_id: int, num_draft: int, num_accepted: int) -> None:
+        """Acceptance counts decay so the estimate follows the sequence's recent behaviour."""
+        if num_draft == 0:
+            return
+        accepted, drafted = self.counts.get(seq_id, self.prior)
+        # a rejection at position i says nothing about positions after i: count i + 1 trials
+        trials = min(num_accepted + 1, num_draft)
+        self.counts[seq_id] = [accepted * self.decay + num_accepted, drafted * self.decay + trials]
+
+    def end(self, seq_id: int) -> None:
+        self.counts.pop(seq_id, None)
