@@ -1,0 +1,89 @@
+"""Prompt-lookup drafting: continue the sequence the way it went after an earlier copy of its tail.
+
+Semantics (shared, token for token, with the batched tensor version in ngram_gpu.py). A sequence
+is one buffer T[0:L] of prompt plus generated tokens; matches may come from either part.
+For n = max_ngram down to min_ngram (longest first), the suffix T[L-n:L] is looked up among the
+earlier occurrences T[p:p+n] == T[L-n:L] with p < L-n, i.e. whose continuation start c = p+n is
+at most L-1 (so at least one token follows it and the suffix never matches itself; a match needs
+L >= n+1). The first n with an occurrence wins; match='recent' takes the largest c, 'first' the
+smallest. The draft is T[c : min(c+K, L)]: fewer than K tokens when the buffer ends sooner. Only
+tokens that exist are drafted, even when the most recent occurrence sits right at the end (in the
+run 'a a a a', the suffix 'a a a' matches at c=3 and drafts a single 'a').
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+from outpace.config import SpecConfig
+from outpace.spec.drafter import Draft, Drafter
+
+
+class _SeqIndex:
+    """One sequence: its tokens and, for each n, a table n-gram -> continuation start c."""
+
+    __slots__ = ("tokens", "tables")
+
+    def __init__(self, num_tables: int):
+        self.tokens: list[int] = []
+        self.tables: list[dict[tuple[int, ...], int]] = [{} for _ in range(num_tables)]
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup over prompt plus output, kept incrementally per sequence.
+
+    Index invariant: when a sequence holds L tokens, the table for n holds exactly the n-grams
+    T[c-n:c] with n <= c <= L-1, each mapped to its largest c ('recent') or smallest c ('first').
+    An n-gram enters the index when the token after it arrives: appending the token at position c
+    indexes the n-grams that end at c-1. The current suffix (c = L) is therefore never in the index,
+    and one lookup per n answers propose. Cost: num_n dict updates per token appended (accept,
+    begin), num_n lookups per propose; memory about L entries per n per sequence.
+    """
+
+    name = "ngram"
+
+    def __init__(self, config: SpecConfig | None = None, *, min_ngram: int | None = None,
+                 max_ngram: int | None = None, match: str | None = None):
+        explicit = {"min_ngram": min_ngram, "max_ngram": max_ngram, "match": match}
+        # replace() reruns SpecConfig's validation on the explicit values.
+        config = replace(config or SpecConfig(), **{k: v for k, v in explicit.items() if v is not None})
+        self.min_ngram = config.min_ngram
+        self.max_ngram = config.max_ngram
+        self.match = config.match
+        self._ns = range(self.min_ngram, self.max_ngram + 1)  # tables[i] is for n = min_ngram + i
+        self._seqs: dict[int, _SeqIndex] = {}
+
+    def begin(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        self._seqs[seq_id] = _SeqIndex(len(self._ns))
+        self.accept(seq_id, token_ids)
+
+    def accept(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        seq = self._seqs[seq_id]
+        tokens, tables, keep_first = seq.tokens, seq.tables, self.match == "first"
+        for token in token_ids:
+            c = len(tokens)  # the arriving token's position: n-grams ending at c-1 gain a continuation
+            for n, table in zip(self._ns, tables):
+                if n > c:
+                    break
+                key = tuple(tokens[c - n:c])
+                if keep_first:
+                    table.setdefault(key, c)
+                else:
+                    table[key] = c
+            tokens.append(token)
+
+    def propose(self, seq_ids: Sequence[int], max_tokens: Sequence[int]) -> list[Draft | None]:
+        return [self._propose_one(self._seqs[s], k) for s, k in zip(seq_ids, max_tokens)]
+
+    def _propose_one(self, seq: _SeqIndex, max_tokens: int) -> Draft | None:
+        if max_tokens <= 0:
+            return None
+        tokens = seq.tokens
+        for n, table in zip(reversed(self._ns), reversed(seq.tables)):
+            c = table.get(tuple(tokens[-n:])) if n < len(tokens) else None
+            if c is not None:
+                return Draft(tokens[c:c + max_tokens])
+        return None
+
+    def end(self, seq_id: int) -> None:
+        self._seqs.pop(seq_id, None)
