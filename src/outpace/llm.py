@@ -58,27 +58,27 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  sampling_params: SamplingParams | None = None, *, use_tqdm: bool = False,
-                 on_tokens=None) -> list[RequestOutput]:
+                 on_tokens=None, speculate: bool = True) -> list[RequestOutput]:
         """prompts: text, token ids, or a list of either. on_tokens(seq) is called after each step
-        that gave a sequence new tokens (streaming)."""
+        that gave a sequence new tokens (streaming). speculate=False decodes plainly (a baseline)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        return self._run(list(prompts), ids, params, use_tqdm, on_tokens)
+        return self._run(list(prompts), ids, params, use_tqdm, on_tokens, speculate)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             **kwargs) -> list[RequestOutput]:
+             *, use_tqdm: bool = False, on_tokens=None, speculate: bool = True) -> list[RequestOutput]:
+        """messages: one conversation (a list of {role, content}) or a list of conversations."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         texts = [self.tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in conversations]
         ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
-        return self._run(texts, ids, sampling_params or SamplingParams(), kwargs.get("use_tqdm", False),
-                         kwargs.get("on_tokens"))
+        return self._run(texts, ids, sampling_params or SamplingParams(), use_tqdm, on_tokens, speculate)
 
-    def _run(self, prompts, ids, params, use_tqdm, on_tokens) -> list[RequestOutput]:
+    def _run(self, prompts, ids, params, use_tqdm, on_tokens, speculate) -> list[RequestOutput]:
         engine = self.engine
         started = time.perf_counter()
-        seqs = [engine.add_request(i, params) for i in ids]
+        seqs = [engine.add_request(i, params, speculate) for i in ids]
         bar = tqdm(total=len(seqs), desc="generating", disable=not use_tqdm)
         try:
             while engine.has_unfinished():

@@ -66,7 +66,8 @@ class LLMEngine:
         self.load_s = time.perf_counter() - t0
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True) -> Sequence:
+        """Queue a request. speculate=False decodes it plainly (a baseline in the same engine)."""
         limit = self.config.max_model_len
         if not prompt_ids:
             raise InvalidParameterError("the prompt is empty: give at least one token")
@@ -78,6 +79,7 @@ class LLMEngine:
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InvalidParameterError(f"prompt token ids must be in [0, {vocab})")
         seq = Sequence(next(self._ids), prompt_ids, params)
+        seq.speculate = speculate and self.max_draft > 0
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         seq.stopper = StopChecker(self.tokenizer, params, self.model.cfg.eos_token_ids, limit)
@@ -122,7 +124,7 @@ class LLMEngine:
         if not self.max_draft:
             return [None] * len(seqs)
         t0 = time.perf_counter()
-        room = [min(self.controller.num_draft(s.seq_id, len(seqs)),
+        room = [0 if not s.speculate else min(self.controller.num_draft(s.seq_id, len(seqs)),
                     s.params.max_tokens - s.num_output_tokens - 1,
                     self.config.max_model_len - len(s.token_ids) - 1) for s in seqs]
         asking = [i for i, k in enumerate(room) if k > 0]

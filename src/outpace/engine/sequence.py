@@ -79,6 +79,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stats = SpecStats()
         self.generator = None               # torch.Generator for seeded sampling, set by the engine
+        self.speculate = False              # drafts for this sequence (set by the engine)
+        self.stopper = None                 # engine.stopping.StopChecker, set by the engine
         self.arrival = time.perf_counter() if arrival is None else arrival
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
