@@ -90,8 +90,8 @@ class EngineConfig:
     calibrate: bool = True          # measure verify cost per batch size at start (draft controller)
 
     def __post_init__(self) -> None:
-        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
-               f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16", "float64"),
+               f"dtype must be auto, float32, bfloat16, float16 or float64, got {self.dtype!r}")
         _check(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
                f"device must be auto, cpu or cuda, got {self.device!r}")
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

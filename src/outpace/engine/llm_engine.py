@@ -10,7 +10,7 @@ import torch
 from outpace.config import EngineConfig, SamplingParams
 from outpace.engine.calibrate import measure_verify_cost
 from outpace.engine.model_runner import ModelRunner, Row
-from outpace.engine.sampler import SamplingState
+from outpace.engine.sampler import SamplingState, make_generator
 from outpace.engine.scheduler import Scheduler, StepPlan
 from outpace.engine.sequence import Sequence, SpecStats
 from outpace.engine.stopping import StopChecker
@@ -80,8 +80,7 @@ class LLMEngine:
             raise InvalidParameterError(f"prompt token ids must be in [0, {vocab})")
         seq = Sequence(next(self._ids), prompt_ids, params)
         seq.speculate = speculate and self.max_draft > 0
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        seq.generator = make_generator(params.seed, self.device)
         seq.stopper = StopChecker(self.tokenizer, params, self.model.cfg.eos_token_ids, limit)
         self.sequences[seq.seq_id] = seq
         self.scheduler.add(seq)
@@ -154,7 +153,7 @@ class LLMEngine:
         if all(s.params.is_greedy for s in seqs):
             out, num_out = verify_greedy(logits, draft_tokens, draft_lens)
         else:
-            state = SamplingState.build([s.params for s in seqs], [s.generator for s in seqs], logits.device)
+            state = SamplingState.from_params([s.params for s in seqs], [s.generator for s in seqs], logits.device)
             out, num_out = verify_sampling(logits, draft_tokens, draft_lens, state)
         # the one host synchronisation of the step: accepted tokens return to the scheduler
         host = torch.cat([num_out[:, None], out], dim=1).tolist()
