@@ -42,7 +42,8 @@ def reference(default_gguf):
 @pytest.mark.parametrize("add_special_tokens", [True, False])
 def test_encode_matches_transformers(ours, reference, add_special_tokens):
     for text in TEXTS:
-        assert ours.encode(text, add_special_tokens) == reference.encode(text, add_special_tokens=add_special_tokens), text
+        expected = reference.encode(text, add_special_tokens=add_special_tokens)
+        assert ours.encode(text, add_special_tokens) == expected, text
 
 
 def test_decode_round_trips_and_matches_transformers(ours, reference):

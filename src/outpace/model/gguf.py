@@ -210,8 +210,8 @@ def hf_config(meta: dict[str, Any], tensors: list[TensorInfo], rope_factors: np.
     """config.json for the model; rope_factors is the file's rope_freqs.weight, if it has one."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported; outpace runs {sorted(ARCHITECTURES)}."
-                                    " Pick a model of one of those families.")
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported; outpace runs "
+                                    f"{sorted(ARCHITECTURES)}. Pick a model of one of those families.")
     shapes = {t.name: t.shape for t in tensors}
     for name in ("token_embd.weight", "blk.0.attn_q.weight"):
         if name not in shapes:
@@ -392,9 +392,11 @@ def write_test_gguf(path: str | Path, arch: str = "llama", config_overrides: dic
     writer.add_token_types(types)
     for key, value in extra.items():
         writer.add_array(key, value) if isinstance(value, list) else writer.add_string(key, value)
-    for add, value in ((writer.add_bos_token_id, 1), (writer.add_eos_token_id, 2), (writer.add_unk_token_id, 0),
-                       (writer.add_add_bos_token, tokenizer == "llama"), (writer.add_chat_template, TEST_CHAT_TEMPLATE)):
-        add(value)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(tokenizer == "llama")  # as llama.cpp's converters write these vocabularies
+    writer.add_chat_template(TEST_CHAT_TEMPLATE)
 
     rng = np.random.default_rng(seed)
     stored = np.float16 if dtype == "f16" else np.float32

@@ -60,9 +60,9 @@ def tokenizer_from_gguf(meta: Mapping[str, Any]) -> tuple[Backend, dict]:
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     # Special tokens are matched whole in raw text, before any normalizer or pre-tokenizer.
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, kind_ in zip(tokens, types) if kind_ in (CONTROL, UNKNOWN)])
+                                for t, token_type in zip(tokens, types) if token_type in (CONTROL, UNKNOWN)])
     backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, kind_ in zip(tokens, types) if kind_ == USER_DEFINED])
+                        for t, token_type in zip(tokens, types) if token_type == USER_DEFINED])
 
     def token(key: str) -> str | None:
         index = meta.get(f"tokenizer.ggml.{key}_token_id")
