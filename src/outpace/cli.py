@@ -75,14 +75,39 @@ def cmd_generate(args) -> None:
         }))
     else:
         sys.stdout.write(out.text[printed:] + "\n")
+        sys.stdout.flush()
         t = out.timing
         print(f"[{out.num_generated_tokens} tokens, {t['decode_tokens_per_s']:.1f} tokens/s, "
               f"finish: {out.finish_reason}]", file=sys.stderr)
 
 
+def cmd_serve(args) -> None:
+    import logging
+
+    import torch
+    import uvicorn
+
+    from outpace.config import EngineConfig
+    from outpace.engine.llm_engine import LLMEngine
+    from outpace.server.app import build_app
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+                          max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
+                          spec=spec_config(args), calibrate=not args.no_calibrate)
+    app = build_app(LLMEngine(config), args.model, log_interval_s=args.log_interval)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
 def cmd_pull(args) -> None:
     from outpace.model.hub import resolve_model
     print(resolve_model(args.name))
+
+
+def cmd_bench(args) -> None:
+    from outpace.bench.specbench import bench_command
+    bench_command(args, spec_config(args), sampling_params(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,9 +123,34 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_args(g)
     g.set_defaults(func=cmd_generate)
 
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded at once; more wait (default 8)")
+    s.add_argument("--max-prefill-tokens", type=int, default=512, help="prompt tokens cached per step (default 512)")
+    s.add_argument("--no-calibrate", action="store_true",
+                   help="skip measuring verify cost at start (faster start; the draft controller assumes flat cost)")
+    s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    s.add_argument("--log-interval", type=float, default=10.0, help="seconds between summary log lines (default 10)")
+    add_model_args(s)
+    add_spec_args(s)
+    s.set_defaults(func=cmd_serve)
+
     p = sub.add_parser("pull", help="fetch a known model into the cache")
     p.add_argument("name", nargs="?", default="smollm2-135m")
     p.set_defaults(func=cmd_pull)
+
+    b = sub.add_parser("bench", help="Spec-Bench prompts with and without speculation: tokens/s, speedup, acceptance")
+    b.add_argument("--dataset", required=True, help="Spec-Bench JSONL file (question_id, category, turns)")
+    b.add_argument("--category", nargs="+", default=None, help="run only these categories (default: all)")
+    b.add_argument("--limit-per-category", type=int, default=None, help="first N questions of each category")
+    b.add_argument("--out", default="bench-out", help="folder for results.json, results.md, speedup.png")
+    b.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_model_args(b)
+    add_sampling_args(b, max_tokens=256)
+    add_spec_args(b)
+    b.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -144,8 +144,7 @@ class LLMEngine:
         num_draft = [len(d) if d else 0 for d in drafts]
         rows = [Row(s.slot, s.token_ids[-1:] + (d.tokens if d else []), len(s.token_ids) - 1)
                 for s, d in zip(seqs, drafts)]
-        pad_to = self.max_draft + 1 if self.config.spec.exact else None
-        logits, _ = self.runner.forward(rows, pad_to=pad_to)                       # [B, S, V]
+        logits, _ = self.runner.forward(rows)                                       # [B, S, V]
         K = logits.shape[1] - 1
         draft_tokens = torch.tensor([(d.tokens if d else []) + [0] * (K - n) for d, n in zip(drafts, num_draft)],
                                     dtype=torch.long, device=logits.device).view(len(seqs), K)

@@ -40,19 +40,19 @@ class ModelRunner:
         self._arange = torch.arange(max_len + max_step_tokens, device=self.device)
 
     @torch.inference_mode()
-    def forward(self, rows: list[Row], logits: str = "all", pad_to: int | None = None,
-                need_hidden: bool = False):
-        """logits: 'all' -> [B, S, V]; 'none' -> None. Returns (logits, hidden [B, S, H] or None)."""
+    def forward(self, rows: list[Row], logits: str = "all", need_hidden: bool = False):
+        """logits: 'all' -> [B, S, V] (a decode/verify step); 'none' -> None (a prompt chunk).
+        Returns (logits, hidden [B, S, H] or None)."""
         B = len(rows)
         S = max(len(r.token_ids) for r in rows)
-        if pad_to is not None:
-            S = max(S, pad_to)
+        exact = self.exact_tokens is not None and logits == "all"
+        if exact:
+            S = max(S, self.exact_tokens)
         ids = [r.token_ids + [0] * (S - len(r.token_ids)) for r in rows]
         starts = torch.tensor([r.start for r in rows], device=self.device)
         positions = starts[:, None] + self._arange[None, :S]                    # [B, S]
         slots = [r.slot for r in rows]
         kv_len = max(r.start for r in rows) + S
-        exact = self.exact_tokens is not None and pad_to is not None
         if exact:
             kv_len = self.cache.max_len
         mask = None

@@ -20,6 +20,7 @@ class StopChecker:
         self.max_model_len = max_model_len
         self.decoder = IncrementalDecoder(tokenizer, [])
         self.full_text = ""
+        self.is_stopped_by_string = False
 
     def append(self, seq, new_tokens: list[int]) -> list[int]:
         """Append tokens until one ends the sequence; returns the tokens appended."""
@@ -36,6 +37,8 @@ class StopChecker:
             if seq.num_output_tokens >= self.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 seq.finish_reason = "length"
                 break
+        if seq.finish_reason and not self.is_stopped_by_string:
+            self.full_text += self.decoder.finish()     # a character held back at the very end
         seq.text = self.full_text if seq.finish_reason else self._visible(self.full_text)
         return appended
 
@@ -46,6 +49,7 @@ class StopChecker:
             if at >= 0:
                 self.full_text = self.full_text[:at]
                 seq.finish_reason = "stop"
+                self.is_stopped_by_string = True
                 return True
         return False
 
