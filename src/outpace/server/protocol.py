@@ -1,0 +1,238 @@
+"""The OpenAI wire protocol: request bodies parsed and checked into SamplingParams, and the error
+object every 4xx/5xx carries: {"error": {"message", "type", "param", "code"}}.
+
+Fields are checked by hand so each message names the field and says what to send instead. Fields
+the server does not know are ignored (as OpenAI-compatible servers do); fields it knows but cannot
+honour (n > 1, logprobs, penalties, tools) are refused with a 400 rather than silently dropped.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from outpace.config import SamplingParams
+from outpace.errors import OutpaceError
+
+MISSING = object()
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(error: OutpaceError, param: str | None = None) -> ApiError:
+    return ApiError(400, str(error), param)
+
+
+@dataclass
+class GenerateRequest:
+    """One parsed completions or chat request; max_tokens None means 'whatever the context leaves'."""
+
+    model: str
+    prompt: str | list[int] | None = None          # completions
+    messages: list[dict] | None = None             # chat: [{role, content: str}]
+    max_tokens: int | None = None
+    sampling: dict = field(default_factory=dict)   # SamplingParams fields other than max_tokens
+    stream: bool = False
+    include_usage: bool = False
+    speculate: bool = True                         # extension: False decodes plainly (a baseline)
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages" if self.messages is not None else "prompt"
+
+    def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+        """SamplingParams once the prompt's length is known: max_tokens must fit in the context."""
+        room = max_model_len - num_prompt_tokens
+        if room < 1:
+            raise ApiError(400, f"the prompt has {num_prompt_tokens} tokens but the context holds {max_model_len} "
+                                f"(prompt plus at least one new token): shorten the prompt", self.prompt_param,
+                           code="context_length_exceeded")
+        if self.max_tokens is not None and self.max_tokens > room:
+            raise ApiError(400, f"max_tokens is {self.max_tokens} but the prompt has {num_prompt_tokens} tokens "
+                                f"and the context holds {max_model_len}: ask for at most {room} tokens or "
+                                f"shorten the prompt", "max_tokens", code="context_length_exceeded")
+        try:
+            return SamplingParams(max_tokens=self.max_tokens or room, **self.sampling)
+        except OutpaceError as error:
+            raise bad_request(error) from None
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ApiError(400, f"the request body is not valid JSON ({error}); send a JSON object") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {_kind(body)}")
+    return body
+
+
+def parse_completion(body: dict) -> GenerateRequest:
+    prompt = _field(body, "prompt", (str, list), required=True)
+    if isinstance(prompt, list):
+        if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]          # a batch of one: [text] or [[ids]]
+        elif prompt and all(isinstance(t, list) or isinstance(t, str) for t in prompt):
+            raise ApiError(400, f"prompt holds {len(prompt)} prompts; this server takes one prompt per request: "
+                                "send them as separate requests", "prompt")
+    if isinstance(prompt, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise ApiError(400, "prompt must be a string or a list of token ids (integers)", "prompt")
+    if not prompt:
+        raise ApiError(400, "prompt is empty: send at least one character or token id", "prompt")
+    _unsupported(body, "echo", allowed=(None, False))
+    _unsupported(body, "suffix", allowed=(None, ""))
+    _unsupported(body, "best_of", allowed=(None, 1))
+    _unsupported(body, "logprobs", allowed=(None, 0), hint="leave it out or set it to null")
+    request = _common(body, max_tokens=_max_tokens(body, ("max_tokens",), default=16))
+    request.prompt = prompt
+    return request
+
+
+def parse_chat(body: dict) -> GenerateRequest:
+    messages = _field(body, "messages", list, required=True)
+    if not messages:
+        raise ApiError(400, "messages is empty: send at least one message", "messages")
+    parsed = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise ApiError(400, f"{where} must be an object with role and content, got {_kind(message)}", where)
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ApiError(400, f"{where}.role must be a string such as 'system', 'user' or 'assistant'", f"{where}.role")
+        parsed.append({**message, "content": _content(message.get("content"), f"{where}.content")})
+    _unsupported(body, "logprobs", allowed=(None, False), hint="leave it out or set it to false")
+    _unsupported(body, "top_logprobs", allowed=(None, 0))
+    _unsupported(body, "tools", allowed=(None, []))
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise ApiError(400, "response_format is not supported beyond {\"type\": \"text\"}; leave it out",
+                       "response_format")
+    request = _common(body, max_tokens=_max_tokens(body, ("max_completion_tokens", "max_tokens"), default=None))
+    request.messages = parsed
+    return request
+
+
+def _common(body: dict, max_tokens: int | None) -> GenerateRequest:
+    model = _field(body, "model", str, required=True)
+    n = _field(body, "n", int, default=1)
+    if n != 1:
+        raise ApiError(400, f"n is {n}; this server returns one choice per request: send n=1 (or leave it "
+                            "out) and repeat the request for more", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        _unsupported(body, name, allowed=(None, 0, 0.0), hint="leave it out or set it to 0")
+    _unsupported(body, "logit_bias", allowed=(None, {}))
+    sampling = {
+        "temperature": _number(body, "temperature", 1.0, low=0.0),
+        "top_p": _number(body, "top_p", 1.0, low=0.0, high=1.0, low_open=True),
+        "top_k": _integer(body, "top_k", 0, low=-1),
+        "min_p": _number(body, "min_p", 0.0, low=0.0, high=1.0),
+        "seed": _integer(body, "seed", None, low=0, high=2**63 - 1),
+        "stop": _stop(body),
+        "ignore_eos": _field(body, "ignore_eos", bool, default=False),
+    }
+    sampling["top_k"] = max(sampling["top_k"], 0)      # -1 is vLLM's spelling of 'off'
+    stream = _field(body, "stream", bool, default=False)
+    options = _field(body, "stream_options", dict, default=None) or {}
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise ApiError(400, "stream_options.include_usage must be true or false", "stream_options")
+    return GenerateRequest(model=model, max_tokens=max_tokens, sampling=sampling, stream=stream,
+                           include_usage=include_usage, speculate=_field(body, "speculate", bool, default=True))
+
+
+def _max_tokens(body: dict, names: tuple[str, ...], default: int | None) -> int | None:
+    for name in names:
+        value = _field(body, name, int, default=None)
+        if value is not None:
+            if value < 1:
+                raise ApiError(400, f"{name} must be at least 1, got {value}", name)
+            return value
+    return default
+
+
+def _stop(body: dict) -> list[str]:
+    stop = _field(body, "stop", (str, list), default=None)
+    if stop is None:
+        return []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, "stop must be a non-empty string or a list of non-empty strings", "stop")
+    return stop
+
+
+def _content(content, where: str) -> str:
+    """A message's content: a string, or a list of {type: 'text', text} parts joined."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ApiError(400, f"{where} may hold only text parts ({{\"type\": \"text\", \"text\": ...}}); "
+                                    "images and audio are not supported", where)
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ApiError(400, f"{where} must be a string or a list of text parts, got {_kind(content)}", where)
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float | None = None,
+            low_open: bool = False) -> float:
+    value = _field(body, name, float, default=default)
+    if value < low or (low_open and value == low) or (high is not None and value > high):
+        span = f"{'(' if low_open else '['}{low:g}, {high:g}]" if high is not None else f">= {low:g}"
+        raise ApiError(400, f"{name} must be {'in ' if high is not None else ''}{span}, got {value:g}", name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, default: int | None, low: int, high: int | None = None) -> int | None:
+    value = _field(body, name, int, default=default)
+    if value is not None and (value < low or high is not None and value > high):
+        span = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ApiError(400, f"{name} must be {span}, got {value}", name)
+    return value
+
+
+def _unsupported(body: dict, name: str, allowed: tuple, hint: str = "leave it out") -> None:
+    value = body.get(name)
+    if not any(value == a and type(value) is type(a) for a in allowed):
+        raise ApiError(400, f"{name}={json.dumps(value)} is not supported by this server; {hint}", name)
+
+
+def _field(body: dict, name: str, kinds, required: bool = False, default=None):
+    """body[name] checked against kinds (int excludes bool; float accepts int); null means absent."""
+    value = body.get(name, MISSING)
+    if value is MISSING or value is None:
+        if required:
+            raise ApiError(400, f"{name} is required", name)
+        return default
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    accepted = {float: (int, float)}.get(kinds[0], kinds) if len(kinds) == 1 else kinds
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, accepted):
+        names = " or ".join(_NAMES[k] for k in kinds)
+        raise ApiError(400, f"{name} must be {names}, got {_kind(value)}", name)
+    return value
+
+
+_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false", list: "an array",
+          dict: "an object"}
+
+
+def _kind(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    for kind in (int, float, str, list, dict):
+        if isinstance(value, kind):
+            return _NAMES[kind]
+    return type(value).__name__

@@ -1,0 +1,353 @@
+"""The OpenAI-compatible server, live on loopback, driven by the official `openai` client.
+
+One module-scoped server (float32, 8 slots, n-gram speculation) runs in a thread of this process,
+so a test can also inject a fault into its engine. torch runs on one thread here: the CPU is shared
+and these tests check behaviour, not speed.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from outpace.cli import build_parser  # noqa: E402
+from outpace.config import EngineConfig  # noqa: E402
+from outpace.engine.llm_engine import LLMEngine  # noqa: E402
+from outpace.server.app import build_app  # noqa: E402
+
+MODEL = "smollm2-135m"
+MAX_MODEL_LEN = 256
+NUM_SLOTS = 8
+
+
+class Server:
+    def __init__(self):
+        self.engine = LLMEngine(EngineConfig(model=MODEL, dtype="float32", device="cpu", max_num_seqs=NUM_SLOTS,
+                                             max_model_len=MAX_MODEL_LEN, calibrate=False))
+        self.app = build_app(self.engine, MODEL, log_interval_s=30.0)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))     # a free port, held from now on: no race with other processes
+        self.url = "http://127.0.0.1:%d" % sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        self.http = httpx.Client(base_url=self.url, timeout=120)
+
+    def client(self, **options) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120, **options)
+
+    def health(self) -> dict:
+        return self.http.get("/health").json()
+
+    def wait_health(self, timeout: float = 60, **want) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            health = self.health()
+            if all(health[k] == v for k, v in want.items()):
+                return health
+            assert time.monotonic() < deadline, f"health stayed {health}, wanted {want}"
+            time.sleep(0.05)
+
+    def metric(self, name: str, **labels) -> float:
+        text = self.http.get("/metrics").text
+        want = [f'{k}="{v}"' for k, v in labels.items()]
+        for line in text.splitlines():
+            if line.startswith(f"outpace:{name}{{") and all(w in line for w in want):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"no metric outpace:{name} {labels} in /metrics")
+
+    def close(self):
+        self.http.close()
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    s = Server()
+    yield s
+    s.close()
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def greedy(**extra) -> dict:
+    return dict(model=MODEL, temperature=0, **extra)
+
+
+# ---- the happy paths --------------------------------------------------------------------------
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert server.health() == {"status": "ok", "model": MODEL, "num_running": 0, "num_waiting": 0}
+
+
+def test_completion_streamed_equals_unstreamed(server, client):
+    prompt = "The capital of France is"
+    whole = client.completions.create(prompt=prompt, max_tokens=10, **greedy())
+    choice = whole.choices[0]
+    assert choice.text and choice.finish_reason in ("stop", "length")
+    usage = whole.usage
+    assert usage.prompt_tokens == len(server.engine.tokenizer.encode(prompt))
+    assert 1 <= usage.completion_tokens <= 10
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    spec = usage.model_extra["speculation"]
+    assert {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length"} <= spec.keys()
+    assert 0 <= spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+
+    chunks = list(client.completions.create(prompt=prompt, max_tokens=10, stream=True, **greedy()))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert [c.choices[0].finish_reason for c in chunks][-1] == choice.finish_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert chunks[-1].usage.completion_tokens == usage.completion_tokens
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id != whole.id
+
+
+def test_chat_streamed_equals_unstreamed(client):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    whole = client.chat.completions.create(messages=messages, max_completion_tokens=12, **greedy())
+    message = whole.choices[0].message
+    assert message.role == "assistant" and message.content
+    assert whole.usage.completion_tokens <= 12 and "speculation" in whole.usage.model_extra
+
+    chunks = list(client.chat.completions.create(messages=messages, max_tokens=12, stream=True,
+                                                 stream_options={"include_usage": True}, **greedy()))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == message.content
+    # include_usage: OpenAI's layout, a last chunk with no choices carrying usage
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_content_parts_format_like_a_string(client):
+    as_text = client.chat.completions.create(messages=[{"role": "user", "content": "Hi there"}], max_tokens=4,
+                                             **greedy())
+    as_parts = client.chat.completions.create(
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}],
+        max_tokens=4, **greedy())
+    assert as_parts.usage.prompt_tokens == as_text.usage.prompt_tokens
+    assert as_parts.choices[0].message.content == as_text.choices[0].message.content
+
+
+def test_stop_string_cuts_the_text(client):
+    prompt = "Count: one, two, three, four,"
+    free = client.completions.create(prompt=prompt, max_tokens=16, **greedy()).choices[0].text
+    words = free.split()
+    assert len(words) >= 3, free
+    stop = words[2]
+    expected = free[:free.index(stop)]
+    for stream in (False, True):
+        out = client.completions.create(prompt=prompt, max_tokens=16, stop=[stop, "\u2603"], stream=stream, **greedy())
+        if stream:
+            chunks = list(out)
+            text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            text, reason = out.choices[0].text, out.choices[0].finish_reason
+        assert (text, reason) == (expected, "stop")
+
+
+def test_same_seed_same_sample(client):
+    def sample(seed):
+        return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=1.0,
+                                         top_p=0.95, seed=seed, extra_body={"top_k": 50}).choices[0].text
+    first = sample(1234)
+    assert sample(1234) == first
+    assert any(sample(seed) != first for seed in (1, 2)), "three seeds gave one text: is the seed ignored?"
+
+
+# ---- bad input --------------------------------------------------------------------------------
+
+LONG_PROMPT = "word " * (2 * MAX_MODEL_LEN)
+BAD_COMPLETIONS = [
+    ("malformed JSON", b'{"model": "smollm2-135m", "prompt": ', 400, None),
+    ("not an object", [1, 2], 400, None),
+    ("missing model", {"prompt": "hi"}, 400, "model"),
+    ("missing prompt", {"model": MODEL}, 400, "prompt"),
+    ("prompt wrong type", {"model": MODEL, "prompt": 12}, 400, "prompt"),
+    ("empty prompt", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("several prompts", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("max_tokens wrong type", {"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("max_tokens zero", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens beyond context", {"model": MODEL, "prompt": "hi", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    ("prompt beyond context", {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 1}, 400, "prompt"),
+    ("token id out of vocabulary", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt"),
+    ("temperature negative", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("top_p zero", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("top_p bool", {"model": MODEL, "prompt": "hi", "top_p": True}, 400, "top_p"),
+    ("seed wrong type", {"model": MODEL, "prompt": "hi", "seed": 1.5}, 400, "seed"),
+    ("stop empty", {"model": MODEL, "prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("stream wrong type", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("n above one", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ("logprobs", {"model": MODEL, "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ("penalty", {"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("unknown model", {"model": "gpt-5", "prompt": "hi"}, 404, "model"),
+]
+BAD_CHATS = [
+    ("missing messages", {"model": MODEL}, 400, "messages"),
+    ("empty messages", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("message not an object", {"model": MODEL, "messages": ["hi"]}, 400, "messages[0]"),
+    ("message without role", {"model": MODEL, "messages": [{"content": "hi"}]}, 400, "messages[0].role"),
+    ("content wrong type", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ("image part", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content"),
+    ("max_completion_tokens zero", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                    "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("conversation beyond context", {"model": MODEL, "messages": [{"role": "user", "content": LONG_PROMPT}]}, 400,
+     "messages"),
+    ("logprobs", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400,
+     "logprobs"),
+    ("unknown model", {"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("route,case", [("/v1/completions", c) for c in BAD_COMPLETIONS] +
+                         [("/v1/chat/completions", c) for c in BAD_CHATS], ids=lambda x: x[0] if isinstance(x, tuple) else x)
+def test_bad_input_gets_openai_error(server, route, case):
+    _, body, status, param = case
+    contents = [body] if isinstance(body, bytes) else [json.dumps(body).encode()]
+    if isinstance(body, dict) and "stream" not in body:     # a streamed request is refused before it streams
+        contents.append(json.dumps({**body, "stream": True}).encode())
+    for content in contents:
+        reply = server.http.post(route, content=content, headers={"content-type": "application/json"})
+        assert reply.status_code == status, reply.text
+        error = reply.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["param"] == param and len(error["message"]) > 10
+
+
+def test_bad_input_through_the_client(client):
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.completions.create(model="gpt-5", prompt="hi")
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3)
+    with pytest.raises(openai.BadRequestError, match="ask for at most"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=10 * MAX_MODEL_LEN)
+
+
+def test_unknown_route_gets_openai_error(server):
+    reply = server.http.get("/v1/engines")
+    assert reply.status_code == 404 and reply.json()["error"]["type"] == "not_found_error"
+
+
+# ---- cancellation and faults ------------------------------------------------------------------
+
+def test_disconnect_frees_the_slot_and_the_queue(server):
+    """Guards: a client that goes away (mid-stream, or while queued, or waiting for a whole
+    response) must not keep its slot or its place in the queue."""
+    client = server.client()
+    aborted = server.metric("requests_total", status="abort")
+    long = dict(model=MODEL, max_tokens=MAX_MODEL_LEN - 32, temperature=0, extra_body={"ignore_eos": True})
+    streams = [client.completions.create(prompt=f"Story number {i}:", stream=True, **long)
+               for i in range(NUM_SLOTS + 1)]
+    server.wait_health(num_running=NUM_SLOTS, num_waiting=1)
+    streams[-1].close()                                   # the queued one leaves before it starts
+    server.wait_health(timeout=10, num_running=NUM_SLOTS, num_waiting=0)
+    first = next(iter(streams[0]))                        # mid-stream: tokens are flowing
+    assert first.choices[0].finish_reason is None
+    for stream in streams[:-1]:
+        stream.close()
+    server.wait_health(timeout=10, num_running=0, num_waiting=0)
+
+    with pytest.raises(httpx.ReadTimeout):                # a non-streamed request whose client gives up
+        httpx.post(server.url + "/v1/completions", timeout=1.5, json={
+            "model": MODEL, "prompt": "Once", "max_tokens": MAX_MODEL_LEN - 32, "ignore_eos": True})
+    server.wait_health(timeout=10, num_running=0, num_waiting=0)
+    assert server.metric("requests_total", status="abort") == aborted + NUM_SLOTS + 2
+    # and the server still serves
+    assert client.completions.create(prompt="Hello", max_tokens=2, **greedy()).usage.completion_tokens >= 1
+
+
+def test_failed_step_fails_only_its_requests(server, client):
+    """Guards: an exception inside a step must fail that step's requests with a 500 and leave
+    the engine serving the next ones."""
+    poison = [7, 7, 7, 7]
+    engine = server.engine
+    real_prefill = engine.prefill
+
+    def prefill(plan):
+        if any(chunk.seq.prompt_ids[:4] == poison for chunk in plan.prefill):
+            raise RuntimeError("injected fault")
+        return real_prefill(plan)
+
+    engine.prefill = prefill
+    try:
+        with pytest.raises(openai.InternalServerError, match="injected fault"):
+            client.completions.create(prompt=poison + [42], max_tokens=4, **greedy())
+        with pytest.raises(openai.APIError, match="injected fault"):
+            list(client.completions.create(prompt=poison + [43], max_tokens=4, stream=True, **greedy()))
+    finally:
+        del engine.prefill
+    server.wait_health(timeout=10, num_running=0, num_waiting=0)
+    assert server.metric("requests_total", status="error") == 2
+    assert client.completions.create(prompt="Hello", max_tokens=3, **greedy()).choices[0].text
+
+
+# ---- load -------------------------------------------------------------------------------------
+
+LOAD_PROMPTS = ["The capital of France is", "def fibonacci(n):", "The three primary colours are",
+                "Water boils at", "My favourite book is", "1, 2, 3, 4,", "The quick brown fox",
+                "In the beginning"]
+
+
+def test_concurrent_streams_match_solo_greedy(server):
+    """32 concurrent streaming clients over 8 slots: every request completes exactly once and its
+    greedy text equals the same prompt served alone (float32 keeps near-ties rare)."""
+    client = server.client()
+    params = dict(max_tokens=24, **greedy())
+    solo = {p: client.completions.create(prompt=p, **params).choices[0].text for p in LOAD_PROMPTS}
+    assert len(set(solo.values())) == len(LOAD_PROMPTS)   # distinct texts: a mix-up would show
+    finished = server.metric("requests_total", status="length") + server.metric("requests_total", status="stop")
+
+    def run(i):
+        prompt = LOAD_PROMPTS[i % len(LOAD_PROMPTS)]
+        chunks = list(client.completions.create(prompt=prompt, stream=True, **params))
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+        return i, prompt, {c.id for c in chunks}, reasons, "".join(c.choices[0].text for c in chunks)
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(run, range(32)))
+    assert sorted(r[0] for r in results) == list(range(32))
+    ids = [r[2] for r in results]
+    assert all(len(i) == 1 for i in ids) and len(set.union(*ids)) == 32
+    assert all(len(r[3]) == 1 for r in results)
+    mismatched = [(prompt, text, solo[prompt]) for _, prompt, _, _, text in results if text != solo[prompt]]
+    assert not mismatched
+    server.wait_health(timeout=10, num_running=0, num_waiting=0)
+    done = server.metric("requests_total", status="length") + server.metric("requests_total", status="stop")
+    assert done == finished + 32
+
+
+def test_metrics_names(server):
+    text = server.http.get("/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "requests_total", "prompt_tokens_total",
+                 "generation_tokens_total", "time_to_first_token_seconds_bucket",
+                 "time_per_output_token_seconds_bucket", "spec_decode_num_drafts_total",
+                 "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total"):
+        assert f"outpace:{name}{{" in text, name
+    assert server.metric("generation_tokens_total") > 0 and server.metric("prompt_tokens_total") > 0
+
+
+def test_serve_command_line():
+    args = build_parser().parse_args(["serve", "--port", "9001", "--spec", "none", "--max-num-seqs", "4",
+                                      "--max-model-len", "512", "--dtype", "float32", "--device", "cpu"])
+    assert (args.host, args.port, args.spec, args.max_num_seqs, args.max_model_len) == ("127.0.0.1", 9001, "none", 4, 512)
+    assert args.func.__name__ == "cmd_serve"
