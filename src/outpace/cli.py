@@ -75,6 +75,7 @@ def cmd_generate(args) -> None:
         }))
     else:
         sys.stdout.write(out.text[printed:] + "\n")
+        sys.stdout.flush()
         t = out.timing
         print(f"[{out.num_generated_tokens} tokens, {t['decode_tokens_per_s']:.1f} tokens/s, "
               f"finish: {out.finish_reason}]", file=sys.stderr)
@@ -102,6 +103,11 @@ def cmd_serve(args) -> None:
 def cmd_pull(args) -> None:
     from outpace.model.hub import resolve_model
     print(resolve_model(args.name))
+
+
+def cmd_bench(args) -> None:
+    from outpace.bench.specbench import bench_command
+    bench_command(args, spec_config(args), sampling_params(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,6 +139,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pull", help="fetch a known model into the cache")
     p.add_argument("name", nargs="?", default="smollm2-135m")
     p.set_defaults(func=cmd_pull)
+
+    b = sub.add_parser("bench", help="Spec-Bench prompts with and without speculation: tokens/s, speedup, acceptance")
+    b.add_argument("--dataset", required=True, help="Spec-Bench JSONL file (question_id, category, turns)")
+    b.add_argument("--category", nargs="+", default=None, help="run only these categories (default: all)")
+    b.add_argument("--limit-per-category", type=int, default=None, help="first N questions of each category")
+    b.add_argument("--out", default="bench-out", help="folder for results.json, results.md, speedup.png")
+    b.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_model_args(b)
+    add_sampling_args(b, max_tokens=256)
+    add_spec_args(b)
+    b.set_defaults(func=cmd_bench)
     return parser
 
 
