@@ -1,0 +1,63 @@
+"""The default model (SmolLM2-135M-Instruct Q4_1, from its GGUF) against transformers, and exact mode."""
+import pytest
+import torch
+
+from outpace import LLM, SamplingParams, SpecConfig
+from outpace.engine.model_runner import ModelRunner, Row
+from outpace.model.loader import load_model
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "Summarize: Paris is the capital of France. It is known for the Eiffel Tower. Summary:",
+]
+
+
+@pytest.fixture(scope="module")
+def reference(default_gguf):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llm_plain(default_model_dir):
+    return LLM(str(default_model_dir), spec="none", dtype="float32", device="cpu", max_num_seqs=1)
+
+
+def test_logits_match_transformers(default_model_dir, reference, llm_plain):
+    """A prompt forward and cached decoding agree with transformers within float32 rounding."""
+    ids = llm_plain.tokenizer.encode(PROMPTS[0])
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    model = load_model(default_model_dir, torch.float32, "cpu", max_len=256)
+    runner = ModelRunner(model, num_slots=1, max_len=256, max_step_tokens=64)
+    full, _ = runner.forward([Row(0, ids, 0)])
+    torch.testing.assert_close(full[0], expected, atol=2e-3, rtol=1e-3)
+    runner.forward([Row(0, ids[:5], 0)], logits="none")
+    for pos in range(5, len(ids)):
+        step, _ = runner.forward([Row(0, [ids[pos]], pos)])
+        torch.testing.assert_close(step[0, 0], expected[pos], atol=2e-3, rtol=1e-3)
+
+
+def test_greedy_matches_transformers_generate(reference, llm_plain):
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    for prompt, out in zip(PROMPTS, llm_plain.generate(PROMPTS, params)):
+        ids = torch.tensor([llm_plain.tokenizer.encode(prompt)])
+        with torch.no_grad():
+            ref = reference.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        assert out.token_ids == ref[0, ids.shape[1]:].tolist(), prompt
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_exact_mode_speculation_is_bit_identical(default_model_dir, dtype):
+    """In exact mode every forward's arithmetic is independent of its token count, so speculative
+    greedy output equals plain greedy output bit for bit, in either dtype."""
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    opts = dict(dtype=dtype, device="cpu", max_num_seqs=1, max_model_len=512)
+    spec = LLM(str(default_model_dir), spec=SpecConfig(num_draft_tokens=6, exact=True), **opts)
+    plain = LLM(str(default_model_dir), spec=SpecConfig(method="none", num_draft_tokens=6, exact=True), **opts)
+    spec_out = [o.token_ids for o in spec.generate(PROMPTS, params)]
+    plain_out = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    assert spec_out == plain_out
+    assert spec.engine.stats.num_accepted_tokens > 0, "the prompts were chosen to give accepted drafts"
