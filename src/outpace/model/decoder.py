@@ -49,8 +49,8 @@ class DecoderLM(nn.Module):
         """Returns logits [N, V] float32 for batch.logit_rows (all B*S rows when None), and the
         last layer's hidden states before the final norm [B, S, H] when need_hidden (else None)."""
         h = self.embed(batch.input_ids)                                  # [B, S, H]
-        cos = self.rope_cos[batch.positions].to(h.dtype).unsqueeze(1)    # [B, 1, S, D]
-        sin = self.rope_sin[batch.positions].to(h.dtype).unsqueeze(1)
+        cos = self.rope_cos[batch.positions].to(h.dtype).unsqueeze(2)    # [B, S, 1, D]
+        sin = self.rope_sin[batch.positions].to(h.dtype).unsqueeze(2)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, batch, cache.k[i], cache.v[i])
         flat = h.flatten(0, 1)

@@ -34,12 +34,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.shape = (dim,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in float32, scale in the model dtype (as the reference implementations do)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # one fused op; in float32 it equals the reference's normalise-then-scale bit for bit
+        return F.rms_norm(x, self.shape, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -56,14 +55,14 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, batch: ForwardBatch, k_cache, v_cache):
         B, S, _ = x.shape
-        q, k, v = self.qkv(x).split(self.split, dim=-1)
-        q = q.view(B, S, self.num_heads, self.head_dim)
-        k = k.view(B, S, self.num_kv_heads, self.head_dim)
+        H, KVH = self.num_heads, self.num_kv_heads
+        qkv = self.qkv(x).view(B, S, H + 2 * KVH, self.head_dim)
+        qk, v = qkv[:, :, :H + KVH], qkv[:, :, H + KVH:]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)              # [B, H, S, D]
-        k = apply_rope(k.transpose(1, 2), cos, sin)              # [B, KVH, S, D]
-        v = v.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
+        qk = apply_rope(qk, cos, sin)                     # q and k rotated together: [B, S, H+KVH, D]
+        q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
+        v = v.transpose(1, 2)                             # [B, KVH, S, D]
         # write the new keys/values at their positions; stale entries past a sequence's length
         # are never attended (mask) and get overwritten by later writes
         index = (batch.slots[:, None, None], self._heads(x.device), batch.positions[:, None, :])
