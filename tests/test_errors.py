@@ -1,0 +1,83 @@
+"""Bad input ends with one clear message: a ValueError subclass from the API, no traceback from
+the command line."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from outpace import LLM, SamplingParams, SpecConfig
+from outpace.errors import (CorruptModelError, InvalidParameterError, ModelNotFoundError, OutpaceError,
+                            PromptTooLongError, UnsupportedModelError)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(temperature=-1), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(top_k=-2), "top_k"),
+    (dict(min_p=2), "min_p"),
+])
+def test_impossible_sampling_parameters(kwargs, words):
+    with pytest.raises(InvalidParameterError, match=words):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(method="eagle"), dict(num_draft_tokens=0), dict(min_ngram=3, max_ngram=2),
+                                    dict(match="last")])
+def test_impossible_spec_config(kwargs):
+    with pytest.raises(InvalidParameterError):
+        SpecConfig(**kwargs)
+
+
+def test_errors_are_value_errors():
+    for cls in (ModelNotFoundError, UnsupportedModelError, CorruptModelError, PromptTooLongError, InvalidParameterError):
+        assert issubclass(cls, OutpaceError) and issubclass(cls, ValueError)
+
+
+def test_missing_model_path(tmp_path):
+    with pytest.raises(ModelNotFoundError):
+        LLM(str(tmp_path / "nothing-here"))
+
+
+def test_unsupported_architecture(tmp_path, default_model_dir):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir / name, tmp_path / name)
+    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM"):
+        LLM(str(tmp_path))
+
+
+def test_prompt_longer_than_context(default_model_dir):
+    llm = LLM(str(default_model_dir), spec="none", max_model_len=64, max_num_seqs=1, calibrate=False)
+    with pytest.raises(PromptTooLongError, match="max_model_len"):
+        llm.generate("word " * 100, SamplingParams(max_tokens=4))
+    # the engine is unharmed: the next request runs
+    assert llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3))[0].num_generated_tokens >= 1
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "outpace.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--model", "/no/such/model"], "not"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "2"], "top_p"),
+    (["--max-tokens", "0"], "max_tokens"),
+])
+def test_cli_prints_one_clear_line(args, words):
+    result = run_cli("generate", "--prompt", "hi", "--spec", "none", *args)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert words in result.stderr and result.stderr.startswith("outpace: error:")
+
+
+def test_cli_corrupt_gguf(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    result = run_cli("generate", "--prompt", "hi", "--model", str(bad))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
