@@ -1,0 +1,194 @@
+"""Prompt-lookup speculative decoding in three engines, on the same Spec-Bench prompts in one run.
+
+    outpace       its n-gram drafter and plain decoding (speculate=False), one engine
+    transformers  generate(..., prompt_lookup_num_tokens=N) and plain generate, on the model
+                  dequantized from the same GGUF, in outpace's dtype
+    llama.cpp     llama-cpp-python on the GGUF file itself (its own quantized kernels), with its
+                  LlamaPromptLookupDecoding draft model and without; skipped with a message when
+                  llama-cpp-python is not installed (pip install 'outpace[llamacpp]')
+
+Every engine decodes greedily from the same prompt token ids (outpace's tokenizer and chat
+template); a multi-turn question is a conversation with each engine's own earlier answers. Within
+each engine, the speculative and plain runs alternate which goes first from question to question.
+Reported per engine: tokens/s (generated tokens / (prefill + decode time)), decode tokens/s,
+speedup over its own plain decoding, and the share of questions whose speculative output equals
+its own plain output token for token.
+
+    python benchmarks/spec_peers.py --limit-per-category 10 --max-tokens 256
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from outpace.bench.dataset import load_spec_bench
+from outpace.bench.models import gguf_file
+from outpace.bench.peers import (LlamaCppEngine, OutpaceEngine, TransformersEngine, load_llamacpp,
+                                 load_transformers)
+from outpace.cli import add_spec_args, spec_config
+from outpace.llm import LLM
+
+DATASET = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_question.jsonl"
+MODES = ("spec", "plain")
+
+
+def converse(engine, tokenizer, turns, max_tokens: int, ignore_eos: bool) -> list[dict]:
+    """One question as a conversation with the engine's own answers; one run record per turn."""
+    messages, runs = [], []
+    for user in turns:
+        messages.append({"role": "user", "content": user})
+        ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        gen = engine.generate(ids, max_tokens, ignore_eos)
+        messages.append({"role": "assistant", "content": tokenizer.decode(gen.token_ids)})
+        runs.append({"num_prompt_tokens": len(ids), **gen.as_dict()})
+    return runs
+
+
+def build_engines(args, llm: LLM) -> dict[str, dict]:
+    """{engine: {"spec": engine, "plain": engine}} for every engine that is available."""
+    eos = sorted(set(llm.engine.model.cfg.eos_token_ids) | set(llm.tokenizer.eos_token_ids))
+    engines = {"outpace": {"spec": OutpaceEngine(llm, True), "plain": OutpaceEngine(llm, False)}}
+    gguf = gguf_file(args.model)
+    if "transformers" in args.engines:
+        hf = load_transformers(gguf or args.model, llm.engine.dtype, llm.engine.device)
+        engines["transformers"] = {"spec": TransformersEngine(hf, eos, args.hf_lookup_tokens),
+                                   "plain": TransformersEngine(hf, eos)}
+    if "llamacpp" in args.engines:
+        if gguf is None:
+            print("llama.cpp skipped: it needs a .gguf model", file=sys.stderr)
+        else:
+            threads = args.threads or os.cpu_count() or 1
+            spec = load_llamacpp(gguf, args.max_model_len, threads, args.llamacpp_draft_tokens)
+            plain = load_llamacpp(gguf, args.max_model_len, threads) if spec is not None else None
+            if spec is not None:
+                engines["llama.cpp"] = {"spec": LlamaCppEngine(spec, eos), "plain": LlamaCppEngine(plain, eos)}
+    return engines
+
+
+def figures(runs: list[dict]) -> dict:
+    tokens = sum(r["num_tokens"] for r in runs)
+    total_s = sum(r["prefill_s"] + r["decode_s"] for r in runs)
+    decode_s = sum(r["decode_s"] for r in runs)
+    return {"num_tokens": tokens, "total_s": total_s,
+            "tokens_per_s": tokens / total_s if total_s else 0.0,
+            "decode_tokens_per_s": sum(max(r["num_tokens"] - 1, 0) for r in runs) / decode_s if decode_s else 0.0}
+
+
+def summarize(questions: list[dict], engines: list[str]) -> dict:
+    """Per engine: figures of each mode, speedup over its own plain runs, identical share."""
+    out = {}
+    for name in engines:
+        modes = {m: figures([t for q in questions for t in q["runs"][name][m]]) for m in MODES}
+        same = [q["identical"][name] for q in questions]
+        out[name] = {**modes, "speedup": modes["spec"]["tokens_per_s"] / modes["plain"]["tokens_per_s"]
+                     if modes["plain"]["tokens_per_s"] else None,
+                     "identical_share": sum(same) / len(same) if same else None}
+    return out
+
+
+def table(summary: dict) -> str:
+    lines = ["| engine | spec tok/s | plain tok/s | speedup | spec decode tok/s | plain decode tok/s | identical |",
+             "|---|---|---|---|---|---|---|"]
+    for name, s in summary.items():
+        lines.append(f"| {name} | {s['spec']['tokens_per_s']:.1f} | {s['plain']['tokens_per_s']:.1f} "
+                     f"| {s['speedup']:.2f}x | {s['spec']['decode_tokens_per_s']:.1f} "
+                     f"| {s['plain']['decode_tokens_per_s']:.1f} | {s['identical_share']:.0%} |")
+    return "\n".join(lines)
+
+
+def category_table(by_category: dict[str, dict]) -> str:
+    engines = list(next(iter(by_category.values())))
+    lines = ["| category | " + " | ".join(f"{e} spec / plain tok/s" for e in engines) + " |",
+             "|---|" + "---|" * len(engines)]
+    for category, summary in by_category.items():
+        cells = [f"{summary[e]['spec']['tokens_per_s']:.1f} / {summary[e]['plain']['tokens_per_s']:.1f}"
+                 for e in engines]
+        lines.append(f"| {category} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dataset", type=Path, default=DATASET, help="Spec-Bench JSONL")
+    p.add_argument("--category", nargs="+", default=None, help="only these categories (default: all)")
+    p.add_argument("--limit-per-category", type=int, default=10, help="questions per category (default 10)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    p.add_argument("--model", default="smollm2-135m", help="known name or .gguf file (llama.cpp needs a GGUF)")
+    p.add_argument("--dtype", default="auto", help="outpace's and transformers' dtype (auto: outpace's default)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=None, help="CPU threads of every engine (default: all cores)")
+    p.add_argument("--engines", nargs="+", default=["outpace", "transformers", "llamacpp"],
+                   choices=["outpace", "transformers", "llamacpp"], help="outpace always runs")
+    p.add_argument("--hf-lookup-tokens", type=int, default=10,
+                   help="transformers' prompt_lookup_num_tokens (default 10, its documented example)")
+    p.add_argument("--llamacpp-draft-tokens", type=int, default=10,
+                   help="LlamaPromptLookupDecoding num_pred_tokens (default 10, its default)")
+    p.add_argument("--out", type=Path, default=Path("bench-out/spec_peers.json"))
+    add_spec_args(p)
+    args = p.parse_args()
+
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    records = load_spec_bench(args.dataset, args.category, args.limit_per_category)
+    spec = spec_config(args)
+    llm = LLM(args.model, spec=spec, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+              max_num_seqs=1)
+    engines = build_engines(args, llm)
+    tokenizer = llm.tokenizer
+    for pair in engines.values():                       # untimed: first calls allocate
+        for engine in pair.values():
+            engine.generate(tokenizer.encode("Hello, how are you?"), 8, ignore_eos=True)
+
+    questions = []
+    started = time.perf_counter()
+    for i, record in enumerate(tqdm(records, desc="spec_peers", unit="question")):
+        order = MODES if i % 2 == 0 else MODES[::-1]
+        runs = {name: {m: converse(pair[m], tokenizer, record.turns, args.max_tokens, args.ignore_eos)
+                       for m in order} for name, pair in engines.items()}
+        identical = {name: all(a["token_ids"] == b["token_ids"] for a, b in zip(r["spec"], r["plain"]))
+                     for name, r in runs.items()}
+        questions.append({"question_id": record.question_id, "category": record.category,
+                          "first": order[0], "identical": identical, "runs": runs})
+
+    names = list(engines)
+    overall = summarize(questions, names)
+    categories = {}
+    for q in questions:
+        categories.setdefault(q["category"], []).append(q)
+    by_category = {c: summarize(qs, names) for c, qs in categories.items()}
+    ours = overall["outpace"]["spec"]["tokens_per_s"]
+    ratios = {f"outpace_spec_over_{n}_spec": ours / overall[n]["spec"]["tokens_per_s"] for n in names if n != "outpace"}
+    report = {
+        "settings": {"model": args.model, "gguf": str(gguf_file(args.model)),
+                     "dtype": str(llm.engine.dtype).removeprefix("torch."), "device": llm.engine.device,
+                     "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos,
+                     "outpace_spec": vars(spec), "hf_prompt_lookup_num_tokens": args.hf_lookup_tokens,
+                     "llamacpp_num_pred_tokens": args.llamacpp_draft_tokens, "dataset": str(args.dataset),
+                     "categories": args.category, "limit_per_category": args.limit_per_category,
+                     "num_questions": len(records)},
+        "environment": {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+                        "platform": platform.platform(), "wall_s": time.perf_counter() - started},
+        "overall": overall, "ratios": ratios, "categories": by_category, "questions": questions,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(table(overall))
+    print()
+    print(category_table(by_category))
+    print()
+    for key, value in ratios.items():
+        print(f"{key}: {value:.2f}x")
+    print(f"\nwritten: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""`outpace bench` bookkeeping: what results.json holds is computed from the runs it made.
+
+A tiny random model keeps the end-to-end run to seconds; a fake LLM checks the conversation
+logic (alternation, each run's own earlier answers, divergence only where contexts match).
+"""
+import copy
+import json
+
+import pytest
+import torch
+
+from outpace import LLM, SamplingParams
+from outpace.bench import specbench
+from outpace.bench.dataset import Record, load_spec_bench
+from outpace.bench.margin import divergence, first_difference
+from outpace.bench.summary import summarize
+from outpace.cli import main
+from outpace.llm import RequestOutput
+from tiny import make_tiny
+
+RECORDS = [
+    {"question_id": 1, "category": "writing", "turns": ["Write a haiku about rain.", "Now one about snow."]},
+    {"question_id": 2, "category": "summarization", "turns": ["Summarize: the cat sat on the mat. The cat sat."]},
+    {"question_id": 3, "category": "summarization", "turns": ["Summarize: dogs bark."]},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, default_model_dir):
+    folder = tmp_path_factory.mktemp("tiny-bench")
+    make_tiny("llama", folder, vocab_size=49152, tokenizer_from=default_model_dir, dtype=torch.float32)
+    return folder
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    path = tmp_path / "questions.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    return path
+
+
+def test_dataset_filters_and_limits(dataset):
+    assert [r.question_id for r in load_spec_bench(dataset)] == [1, 2, 3]
+    assert [r.question_id for r in load_spec_bench(dataset, ["summarization"], 1)] == [2]
+    with pytest.raises(ValueError, match="no records of categories"):
+        load_spec_bench(dataset, ["poetry"])
+
+
+def test_bench_results_are_computed_from_the_runs(tiny_folder, dataset, tmp_path, capsys):
+    out = tmp_path / "out"
+    main(["bench", "--dataset", str(dataset), "--limit-per-category", "1", "--max-tokens", "8",
+          "--model", str(tiny_folder), "--dtype", "float32", "--device", "cpu", "--max-model-len", "256",
+          "--num-draft-tokens", "4", "--out", str(out), "--quiet"])
+    results = json.loads((out / "results.json").read_text())
+    assert (out / "results.md").read_text().strip() in capsys.readouterr().out
+    assert (out / "speedup.png").stat().st_size > 0
+    assert set(results["categories"]) == {"writing", "summarization"}
+    assert {"config", "definitions", "overall", "questions", "skipped"} <= set(results)
+
+    questions = results["questions"]
+    assert [q["question_id"] for q in questions] == [1, 2]
+    turns = [t for q in questions for t in q["turns"]]
+    assert len(turns) == results["overall"]["num_prompts"] == 3
+    # alternation: prompt 1 speculative first, prompt 2 baseline first, prompt 3 speculative first
+    assert [t["first"] for t in turns] == ["spec", "baseline", "spec"]
+    for t in turns:
+        for run in (t["spec"], t["baseline"]):
+            assert 1 <= run["num_tokens"] == len(run["token_ids"]) <= 8
+            assert run["prefill_s"] > 0 and run["decode_s"] >= 0
+        assert t["baseline"]["spec"]["num_draft_tokens"] == 0, "the baseline must not speculate"
+
+    overall = results["overall"]
+    for side in ("spec", "baseline"):
+        runs = [t[side] for t in turns]
+        tokens = sum(r["num_tokens"] for r in runs)
+        seconds = sum(r["prefill_s"] + r["decode_s"] for r in runs)
+        assert overall[side]["num_tokens"] == tokens
+        assert overall[side]["tokens_per_s"] == pytest.approx(tokens / seconds)
+    assert overall["speedup"] == pytest.approx(overall["spec"]["tokens_per_s"] / overall["baseline"]["tokens_per_s"])
+    same = [all(t["spec"]["token_ids"] == t["baseline"]["token_ids"] for t in q["turns"]) for q in questions]
+    assert overall["identical_share"] == pytest.approx(sum(same) / len(same))
+    drafted = sum(t["spec"]["spec"]["num_draft_tokens"] for t in turns)
+    accepted = sum(t["spec"]["spec"]["num_accepted_tokens"] for t in turns)
+    assert overall["acceptance_rate"] == (accepted / drafted if drafted else None)
+
+    # the summary follows the records: slow the baseline down, break one question's identity
+    changed = copy.deepcopy(questions)
+    for t in changed[0]["turns"]:
+        t["baseline"]["decode_s"] += 10.0
+    changed[0]["identical"] = False
+    again = summarize(changed)["overall"]
+    assert again["speedup"] > overall["speedup"]
+    assert again["identical_share"] == pytest.approx((sum(same) - same[0]) / 2)
+
+
+class FakeLLM:
+    """Answers 'spec N' or 'plain N' by run and turn; the speculative run departs at `spec_departs`."""
+
+    engine = None
+
+    def __init__(self, spec_departs: int):
+        self.spec_departs = spec_departs
+        self.calls = []
+
+    def chat(self, messages, params, speculate):
+        self.calls.append((speculate, [m["content"] for m in messages]))
+        turn = len(messages) // 2
+        ids = [5, 6, 7] if speculate and turn >= self.spec_departs else [5, 6, 8]
+        text = f"{'spec' if speculate else 'plain'} {turn}"
+        timing = {"prefill_s": 0.1, "decode_s": 0.2}
+        return [RequestOutput(None, [1, 2], text, ids, "length", timing, {})]
+
+
+@pytest.mark.parametrize("spec_departs", [0, 1, 2])
+def test_conversations_use_their_own_answers(monkeypatch, spec_departs):
+    calls = []
+    monkeypatch.setattr(specbench, "divergence", lambda engine, p, s, b: calls.append((s, b)) or {"top2_margin": 0.0})
+    llm = FakeLLM(spec_departs)
+    record = Record(7, "writing", ("first?", "second?"))
+    counter = iter(range(2, 10))                 # prompts 2 and 3: baseline first, then speculative first
+    q = specbench.run_question(llm, record, SamplingParams(temperature=0, max_tokens=3), counter)
+    assert [speculate for speculate, _ in llm.calls] == [False, True, True, False]
+    second_turn = {speculate: contents for speculate, contents in llm.calls[2:]}
+    assert second_turn[True] == ["first?", "spec 0", "second?"]
+    assert second_turn[False] == ["first?", "plain 0", "second?"]
+    # compared only while both conversations were equal; margins only at the first departure
+    expected = {0: [False, None], 1: [True, False], 2: [True, True]}[spec_departs]
+    assert [t["identical"] for t in q["turns"]] == expected
+    assert q["identical"] == (spec_departs == 2)
+    assert len(calls) == (spec_departs < 2)
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 9, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_divergence_margin_is_the_targets_view(tiny_folder):
+    """At a fabricated departure the baseline's token is the target's argmax and the margin is its lead."""
+    llm = LLM(str(tiny_folder), spec="ngram", dtype="float32", device="cpu", max_model_len=256,
+              max_num_seqs=1, calibrate=False)
+    base = llm.generate([3, 14, 15, 92, 65], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        speculate=False)[0]
+    spec_ids = list(base.token_ids)
+    spec_ids[3] = (spec_ids[3] + 1) % 49152
+    d = divergence(llm.engine, base.prompt_token_ids, spec_ids, base.token_ids)
+    assert d["position"] == 3 and d["baseline_token"] == base.token_ids[3] == d["top1_token"]
+    assert d["baseline_token_rank"] == 1 and d["spec_token_rank"] > 1
+    assert d["top2_margin"] > 0 and d["baseline_logit"] - d["spec_logit"] >= d["top2_margin"] - 1e-6
+    assert divergence(llm.engine, base.prompt_token_ids, base.token_ids, base.token_ids) is None
+    assert llm.engine.scheduler.free_slots == [0], "the margin's forward must not take a slot"
