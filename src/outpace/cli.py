@@ -17,6 +17,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
     p.add_argument("--max-model-len", type=int, default=2048, help="prompt plus output tokens (default 2048)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="CUDA: run decode/verify steps eagerly instead of replaying graphs captured at start")
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -54,7 +56,7 @@ def cmd_generate(args) -> None:
     from outpace.llm import LLM
     params = sampling_params(args)
     llm = LLM(args.model, spec=spec_config(args), dtype=args.dtype, device=args.device,
-              max_model_len=args.max_model_len, max_num_seqs=1)
+              max_model_len=args.max_model_len, max_num_seqs=1, cuda_graphs=not args.no_cuda_graphs)
     printed = 0
 
     def stream(seq):
@@ -95,7 +97,8 @@ def cmd_serve(args) -> None:
         torch.set_num_threads(args.threads)
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                           max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
-                          spec=spec_config(args), calibrate=not args.no_calibrate)
+                          spec=spec_config(args), calibrate=not args.no_calibrate,
+                          cuda_graphs=not args.no_cuda_graphs)
     app = build_app(LLMEngine(config), args.model, log_interval_s=args.log_interval)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
@@ -164,3 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("outpace: interrupted", file=sys.stderr)
         sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -88,6 +88,7 @@ class EngineConfig:
     max_prefill_tokens: int = 512   # prompt tokens cached per step (chunked prefill)
     spec: SpecConfig = field(default_factory=SpecConfig)
     calibrate: bool = True          # measure verify cost per batch size at start (draft controller)
+    cuda_graphs: bool = True        # CUDA: decode/verify steps replay graphs captured at start
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16", "float64"),

@@ -6,9 +6,11 @@ import itertools
 import time
 
 import torch
+import torch.nn.functional as F
 
 from outpace.config import EngineConfig, SamplingParams
 from outpace.engine.calibrate import measure_verify_cost
+from outpace.engine.cuda_graphs import CudaGraphRunner, to_device
 from outpace.engine.model_runner import ModelRunner, Row
 from outpace.engine.sampler import SamplingState, make_generator
 from outpace.engine.scheduler import Scheduler, StepPlan
@@ -21,6 +23,7 @@ from outpace.model.tokenizer import Tokenizer
 from outpace.spec.controller import DraftController
 from outpace.spec.drafter import Draft, Drafter
 from outpace.spec.factory import make_drafter
+from outpace.spec.ngram_device import DeviceDrafts, DeviceNgramDrafter
 from outpace.spec.verify import verify_greedy, verify_sampling
 
 
@@ -51,19 +54,38 @@ class LLMEngine:
         self.model = load_model(folder, self.dtype, self.device, config.max_model_len)
         spec = config.spec
         self.max_draft = spec.num_draft_tokens if spec.enabled or drafter is not None else 0
-        self.runner = ModelRunner(self.model, config.max_num_seqs, config.max_model_len,
-                                  max_step_tokens=max(config.max_prefill_tokens, self.max_draft + 1),
-                                  exact_tokens=spec.num_draft_tokens + 1 if spec.exact else None)
-        self.drafter = drafter if drafter is not None else make_drafter(spec)
+        self.runner = self._make_runner(config, spec.num_draft_tokens + 1 if spec.exact else None)
+        self.drafter = drafter if drafter is not None else self._make_drafter(spec)
         cost = None
         if self.max_draft and config.calibrate and not spec.exact:
+            is_graphs = isinstance(self.runner, CudaGraphRunner)
+            if is_graphs:
+                self.runner.is_timing = True            # host clocks time each forward: it must finish
             cost = measure_verify_cost(self.runner, config.max_num_seqs, self.max_draft + 1)
+            if is_graphs:
+                self.runner.is_timing = False
         self.controller = DraftController(self.max_draft, cost)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_prefill_tokens)
         self.stats = SpecStats()
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
         self.load_s = time.perf_counter() - t0
+
+    def _make_runner(self, config: EngineConfig, exact_tokens: int | None) -> ModelRunner:
+        """CUDA: decode/verify steps replay captured CUDA graphs (run eagerly with cuda_graphs off)."""
+        max_step_tokens = max(config.max_prefill_tokens, self.max_draft + 1)
+        if not self.device.startswith("cuda"):
+            return ModelRunner(self.model, config.max_num_seqs, config.max_model_len, max_step_tokens, exact_tokens)
+        return CudaGraphRunner(self.model, config.max_num_seqs, config.max_model_len,
+                               max(max_step_tokens, exact_tokens or 0), exact_tokens,
+                               max_decode_tokens=self.max_draft + 1, use_graphs=config.cuda_graphs)
+
+    def _make_drafter(self, spec) -> Drafter:
+        """CUDA: n-gram drafting over a device token buffer, no host round trip per step."""
+        if self.device.startswith("cuda") and spec.method == "ngram":
+            return DeviceNgramDrafter(spec, self.config.max_num_seqs, self.config.max_model_len, self.device,
+                                      use_graph=self.config.cuda_graphs)
+        return make_drafter(spec)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True) -> Sequence:
@@ -106,8 +128,8 @@ class LLMEngine:
         if not plan.decode:
             return []
         drafts = self.propose(plan.decode)
-        tokens, counts = self.verify(plan.decode, drafts)
-        self.accept(plan.decode, drafts, tokens, counts)
+        tokens, counts, num_drafts = self.verify(plan.decode, drafts)
+        self.accept(plan.decode, num_drafts, tokens, counts)
         return self.postprocess(plan.decode)
 
     def prefill(self, plan: StepPlan) -> None:
@@ -119,7 +141,7 @@ class LLMEngine:
             c.seq.num_cached = c.end
             c.seq.prefill_s += elapsed
 
-    def propose(self, seqs: list[Sequence]) -> list[Draft | None]:
+    def propose(self, seqs: list[Sequence]) -> list[Draft | None] | DeviceDrafts:
         if not self.max_draft:
             return [None] * len(seqs)
         t0 = time.perf_counter()
@@ -127,8 +149,10 @@ class LLMEngine:
                     s.params.max_tokens - s.num_output_tokens - 1,
                     self.config.max_model_len - len(s.token_ids) - 1) for s in seqs]
         asking = [i for i, k in enumerate(room) if k > 0]
-        drafts: list[Draft | None] = [None] * len(seqs)
-        if asking:
+        drafts: list[Draft | None] | DeviceDrafts = [None] * len(seqs)
+        if asking and isinstance(self.drafter, DeviceNgramDrafter):
+            drafts = self.drafter.propose_device([s.seq_id for s in seqs], room)
+        elif asking:
             got = self.drafter.propose([seqs[i].seq_id for i in asking], [room[i] for i in asking])
             for i, d in zip(asking, got):
                 drafts[i] = Draft(d.tokens[:room[i]], d.parents, d.probs) if d else None
@@ -139,32 +163,43 @@ class LLMEngine:
 
     def verify(self, seqs: list[Sequence], drafts: list[Draft | None]):
         """One target forward over [last token + draft] of every sequence, then the acceptance
-        rule (greedy or rejection sampling) as batched tensor math. Returns host lists."""
+        rule (greedy or rejection sampling) as batched tensor math. Returns host lists: the tokens
+        to append, their counts and the draft lengths."""
         t0 = time.perf_counter()
-        num_draft = [len(d) if d else 0 for d in drafts]
-        rows = [Row(s.slot, s.token_ids[-1:] + (d.tokens if d else []), len(s.token_ids) - 1)
-                for s, d in zip(seqs, drafts)]
-        logits, _ = self.runner.forward(rows)                                       # [B, S, V]
-        K = logits.shape[1] - 1
-        draft_tokens = torch.tensor([(d.tokens if d else []) + [0] * (K - n) for d, n in zip(drafts, num_draft)],
-                                    dtype=torch.long, device=logits.device).view(len(seqs), K)
-        draft_lens = torch.tensor(num_draft, device=logits.device)
+        if isinstance(drafts, DeviceDrafts):
+            # drafts never visit the host: the runner appends them to each row's last token
+            rows = [Row(s.slot, s.token_ids[-1:], len(s.token_ids) - 1) for s in seqs]
+            logits, _ = self.runner.forward(rows, draft_tokens=drafts.tokens)          # [B, S, V]
+            K = logits.shape[1] - 1
+            draft_tokens = F.pad(drafts.tokens, (0, K - drafts.tokens.shape[1]))       # exact mode pads S
+            draft_lens = drafts.num_draft
+        else:
+            num_draft = [len(d) if d else 0 for d in drafts]
+            rows = [Row(s.slot, s.token_ids[-1:] + (d.tokens if d else []), len(s.token_ids) - 1)
+                    for s, d in zip(seqs, drafts)]
+            logits, _ = self.runner.forward(rows)                                       # [B, S, V]
+            K = logits.shape[1] - 1
+            draft_tokens = to_device([(d.tokens if d else []) + [0] * (K - n) for d, n in zip(drafts, num_draft)],
+                                     logits.device).view(len(seqs), K)
+            draft_lens = to_device(num_draft, logits.device)
         if all(s.params.is_greedy for s in seqs):
             out, num_out = verify_greedy(logits, draft_tokens, draft_lens)
         else:
             state = SamplingState.from_params([s.params for s in seqs], [s.generator for s in seqs], logits.device)
             out, num_out = verify_sampling(logits, draft_tokens, draft_lens, state)
+        if isinstance(self.drafter, DeviceNgramDrafter):
+            # the device token buffer takes the verified tokens, queued ahead of the sync
+            self.drafter.append([s.seq_id for s in seqs], out, num_out)
         # the one host synchronisation of the step: accepted tokens return to the scheduler
-        host = torch.cat([num_out[:, None], out], dim=1).tolist()
+        host = torch.cat([num_out[:, None], draft_lens[:, None], out], dim=1).tolist()
         elapsed = time.perf_counter() - t0
         for s in seqs:
             s.stats.verify_s += elapsed / len(seqs)
-        return [h[1:1 + h[0]] for h in host], [h[0] for h in host]
+        return [h[2:2 + h[0]] for h in host], [h[0] for h in host], [h[1] for h in host]
 
-    def accept(self, seqs, drafts, tokens, counts) -> None:
+    def accept(self, seqs, num_drafts, tokens, counts) -> None:
         now = time.perf_counter()
-        for seq, draft, new, n in zip(seqs, drafts, tokens, counts):
-            num_draft = len(draft) if draft else 0
+        for seq, num_draft, new, n in zip(seqs, num_drafts, tokens, counts):
             seq.stats.record(num_draft, n - 1)
             self.controller.observe(seq.seq_id, num_draft, n - 1)
             # the last token and the accepted drafts are now cached; the new last token is not

@@ -1,0 +1,187 @@
+"""CudaGraphRunner: decode and verify steps replay CUDA graphs captured once at start.
+
+One graph per step shape (b, t, L): b a batch-size bucket, t the tokens per row (1 for plain
+decoding, 1+k for verifying k drafts: one tier per draft length; exact mode has the one tier
+1+num_draft_tokens), L a key-length bucket. Every graph reads and writes the same buffers,
+allocated once at the largest shape (max_slots rows of max_tokens tokens over the whole cache): a
+shape views their first entries ([b, t], [b, 1, t, L]). Switching shapes picks another graph;
+nothing is reallocated or recaptured (a reallocation would leave every captured graph pointing at
+freed memory).
+
+A step's shape is static, so is everything in it:
+  - keys: attention reads cache positions [0, L) of each slot, positions beyond a query's own
+    masked. L is the smallest bucket (512, 1024, 2048, ... and the cache length) holding every
+    row's positions, so attention's cost follows the context rather than the cache size. The cache
+    length is rounded up to a multiple of 64: attention kernels run markedly slower on unaligned keys.
+    Exact mode keeps L = the cache length, so no forward's arithmetic depends on the context either;
+  - rows: graph row r is KV slot r for r < b, so the cache is read as a view. b is the smallest
+    bucket above the highest slot in the step (the scheduler hands out the lowest free slot first).
+    A slot in the bucket with no row this step gets a dummy row whose writes land at positions
+    >= max_len, the spare region no real query attends.
+Prompt chunks (logits='none'), hidden-state requests and shapes beyond the largest tier run eagerly
+through ModelRunner. With use_graphs=False (or on the CPU) the same static-buffer step runs eagerly:
+that is `--no-cuda-graphs`, and what the CPU tests check.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from outpace.engine.calibrate import batch_buckets
+from outpace.engine.model_runner import ModelRunner, Row
+from outpace.model.decoder import DecoderLM
+from outpace.model.layers import ForwardBatch
+
+
+class CudaGraphRunner(ModelRunner):
+    def __init__(self, model: DecoderLM, num_slots: int, max_len: int, max_step_tokens: int,
+                 exact_tokens: int | None = None, max_decode_tokens: int = 1, use_graphs: bool = True,
+                 batch_sizes: list[int] | None = None, kv_lens: list[int] | None = None, progress: bool = True):
+        """max_decode_tokens: the largest tokens-per-row of a decode/verify step (1 + most drafts).
+        batch_sizes: the buckets (default 1, 2, 4, ... up to num_slots); kv_lens: the key-length
+        buckets (default 512, 1024, ... below the cache length, and the cache length)."""
+        cache_len = -(-(max_len + max_step_tokens) // 64) * 64
+        super().__init__(model, num_slots, max_len, cache_len - max_len, exact_tokens)
+        if max(max_decode_tokens, exact_tokens or 0) > max_step_tokens:
+            raise ValueError(f"a step of {max_decode_tokens} tokens per row needs max_step_tokens >= that")
+        self.tiers = [exact_tokens] if exact_tokens else list(range(1, max_decode_tokens + 1))
+        self.buckets = sorted(set(batch_sizes or batch_buckets(num_slots)))
+        if self.buckets[-1] > num_slots:
+            raise ValueError(f"batch size {self.buckets[-1]} exceeds the {num_slots} cache slots")
+        self.cache_len = self.cache.max_len
+        ladder = [n for n in (512 * 2 ** i for i in range(16)) if n < self.cache_len] + [self.cache_len]
+        self.kv_lens = [self.cache_len] if exact_tokens else sorted(set(kv_lens or ladder))
+        self.is_timing = False                        # forward waits for the device (host clocks time it)
+        rows, tokens, vocab = self.buckets[-1], max(self.tiers), model.cfg.vocab_size
+        device = self.device
+        # The buffers, at the largest shape; shape (b, t) uses views of their first entries.
+        # inputs: one buffer, so a step's host inputs arrive in one copy: [starts | input ids]
+        self.inputs = torch.zeros(rows + rows * tokens, dtype=torch.long, device=device)
+        self.starts = self.inputs[:rows]                                                # [b] position of token 0
+        self.input_ids = self.inputs[rows:]                                             # [b*t] -> [b, t]
+        self.positions = torch.zeros(rows * tokens, dtype=torch.long, device=device)    # [b*t] -> [b, t]
+        self.mask = torch.zeros(rows * tokens * self.cache_len, dtype=torch.bool, device=device)  # -> [b, 1, t, L]
+        self.logits = torch.zeros(rows * tokens, vocab, dtype=torch.float32, device=device)       # -> [b, t, V]
+        self.slot_ids = torch.arange(rows, device=device)
+        self._extend_rope(model)
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self.use_graphs = use_graphs and self.device.type == "cuda"
+        self.capture_s = 0.0
+        self.capture_bytes = 0
+        if self.use_graphs:
+            self.capture(progress)
+
+    def _extend_rope(self, model: DecoderLM) -> None:
+        """Padding and dummy rows sit at positions up to the cache length; the rope tables cover
+        max_len. Their rows are never read as real positions, so copies of the last row do."""
+        extra = self.cache_len - model.rope_cos.shape[0]
+        if extra > 0:
+            model.rope_cos = torch.cat([model.rope_cos, model.rope_cos[-1:].expand(extra, -1)])
+            model.rope_sin = torch.cat([model.rope_sin, model.rope_sin[-1:].expand(extra, -1)])
+
+    # ---- the step ---------------------------------------------------------------------------
+    def _run_step(self, b: int, t: int, L: int) -> None:
+        """The captured body: inputs in input_ids/starts, logits out in self.logits[:b*t]."""
+        positions = self.positions[:b * t].view(b, t)
+        torch.add(self.starts[:b, None], self._arange[:t], out=positions)              # [b, t]
+        mask = self.mask[:b * t * L].view(b, 1, t, L)
+        keys = self._arange[:L]
+        torch.le(keys, positions[:, None, :, None], out=mask)                          # key <= query position
+        if self.window:
+            mask &= keys > positions[:, None, :, None] - self.window
+        batch = ForwardBatch(input_ids=self.input_ids[:b * t].view(b, t), positions=positions,
+                             slots=self.slot_ids[:b], kv_len=L, mask=mask, slot_start=0)
+        out, _ = self.model(batch, self.cache)                                          # [b*t, V]
+        self.logits[:b * t].copy_(out)
+
+    def shape_for(self, rows: list[Row], num_device_tokens: int = 0) -> tuple[int, int, int] | None:
+        """(bucket, tier, key length) of a decode/verify step, or None when no graph shape holds it."""
+        t = max(len(r.token_ids) for r in rows) + num_device_tokens
+        tier = next((x for x in self.tiers if x >= t), None)
+        bucket = next((x for x in self.buckets if x > max(r.slot for r in rows)), None)
+        if tier is None or bucket is None:
+            return None
+        end = max(r.start for r in rows) + tier          # every row's positions (padding too) lie below
+        return bucket, tier, next(x for x in self.kv_lens if x >= min(end, self.cache_len))
+
+    @torch.inference_mode()
+    def forward(self, rows: list[Row], logits: str = "all", need_hidden: bool = False,
+                draft_tokens: torch.Tensor | None = None):
+        """As ModelRunner.forward. draft_tokens [len(rows), K] (on the device) are appended after
+        each row's host tokens, which must then be one per row (its last token): a verify step whose
+        drafts never visit the host. Returns (logits [B, S, V], None) with S the tier."""
+        num_device = 0 if draft_tokens is None else draft_tokens.shape[1]
+        shape = self.shape_for(rows, num_device) if logits == "all" and not need_hidden else None
+        if shape is None:
+            if draft_tokens is not None:
+                rows = [Row(r.slot, r.token_ids + d, r.start) for r, d in zip(rows, draft_tokens.tolist())]
+            return super().forward(rows, logits, need_hidden)
+        b, t, L = shape
+        self._write_inputs(rows, b, t)
+        if draft_tokens is not None:
+            if any(len(r.token_ids) != 1 for r in rows):
+                raise ValueError("with draft_tokens every row holds exactly its last token")
+            slots = to_device([r.slot for r in rows], self.device)
+            self.input_ids[:b * t].view(b, t)[slots, 1:1 + num_device] = draft_tokens
+        if self.use_graphs:
+            self.graphs[shape].replay()
+        else:
+            self._run_step(b, t, L)
+        if self.is_timing and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        out = self.logits[:b * t].view(b, t, -1)
+        slots = [r.slot for r in rows]
+        if slots == list(range(len(rows))):
+            return out[:len(rows)], None
+        return out.index_select(0, to_device(slots, self.device)), None
+
+    def _write_inputs(self, rows: list[Row], b: int, t: int) -> None:
+        """Rows to graph row = slot; slots without a row get a dummy row in the spare region."""
+        starts, ids = [self.max_len] * self.starts.shape[0], [0] * (b * t)
+        for r in rows:
+            starts[r.slot] = r.start
+            ids[r.slot * t:r.slot * t + len(r.token_ids)] = r.token_ids
+        host = torch.tensor(starts + ids, dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()                    # the caching host allocator keeps it until copied
+        self.inputs[:host.shape[0]].copy_(host, non_blocking=True)
+
+    # ---- capture ----------------------------------------------------------------------------
+    def capture(self, progress: bool = True) -> None:
+        """Capture every (bucket, tier, key length), largest first so that smaller graphs reuse the pool."""
+        shapes = [(b, t, L) for b in reversed(self.buckets) for t in reversed(self.tiers) for L in reversed(self.kv_lens)]
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        started = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        self.starts.fill_(self.max_len)                 # dummy rows: writes land in the spare region
+        self.input_ids.zero_()
+        bar = tqdm(shapes, desc="outpace: capturing CUDA graphs", unit="graph", disable=not progress,
+                   file=sys.stderr)
+        with torch.inference_mode():
+            for b, t, L in bar:
+                self._run_step(b, t, L)                 # warm-up: kernels chosen and loaded eagerly
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._run_step(b, t, L)
+                self.graphs[(b, t, L)] = graph
+                used = free_before - torch.cuda.mem_get_info(self.device)[0]
+                bar.set_postfix_str(f"batch {b} x {t} tokens x {L} keys, {used / 2**20:.0f} MiB")
+        torch.cuda.synchronize(self.device)
+        self.capture_s = time.perf_counter() - started
+        self.capture_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+        if progress:
+            print(f"outpace: captured {len(self.graphs)} CUDA graphs (batch {self.buckets} x tokens "
+                  f"{self.tiers[0]}..{self.tiers[-1]} x keys {self.kv_lens}) in {self.capture_s:.1f} s, "
+                  f"{self.capture_bytes / 2**20:.0f} MiB", file=sys.stderr)
+
+
+def to_device(values: list, device: torch.device | str) -> torch.Tensor:
+    """A small host list as a device int64 tensor, copied without a host synchronisation."""
+    host = torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)

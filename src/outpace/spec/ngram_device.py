@@ -1,0 +1,129 @@
+"""DeviceNgramDrafter: prompt lookup whose state is one token buffer on the device.
+
+The same drafts as NgramDrafter (ngram.py), token for token: the semantics and the batched
+tensor math are ngram_gpu.py's. The buffer `tokens [max_seqs, max_len]` holds prompt plus output of
+every sequence that has drafted; one batched propose per step covers all of its rows, and the
+verified tokens are appended on the device from the verifier's own output tensors, so drafting
+costs no host round trip. On CUDA the propose over all rows is one captured CUDA graph.
+
+Rows are taken lazily: a sequence keeps its tokens on the host (`pending`) until it first asks for
+a draft, so requests waiting in the queue or decoding plainly hold no row, and at most max_seqs
+(the running sequences) ever do.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from outpace.config import SpecConfig
+from outpace.spec import ngram_gpu
+from outpace.spec.drafter import Drafter
+
+
+@dataclass
+class DeviceDrafts:
+    """One step's drafts on the device, one row per decoding sequence.
+
+    tokens [n, K] int64: entries at i >= num_draft[r] are padding (valid ids, never accepted).
+    num_draft [n] int64 in [0, K]; 0 = no draft (no match, or the sequence did not ask).
+    """
+
+    tokens: torch.Tensor
+    num_draft: torch.Tensor
+
+
+class DeviceNgramDrafter(Drafter):
+    name = "ngram-device"
+
+    def __init__(self, spec: SpecConfig, max_seqs: int, max_len: int, device: torch.device | str,
+                 use_graph: bool = True):
+        self.min_ngram, self.max_ngram, self.match = spec.min_ngram, spec.max_ngram, spec.match
+        self.max_draft = spec.num_draft_tokens
+        self.device = torch.device(device)
+        self.tokens, self.lengths = ngram_gpu.new_buffer(max_seqs, max_len, self.device)
+        self.all_rows = torch.arange(max_seqs, device=self.device)
+        self.rows: dict[int, int] = {}                 # seq_id -> buffer row
+        self.free_rows = list(range(max_seqs - 1, -1, -1))
+        self.pending: dict[int, list[int]] = {}        # seq_id -> host tokens, no row yet
+        # propose's output for every row, [max_seqs, max_draft] and [max_seqs]: graph outputs
+        self.draft_all = torch.zeros(max_seqs, self.max_draft, dtype=torch.long, device=self.device)
+        self.num_all = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
+        self.graph = None
+        if use_graph and self.device.type == "cuda":
+            self._capture()
+
+    def _propose_all(self) -> None:
+        draft, num = ngram_gpu.propose(self.tokens, self.lengths, self.all_rows, self.max_draft,
+                                       self.min_ngram, self.max_ngram, self.match)
+        self.draft_all.copy_(draft)
+        self.num_all.copy_(num)
+
+    def _capture(self) -> None:
+        self._propose_all()                             # warm-up outside the capture
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._propose_all()
+
+    # ---- the Drafter interface -----------------------------------------------------------------
+    def begin(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        self.pending[seq_id] = list(token_ids)
+
+    def accept(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        """Host tokens: only sequences without a row need them (rows take append's device tensors)."""
+        if seq_id in self.pending:
+            self.pending[seq_id] += token_ids
+
+    def end(self, seq_id: int) -> None:
+        self.pending.pop(seq_id, None)
+        row = self.rows.pop(seq_id, None)
+        if row is not None:
+            self.free_rows.append(row)
+
+    def propose(self, seq_ids, max_tokens):
+        raise NotImplementedError("DeviceNgramDrafter drafts on the device: the engine calls propose_device "
+                                  "and feeds verified tokens back with append")
+
+    # ---- the device path -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose_device(self, seq_ids: Sequence[int], max_tokens: Sequence[int]) -> DeviceDrafts:
+        """Drafts of at most max_tokens[i] (<= num_draft_tokens) tokens; K = max(max_tokens)."""
+        for seq_id, k in zip(seq_ids, max_tokens):
+            if k > 0 and seq_id not in self.rows:
+                self._take_row(seq_id)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._propose_all()
+        num_draft_tokens = max(max_tokens)
+        rows = [self.rows.get(s, 0) for s in seq_ids]    # a sequence without a row asks for 0
+        host = torch.tensor([rows, list(max_tokens)], dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        rows_t, room = host.to(self.device, non_blocking=True)
+        tokens = self.draft_all.index_select(0, rows_t)[:, :num_draft_tokens]       # [n, K]
+        num = torch.minimum(self.num_all.index_select(0, rows_t), room)             # [n]
+        return DeviceDrafts(tokens, num)
+
+    @torch.inference_mode()
+    def append(self, seq_ids: Sequence[int], out_tokens: torch.Tensor, num_out: torch.Tensor) -> None:
+        """After verification: out_tokens[i, :num_out[i]] join sequence seq_ids[i]'s row, on the
+        device. Tokens past a stop the host finds later are appended too: that sequence ends."""
+        index = [i for i, s in enumerate(seq_ids) if s in self.rows]
+        if not index:
+            return
+        host = torch.tensor([[self.rows[seq_ids[i]] for i in index], index], dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        rows_t, index_t = host.to(self.device, non_blocking=True)
+        if len(index) < len(seq_ids):
+            out_tokens, num_out = out_tokens.index_select(0, index_t), num_out.index_select(0, index_t)
+        ngram_gpu.append(self.tokens, self.lengths, rows_t, out_tokens, num_out)
+
+    def _take_row(self, seq_id: int) -> None:
+        if not self.free_rows:
+            raise RuntimeError("the n-gram token buffer has no free row: more drafting sequences than max_seqs")
+        row = self.free_rows.pop()
+        ngram_gpu.write_row(self.tokens, self.lengths, row, self.pending.pop(seq_id))
+        self.rows[seq_id] = row

@@ -1,0 +1,198 @@
+"""The GPU path's static-shape step and device drafting, checked on the CPU (the same code runs
+eagerly there); the CUDA parts skip without a GPU.
+
+Guards: a graph shape whose rows are slots (dummy rows for idle slots, rows in any order, drafts
+fed from the device) must give ModelRunner's logits; a dummy row must never touch a real cache
+entry; no tier may reallocate a buffer (a captured graph would read freed memory); the device
+n-gram drafter must draft exactly what the CPU drafter drafts; the engine on this path must keep
+speculative greedy output equal to plain greedy output.
+"""
+import random
+
+import pytest
+import torch
+
+from outpace import LLM, SamplingParams, SpecConfig
+from outpace.engine.cuda_graphs import CudaGraphRunner
+from outpace.engine.model_runner import ModelRunner, Row
+from outpace.model.loader import load_model
+from outpace.spec import ngram_gpu
+from outpace.spec.ngram import NgramDrafter
+from outpace.spec.ngram_device import DeviceNgramDrafter
+from tiny import make_tiny
+
+MAX_LEN, SPARE, SLOTS = 64, 16, 5
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, default_model_dir):
+    folder = tmp_path_factory.mktemp("tiny-llama-graphs")
+    make_tiny("llama", folder, vocab_size=49152, tokenizer_from=default_model_dir, dtype=torch.float64)
+    return folder
+
+
+def runners(folder, device="cpu", **kw):
+    model = load_model(folder, torch.float64, device, MAX_LEN)
+    static = CudaGraphRunner(model, SLOTS, MAX_LEN, SPARE, max_decode_tokens=6, kv_lens=[32, 64, 128],
+                             progress=False, **kw)
+    return ModelRunner(model, SLOTS, MAX_LEN, SPARE), static
+
+
+def prefill(runner, prompts: dict[int, list[int]]):
+    for slot, ids in prompts.items():
+        runner.forward([Row(slot, ids, 0)], logits="none")
+
+
+PROMPTS = {0: [5, 6, 7, 8, 9, 10], 2: [1, 2, 3], 3: list(range(20, 40))}
+
+
+def steps():
+    """(rows, description): buckets 1..8, tiers 1..6, rows out of slot order, ragged lengths."""
+    return [
+        [Row(0, [11], 6)],                                              # bucket 1, tier 1
+        [Row(2, [4, 5, 6], 3)],                                         # bucket 4, slots 0,1,3 dummy
+        [Row(3, [40, 41], 20), Row(0, [11, 12, 13, 14, 15, 16], 6)],    # out of order, ragged
+        [Row(2, [4], 3), Row(0, [11, 12], 6), Row(3, [40], 20)],
+    ]
+
+
+def test_static_step_matches_model_runner(tiny_folder):
+    base, static = runners(tiny_folder)
+    prefill(base, PROMPTS)
+    prefill(static, PROMPTS)
+    for rows in steps():
+        want, _ = base.forward(rows)
+        got, _ = static.forward(rows)
+        assert got.shape[:2] == want.shape[:2]
+        for i, r in enumerate(rows):
+            n = len(r.token_ids)
+            torch.testing.assert_close(got[i, :n], want[i, :n], rtol=1e-9, atol=1e-9)
+
+
+def test_device_drafts_equal_host_tokens(tiny_folder):
+    _, static = runners(tiny_folder)
+    prefill(static, PROMPTS)
+    rows = [Row(3, [40], 20), Row(0, [11], 6)]
+    drafts = torch.tensor([[41, 42, 43], [12, 13, 14]])
+    host, _ = static.forward([Row(r.slot, r.token_ids + d, r.start) for r, d in zip(rows, drafts.tolist())])
+    host = host.clone()
+    device, _ = static.forward(rows, draft_tokens=drafts)
+    torch.testing.assert_close(device, host, rtol=0, atol=0)
+
+
+def test_dummy_rows_leave_real_entries_alone(tiny_folder):
+    _, static = runners(tiny_folder)
+    prefill(static, PROMPTS)
+    before = static.cache.k[:, :, :, :MAX_LEN].clone()
+    static.forward([Row(2, [4, 5], 3)])                    # bucket 4: slots 0, 1, 3 run dummy rows
+    after = static.cache.k[:, :, :, :MAX_LEN]
+    changed = (before != after).any(dim=(0, 2, 4)).nonzero().tolist()   # [slot, position]
+    assert changed == [[2, 3], [2, 4]]
+
+
+def test_no_shape_reallocates_a_buffer(tiny_folder):
+    _, static = runners(tiny_folder)
+    buffers = [static.inputs, static.positions, static.mask, static.logits,
+               static.cache.k, static.cache.v]
+    pointers = [b.data_ptr() for b in buffers]
+    for b in static.buckets:
+        for t in static.tiers:
+            for start, kv in ((8, 32), (40, 64), (70, 128)):
+                rows = [Row(slot, [1] * t, start) for slot in range(b)]
+                assert static.shape_for(rows) == (b, t, kv)
+                logits, _ = static.forward(rows)
+                assert logits.data_ptr() == static.logits.data_ptr()
+    assert [b.data_ptr() for b in buffers] == pointers
+    assert static.buckets == [1, 2, 4, 5] and static.tiers == [1, 2, 3, 4, 5, 6]
+    assert static.cache_len == 128 and static.kv_lens == [32, 64, 128]
+
+
+def test_exact_mode_has_one_tier(tiny_folder):
+    model = load_model(tiny_folder, torch.float64, "cpu", MAX_LEN)
+    static = CudaGraphRunner(model, 2, MAX_LEN, SPARE, exact_tokens=5, max_decode_tokens=5, progress=False)
+    logits, _ = static.forward([Row(0, [3], 0)])
+    assert static.tiers == [5] and logits.shape[1] == 5 and static.kv_lens == [static.cache_len]
+
+
+@pytest.mark.parametrize("match", ["recent", "first"])
+def test_device_drafter_equals_cpu_drafter(match):
+    """Random sequences over a small vocabulary (many repeats), ragged room and acceptance."""
+    rng = random.Random(0)
+    spec = SpecConfig(num_draft_tokens=6, min_ngram=1, max_ngram=3, match=match)
+    cpu, device = NgramDrafter(spec), DeviceNgramDrafter(spec, max_seqs=4, max_len=200, device="cpu")
+    seqs = {i: [rng.randrange(6) for _ in range(rng.randrange(1, 12))] for i in range(5)}
+    for seq_id, tokens in seqs.items():
+        cpu.begin(seq_id, tokens)
+        device.begin(seq_id, tokens)
+    device.end(4)                                       # ended before it ever drafted: holds no row
+    cpu.end(4)
+    del seqs[4]
+    for _ in range(30):
+        ids = list(seqs)
+        room = [rng.choice([0, 1, 3, 6]) for _ in ids]
+        if not any(room):
+            continue
+        want = cpu.propose(ids, room)
+        got = device.propose_device(ids, room)
+        for i, seq_id in enumerate(ids):
+            n = int(got.num_draft[i])
+            expected = want[i].tokens if want[i] and room[i] else []
+            assert got.tokens[i, :n].tolist() == expected
+        new = torch.tensor([[rng.randrange(6) for _ in range(7)] for _ in ids])
+        num_new = torch.tensor([rng.randrange(1, 3) for _ in ids])
+        device.append(ids, new, num_new)
+        for i, seq_id in enumerate(ids):
+            appended = new[i, :num_new[i]].tolist()
+            cpu.accept(seq_id, appended)
+            device.accept(seq_id, appended)
+            seqs[seq_id] += appended
+    for seq_id, row in device.rows.items():
+        assert device.tokens[row, :device.lengths[row]].tolist() == seqs[seq_id]
+
+
+PARAMS = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+ENGINE_PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [100, 200, 300, 100, 200], [7] * 30, [42]]
+
+
+def device_path_llm(folder, spec, device="cpu"):
+    """An LLM whose engine runs the GPU path (static-shape runner, device drafter) on `device`."""
+    opts = dict(dtype="float64", device=device, max_num_seqs=3, max_model_len=128, calibrate=False)
+    llm = LLM(str(folder), spec=spec, **opts)
+    engine = llm.engine
+    if device == "cpu":
+        engine.runner = CudaGraphRunner(engine.model, 3, 128, 16, max_decode_tokens=engine.max_draft + 1,
+                                        progress=False)
+        if spec.method == "ngram":
+            engine.drafter = DeviceNgramDrafter(spec, 3, 128, "cpu")
+    return llm
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_device_path_speculation_is_lossless(tiny_folder, device):
+    plain = LLM(str(tiny_folder), spec="none", dtype="float64", device="cpu", max_num_seqs=3,
+                max_model_len=128).generate(ENGINE_PROMPTS, PARAMS)
+    spec = SpecConfig(num_draft_tokens=5)
+    llm = device_path_llm(tiny_folder, spec, device)
+    out = llm.generate(ENGINE_PROMPTS, PARAMS)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    assert sum(o.spec["num_accepted_tokens"] for o in out) > 0
+    # the CPU drafter proposes the same drafts, so the same steps are taken
+    cpu = LLM(str(tiny_folder), spec=spec, dtype="float64", device="cpu", max_num_seqs=3, max_model_len=128,
+              calibrate=False).generate(ENGINE_PROMPTS, PARAMS)
+    assert [o.spec["num_draft_tokens"] for o in out] == [o.spec["num_draft_tokens"] for o in cpu]
+    engine = llm.engine
+    assert sorted(engine.scheduler.free_slots) == [0, 1, 2] and not engine.drafter.rows
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graph_replay_equals_eager(tiny_folder):
+    _, graphs = runners(tiny_folder, device="cuda")
+    _, eager = runners(tiny_folder, device="cuda", use_graphs=False)
+    assert len(graphs.graphs) == len(graphs.buckets) * len(graphs.tiers) * len(graphs.kv_lens)
+    for r in (graphs, eager):
+        prefill(r, PROMPTS)
+    for rows in steps():
+        want, _ = eager.forward(rows)
+        got, _ = graphs.forward(rows)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
