@@ -64,3 +64,16 @@ def test_hidden_states_are_pre_norm_last_layer(pair):
     _, hidden = runner.forward([Row(0, ids[0].tolist(), 0)], need_hidden=True)
     # transformers' last hidden state is after the final norm: apply ours to compare
     torch.testing.assert_close(ours.norm(hidden[0]), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_packed_cpu_linear_is_bit_identical():
+    """bf16 linears pre-packed for oneDNN give F.linear's products bit for bit, for any row count."""
+    from outpace.model import cpu_linear
+    if not cpu_linear.is_available():
+        pytest.skip("this torch has no oneDNN linear ops")
+    g = torch.Generator().manual_seed(5)
+    linear = torch.nn.Linear(96, 160, bias=True).to(torch.bfloat16)
+    packed = cpu_linear.PackedLinear(linear)
+    for rows in (1, 3, 9, 33):
+        x = torch.randn(2, rows, 96, generator=g).to(torch.bfloat16)
+        assert torch.equal(packed(x), torch.nn.functional.linear(x, linear.weight, linear.bias))

@@ -70,6 +70,7 @@ class ModelRunner:
             kv_len=kv_len,
             mask=mask,
             slot_start=slots[0] if is_contiguous else None,
+            write_start=rows[0].start if B == 1 else None,
             logit_rows=None if logits == "all" else torch.zeros(0, dtype=torch.long, device=self.device),
         )
         out, hidden = self.model(batch, self.cache, need_hidden=need_hidden)

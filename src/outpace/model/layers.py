@@ -26,6 +26,7 @@ class ForwardBatch:
     kv_len: int                    # keys attended: cache positions [0, kv_len)
     mask: torch.Tensor | None      # [B, 1, S, kv_len] bool, True = may attend; None = all keys
     slot_start: int | None = None  # slots are slot_start .. slot_start+B-1: read the cache as a view
+    write_start: int | None = None  # B == 1: the row's first position, so writes are slice copies
     logit_rows: torch.Tensor | None = None  # flat indices into B*S of the rows that need logits
 
 
@@ -37,8 +38,11 @@ class RMSNorm(nn.Module):
         self.shape = (dim,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one fused op; in float32 it equals the reference's normalise-then-scale bit for bit
-        return F.rms_norm(x, self.shape, self.weight, self.eps)
+        if x.dtype == torch.float32:
+            # one fused op, bit for bit the reference's normalise-then-scale in float32
+            return F.rms_norm(x, self.shape, self.weight, self.eps)
+        # the reference normalises in float32, rounds to the model dtype, then scales
+        return F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype) * self.weight
 
 
 class Attention(nn.Module):
@@ -65,9 +69,13 @@ class Attention(nn.Module):
         v = v.transpose(1, 2)                             # [B, KVH, S, D]
         # write the new keys/values at their positions; stale entries past a sequence's length
         # are never attended (mask) and get overwritten by later writes
-        index = (batch.slots[:, None, None], self._heads(x.device), batch.positions[:, None, :])
-        k_cache.index_put_(index, k)
-        v_cache.index_put_(index, v)
+        if batch.write_start is not None:                 # one row at known positions: plain copies
+            k_cache[batch.slot_start, :, batch.write_start:batch.write_start + S] = k[0]
+            v_cache[batch.slot_start, :, batch.write_start:batch.write_start + S] = v[0]
+        else:
+            index = (batch.slots[:, None, None], self._heads(x.device), batch.positions[:, None, :])
+            k_cache.index_put_(index, k)
+            v_cache.index_put_(index, v)
         if batch.slot_start is not None:
             keys = k_cache[batch.slot_start:batch.slot_start + B, :, :batch.kv_len]
             values = v_cache[batch.slot_start:batch.slot_start + B, :, :batch.kv_len]

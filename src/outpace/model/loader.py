@@ -8,6 +8,7 @@ from safetensors import safe_open
 from safetensors import SafetensorError
 
 from outpace.errors import CorruptModelError, ModelNotFoundError
+from outpace.model import cpu_linear
 from outpace.model.config import ModelConfig
 from outpace.model.decoder import DecoderLM
 from outpace.model.llama import LlamaForCausalLM
@@ -56,7 +57,10 @@ def load_model(folder: Path, dtype: torch.dtype, device: str, max_len: int) -> D
     if missing:
         raise CorruptModelError(f"weights missing from {folder}: {', '.join(missing[:5])}"
                                 f"{' ...' if len(missing) > 5 else ''}")
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    if str(device) == "cpu" and dtype == torch.bfloat16 and cpu_linear.is_available():
+        cpu_linear.pack_linears(model)      # measured: about a fifth faster per bf16 decode step
+    return model
 
 
 def _copy_into(model: DecoderLM, param: torch.nn.Parameter, name: str, shard: int | None,
