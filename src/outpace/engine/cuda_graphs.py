@@ -159,8 +159,8 @@ class CudaGraphRunner(ModelRunner):
         pool = torch.cuda.graph_pool_handle()
         self.starts.fill_(self.max_len)                 # dummy rows: writes land in the spare region
         self.input_ids.zero_()
-        bar = tqdm(shapes, desc="outpace: capturing CUDA graphs", unit="graph", disable=not progress,
-                   file=sys.stderr)
+        bar = tqdm(shapes, desc="outpace: capturing CUDA graphs", unit="graph", file=sys.stderr,
+                   disable=None if progress else True)         # None: shown on a terminal only
         with torch.inference_mode():
             for b, t, L in bar:
                 self._run_step(b, t, L)                 # warm-up: kernels chosen and loaded eagerly
