@@ -66,21 +66,12 @@ class CudaGraphRunner(ModelRunner):
         self.mask = torch.zeros(rows * tokens * self.cache_len, dtype=torch.bool, device=device)  # -> [b, 1, t, L]
         self.logits = torch.zeros(rows * tokens, vocab, dtype=torch.float32, device=device)       # -> [b, t, V]
         self.slot_ids = torch.arange(rows, device=device)
-        self._extend_rope(model)
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.capture_s = 0.0
         self.capture_bytes = 0
         if self.use_graphs:
             self.capture(progress)
-
-    def _extend_rope(self, model: DecoderLM) -> None:
-        """Padding and dummy rows sit at positions up to the cache length; the rope tables cover
-        max_len. Their rows are never read as real positions, so copies of the last row do."""
-        extra = self.cache_len - model.rope_cos.shape[0]
-        if extra > 0:
-            model.rope_cos = torch.cat([model.rope_cos, model.rope_cos[-1:].expand(extra, -1)])
-            model.rope_sin = torch.cat([model.rope_sin, model.rope_sin[-1:].expand(extra, -1)])
 
     # ---- the step ---------------------------------------------------------------------------
     def _run_step(self, b: int, t: int, L: int) -> None:

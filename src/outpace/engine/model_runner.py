@@ -38,6 +38,15 @@ class ModelRunner:
         self.exact_tokens = exact_tokens
         self.window = cfg.sliding_window
         self._arange = torch.arange(max_len + max_step_tokens, device=self.device)
+        self._extend_rope(model)
+
+    def _extend_rope(self, model: DecoderLM) -> None:
+        """Padded rows sit at positions up to the cache length; the rope tables cover max_len.
+        Those rows are never read as real positions, so copies of the last table row do."""
+        extra = self.cache.max_len - model.rope_cos.shape[0]
+        if extra > 0:
+            model.rope_cos = torch.cat([model.rope_cos, model.rope_cos[-1:].expand(extra, -1)])
+            model.rope_sin = torch.cat([model.rope_sin, model.rope_sin[-1:].expand(extra, -1)])
 
     @torch.inference_mode()
     def forward(self, rows: list[Row], logits: str = "all", need_hidden: bool = False):
