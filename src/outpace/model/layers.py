@@ -83,10 +83,7 @@ class Attention(nn.Module):
         else:
             keys = k_cache[:, :, :batch.kv_len].index_select(0, batch.slots)
             values = v_cache[:, :, :batch.kv_len].index_select(0, batch.slots)
-        if q.is_cuda and S > 1:
-            out = grouped_attention(q, keys, values, batch.mask)
-        else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
         return self.o(out.transpose(1, 2).reshape(B, S, -1))
 
     def _heads(self, device) -> torch.Tensor:
@@ -94,22 +91,6 @@ class Attention(nn.Module):
         if heads is None or heads.device != device:
             heads = self._heads_index = torch.arange(self.num_kv_heads, device=device)[None, :, None]
         return heads
-
-
-def grouped_attention(q, keys, values, mask):
-    """Attention for a few query tokens (verification) on CUDA: the query heads sharing a KV head
-    are stacked along the query length, so each KV head is read once by two plain matmuls. Its
-    cost stays near one-token decoding, where PyTorch's fused kernels grow several-fold from 1 to
-    2+ query tokens. q [B, H, S, D]; keys, values [B, KVH, L, D]; mask [B, 1, S, L] bool."""
-    B, H, S, D = q.shape
-    KVH, L = keys.shape[1], keys.shape[2]
-    G = H // KVH
-    scores = q.reshape(B, KVH, G * S, D) @ keys.transpose(-1, -2) * D ** -0.5       # [B, KVH, G*S, L]
-    allowed = mask.unsqueeze(2).expand(B, 1, G, S, L).reshape(B, 1, G * S, L)
-    if scores.element_size() < 4:                     # softmax of half-precision scores in float32
-        scores = scores.float()
-    probs = scores.masked_fill_(~allowed, float("-inf")).softmax(-1).to(q.dtype)
-    return (probs @ values).view(B, H, S, D)
 
 
 class MLP(nn.Module):
