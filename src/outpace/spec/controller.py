@@ -44,10 +44,16 @@ class DraftController:
         return best_k
 
     def observe(self, seq_id: int, num_draft: int, num_accepted: int) -> None:
-        """Acceptance counts decay so the estimate follows the sequence's recent behaviour."""
-        if num_draft == 0:
-            return
+        """Acceptance counts decay so the estimate follows the sequence's recent behaviour. A step
+        without a draft carries no evidence: the estimate relaxes toward the prior instead, so a
+        sequence whose drafting was switched off is probed again after a few steps (without
+        this, one bad stretch would end speculation for the rest of the sequence)."""
         accepted, drafted = self.counts.get(seq_id, self.prior)
+        if num_draft == 0:
+            keep = self.decay
+            self.counts[seq_id] = [accepted * keep + self.prior[0] * (1 - keep),
+                                   drafted * keep + self.prior[1] * (1 - keep)]
+            return
         # a rejection at position i says nothing about positions after i: count i + 1 trials
         trials = min(num_accepted + 1, num_draft)
         self.counts[seq_id] = [accepted * self.decay + num_accepted, drafted * self.decay + trials]
