@@ -145,8 +145,8 @@ class LLMEngine:
         if not self.max_draft:
             return [None] * len(seqs)
         t0 = time.perf_counter()
-        room = [0 if not s.speculate else min(self.controller.num_draft(s.seq_id, len(seqs)),
-                    s.params.max_tokens - s.num_output_tokens - 1,
+        k = self.controller.num_draft([s.seq_id for s in seqs if s.speculate], len(seqs))
+        room = [0 if not s.speculate else min(k, s.params.max_tokens - s.num_output_tokens - 1,
                     self.config.max_model_len - len(s.token_ids) - 1) for s in seqs]
         asking = [i for i, k in enumerate(room) if k > 0]
         drafts: list[Draft | None] | DeviceDrafts = [None] * len(seqs)

@@ -3,8 +3,9 @@
 With a per-token acceptance probability a (a sequence's running estimate) and k drafted tokens,
 a verify step yields E(k) = 1 + a + a^2 + ... + a^k tokens (accepted prefix plus the target's
 own), and costs c(k) = T(batch, 1 + k) / T(batch, 1) plain steps, T measured at start-up. The
-controller drafts the k in [0, max_draft] maximising E(k) / c(k); k = 0 is a plain step, so
-speculation that does not pay does not run.
+controller drafts the k in [0, max_draft] maximising E(k) / c(k), summed over a batch's rows (a
+step costs what its longest row costs); k = 0 is a plain step, so speculation that does not pay
+does not run.
 """
 from __future__ import annotations
 
@@ -33,11 +34,19 @@ class DraftController:
         curve = self.cost[self.buckets[i]]
         return curve[min(num_draft, len(curve) - 1)] / curve[0]
 
-    def num_draft(self, seq_id: int, batch_size: int) -> int:
-        a = min(self.acceptance(seq_id), 0.99)
-        best_k, best_rate, expected = 0, 1.0, 1.0
+    def num_draft(self, seq_ids: list[int], batch_size: int) -> int:
+        """One draft length for the speculating sequences of a batch of batch_size rows. A step's
+        cost is set by its longest row, so the k chosen maximises the batch's expected tokens
+        per unit of cost: sum_i E_i(k) / c(batch, k), against batch_size tokens for a plain step.
+        Rows that do not speculate yield one token whatever k is."""
+        rates = [min(self.acceptance(s), 0.99) for s in seq_ids]
+        powers = [1.0] * len(rates)
+        expected = float(batch_size)
+        best_k, best_rate = 0, float(batch_size)
         for k in range(1, self.max_draft + 1):
-            expected += a ** k
+            for i, a in enumerate(rates):
+                powers[i] *= a
+                expected += powers[i]
             rate = expected / self.cost_ratio(batch_size, k)
             if rate > best_rate:
                 best_k, best_rate = k, rate
