@@ -14,7 +14,8 @@ from safetensors.numpy import load_file
 
 from outpace.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
 from outpace.model import gguf, hub
-from outpace.model.gguf import convert_gguf, write_test_gguf
+from gguf_writer import write_test_gguf
+from outpace.model.gguf import convert_gguf
 from outpace.model.hub import resolve_model
 
 

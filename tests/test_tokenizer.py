@@ -8,7 +8,8 @@ import random
 import pytest
 
 from outpace.errors import InvalidParameterError, UnsupportedModelError
-from outpace.model.gguf import convert_gguf, write_test_gguf
+from gguf_writer import write_test_gguf
+from outpace.model.gguf import convert_gguf
 from outpace.model.tokenizer import IncrementalDecoder, Tokenizer
 
 TEXTS = [
