@@ -16,7 +16,6 @@ from outpace import LLM, SamplingParams, SpecConfig
 from outpace.engine.cuda_graphs import CudaGraphRunner
 from outpace.engine.model_runner import ModelRunner, Row
 from outpace.model.loader import load_model
-from outpace.spec import ngram_gpu
 from outpace.spec.ngram import NgramDrafter
 from outpace.spec.ngram_device import DeviceNgramDrafter
 from tiny import make_tiny

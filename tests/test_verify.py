@@ -4,7 +4,6 @@ emits tokens distributed exactly as the target's, whatever the drafter proposes.
 Statistical tests draw 200k rows in one batched call with fixed seeds and apply a chi-square test
 at significance 0.001 (a correct sampler fails one such test with probability 0.001).
 """
-import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence as Seq
+from typing import Sequence as Seq
 
 from tqdm import tqdm
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import re
 
-import torch
 from torch import nn
 
 from outpace.model.config import ModelConfig
