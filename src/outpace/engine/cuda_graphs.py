@@ -54,7 +54,6 @@ class CudaGraphRunner(ModelRunner):
         self.cache_len = self.cache.max_len
         ladder = [n for n in (512 * 2 ** i for i in range(16)) if n < self.cache_len] + [self.cache_len]
         self.kv_lens = [self.cache_len] if exact_tokens else sorted(set(kv_lens or ladder))
-        self.is_timing = False                        # forward waits for the device (host clocks time it)
         rows, tokens, vocab = self.buckets[-1], max(self.tiers), model.cfg.vocab_size
         device = self.device
         # The buffers, at the largest shape; shape (b, t) uses views of their first entries.
@@ -121,8 +120,6 @@ class CudaGraphRunner(ModelRunner):
             self.graphs[shape].replay()
         else:
             self._run_step(b, t, L)
-        if self.is_timing and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
         out = self.logits[:b * t].view(b, t, -1)
         slots = [r.slot for r in rows]
         if slots == list(range(len(rows))):

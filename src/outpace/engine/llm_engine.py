@@ -58,12 +58,8 @@ class LLMEngine:
         self.drafter = drafter if drafter is not None else self._make_drafter(spec)
         cost = None
         if self.max_draft and config.calibrate and not spec.exact:
-            is_graphs = isinstance(self.runner, CudaGraphRunner)
-            if is_graphs:
-                self.runner.is_timing = True            # host clocks time each forward: it must finish
+            # measure_verify_cost waits for the device after each forward, so host clocks time it
             cost = measure_verify_cost(self.runner, config.max_num_seqs, self.max_draft + 1)
-            if is_graphs:
-                self.runner.is_timing = False
         self.controller = DraftController(self.max_draft, cost)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_prefill_tokens)
         self.stats = SpecStats()
