@@ -12,15 +12,15 @@ def test_drafts_the_most_when_verification_is_free():
 def test_no_draft_when_acceptance_cannot_pay_for_it():
     c = DraftController(8, STEEP)
     for _ in range(20):
-        c.observe(0, 8, 0)
+        c.observe(0, 8, 8, 0)
     assert c.num_draft([0], 1) == 0
 
 
 def test_accepting_sequences_draft_more_than_rejecting_ones():
     c = DraftController(8, {1: [1.0 + 0.1 * k for k in range(9)]})
     for _ in range(10):
-        c.observe(1, 8, 8)
-        c.observe(2, 8, 1)
+        c.observe(1, 8, 8, 8)
+        c.observe(2, 8, 8, 1)
     assert c.num_draft([1], 1) > c.num_draft([2], 1)
 
 
@@ -29,11 +29,11 @@ def test_switched_off_sequence_is_probed_again():
     and speculation stayed off for the rest of the sequence."""
     c = DraftController(8, STEEP)
     for _ in range(20):
-        c.observe(0, 8, 0)
+        c.observe(0, 8, 8, 0)
     assert c.num_draft([0], 1) == 0
     steps = 0
     while c.num_draft([0], 1) == 0 and steps < 100:
-        c.observe(0, 0, 0)
+        c.observe(0, 0, 0, 0)
         steps += 1
     assert 0 < steps < 100
 
@@ -49,12 +49,66 @@ def test_one_draft_length_for_the_batch_weighs_every_row():
     cost = {1: [1.0 + 0.02 * k for k in range(9)], 8: [1.0 + 0.1 * k for k in range(9)]}
     c = DraftController(8, cost)
     for _ in range(10):
-        c.observe(0, 8, 2)
+        c.observe(0, 8, 8, 2)
         for s in range(1, 8):
-            c.observe(s, 8, 0)
-    assert c.num_draft([0], 1) >= 6
+            c.observe(s, 8, 8, 0)
+    assert c.num_draft([0], 1) >= 4
     assert c.num_draft(list(range(8)), 8) <= 1
     for s in range(1, 8):
         for _ in range(10):
-            c.observe(s, 8, 8)
+            c.observe(s, 8, 8, 8)
     assert c.num_draft(list(range(8)), 8) == 8
+
+
+def test_rows_without_a_draft_gain_nothing():
+    """Drafts known before the choice: rows that found no match do not pay for a long step."""
+    cost = {8: [1.0 + 0.2 * k for k in range(9)]}
+    c = DraftController(8, cost)
+    for s in range(8):
+        for _ in range(10):
+            c.observe(s, 8, 8, 8)
+    assert c.num_draft(list(range(8)), 8, available=[8] * 8) == 8
+    assert c.num_draft(list(range(8)), 8, available=[8] + [0] * 7) == 0
+    assert c.num_draft(list(range(8)), 8, available=[2] * 8) == 2
+
+
+def test_rows_that_rarely_find_a_match_are_discounted():
+    """Drafts not known before the choice (device drafter): a row's gain is weighted by how often
+    it had a draft when asked."""
+    cost = {8: [1.0 + 0.1 * k for k in range(9)]}
+    c = DraftController(8, cost)
+    for s in range(8):
+        for _ in range(10):
+            c.observe(s, 8, 8, 8)
+    assert c.num_draft(list(range(8)), 8) == 8
+    for s in range(8):
+        for _ in range(30):
+            c.observe(s, 8, 0, 0)
+    assert c.hit_rate(0) < 0.1
+    assert c.num_draft(list(range(8)), 8) == 0
+
+
+def test_measured_step_overhead_can_switch_speculation_off():
+    """The start-up curve says verification is nearly free; steps that draft measure 3x slower
+    (drafting, acceptance math): at a modest acceptance the controller stops drafting."""
+    cost = {1: [1.0 + 0.01 * k for k in range(9)]}
+    c = DraftController(8, cost)
+    for _ in range(10):
+        c.observe(0, 8, 8, 1)
+    assert c.num_draft([0], 1) > 0
+    for _ in range(50):
+        c.observe_step(1, 0, 1.0)
+        c.observe_step(1, 4, 3.0)
+    assert c.cost_ratio(1, 4) > 2.9
+    assert c.num_draft([0], 1) == 0
+
+
+def test_bursty_acceptance_drafts_long():
+    """Half the drafts are wrong at once, the other half right to the end (a copied span): the
+    first-position rate is 0.5, yet long drafts pay, which one per-token rate would miss."""
+    c = DraftController(8, {1: [1.0 + 0.1 * k for k in range(9)]})
+    for _ in range(20):
+        c.observe(0, 8, 8, 0)
+        c.observe(0, 8, 8, 8)
+    assert 0.4 < c.acceptance(0) < 0.6 and c.follow_rate(0) > 0.9
+    assert c.num_draft([0], 1) == 8

@@ -123,9 +123,13 @@ class LLMEngine:
             self.prefill(plan)
         if not plan.decode:
             return []
-        drafts = self.propose(plan.decode)
+        t0 = time.perf_counter()
+        drafts, asked = self.propose(plan.decode)
         tokens, counts, num_drafts = self.verify(plan.decode, drafts)
-        self.accept(plan.decode, num_drafts, tokens, counts)
+        if not plan.prefill:      # a step that also prefilled says nothing about decode cost
+            width = max(asked) if isinstance(drafts, DeviceDrafts) else max(num_drafts)   # tokens per row - 1
+            self.controller.observe_step(len(plan.decode), width, time.perf_counter() - t0)
+        self.accept(plan.decode, asked, num_drafts, tokens, counts)
         return self.postprocess(plan.decode)
 
     def prefill(self, plan: StepPlan) -> None:
@@ -137,25 +141,36 @@ class LLMEngine:
             c.seq.num_cached = c.end
             c.seq.prefill_s += elapsed
 
-    def propose(self, seqs: list[Sequence]) -> list[Draft | None] | DeviceDrafts:
-        if not self.max_draft:
-            return [None] * len(seqs)
+    def propose(self, seqs: list[Sequence]) -> tuple[list[Draft | None] | DeviceDrafts, list[int]]:
+        """Drafts for this step and how many tokens each row asked for. A host drafter drafts
+        first, at the most each row has room for, so the controller weighs the drafts that exist;
+        the device drafter is told the controller's length up front (its drafts stay on the device)."""
+        none: list[Draft | None] = [None] * len(seqs)
+        if not self.max_draft or not any(s.speculate for s in seqs):
+            return none, [0] * len(seqs)
         t0 = time.perf_counter()
-        k = self.controller.num_draft([s.seq_id for s in seqs if s.speculate], len(seqs))
-        room = [0 if not s.speculate else min(k, s.params.max_tokens - s.num_output_tokens - 1,
+        room = [0 if not s.speculate else min(self.max_draft, s.params.max_tokens - s.num_output_tokens - 1,
                     self.config.max_model_len - len(s.token_ids) - 1) for s in seqs]
-        asking = [i for i, k in enumerate(room) if k > 0]
-        drafts: list[Draft | None] | DeviceDrafts = [None] * len(seqs)
-        if asking and isinstance(self.drafter, DeviceNgramDrafter):
-            drafts = self.drafter.propose_device([s.seq_id for s in seqs], room)
+        asking = [i for i, r in enumerate(room) if r > 0]
+        spec_ids = [s.seq_id for s in seqs if s.speculate]
+        drafts: list[Draft | None] | DeviceDrafts = none
+        if isinstance(self.drafter, DeviceNgramDrafter):
+            k = self.controller.num_draft(spec_ids, len(seqs))
+            room = [min(r, k) for r in room]
+            if k and asking:
+                drafts = self.drafter.propose_device([s.seq_id for s in seqs], room)
         elif asking:
             got = self.drafter.propose([seqs[i].seq_id for i in asking], [room[i] for i in asking])
+            available = [len(d) if d else 0 for d in got]
+            k = self.controller.num_draft([seqs[i].seq_id for i in asking], len(seqs), available)
+            drafts = list(none)
             for i, d in zip(asking, got):
-                drafts[i] = Draft(d.tokens[:room[i]], d.parents, d.probs) if d else None
+                drafts[i] = Draft(d.tokens[:k], d.parents, d.probs) if d and k else None
+            room = [min(r, k) for r in room]
         elapsed = time.perf_counter() - t0
         for s in seqs:
             s.stats.draft_s += elapsed / len(seqs)
-        return drafts
+        return drafts, room
 
     def verify(self, seqs: list[Sequence], drafts: list[Draft | None]):
         """One target forward over [last token + draft] of every sequence, then the acceptance
@@ -193,11 +208,11 @@ class LLMEngine:
             s.stats.verify_s += elapsed / len(seqs)
         return [h[2:2 + h[0]] for h in host], [h[0] for h in host], [h[1] for h in host]
 
-    def accept(self, seqs, num_drafts, tokens, counts) -> None:
+    def accept(self, seqs, asked, num_drafts, tokens, counts) -> None:
         now = time.perf_counter()
-        for seq, num_draft, new, n in zip(seqs, num_drafts, tokens, counts):
+        for seq, ask, num_draft, new, n in zip(seqs, asked, num_drafts, tokens, counts):
             seq.stats.record(num_draft, n - 1)
-            self.controller.observe(seq.seq_id, num_draft, n - 1)
+            self.controller.observe(seq.seq_id, ask, num_draft, n - 1)
             # the last token and the accepted drafts are now cached; the new last token is not
             seq.num_cached = len(seq.token_ids) + n - 1
             if seq.first_token_time is None:

@@ -1,11 +1,15 @@
 """DraftController: how many tokens to draft for each sequence, from measured acceptance and cost.
 
-With a per-token acceptance probability a (a sequence's running estimate) and k drafted tokens,
-a verify step yields E(k) = 1 + a + a^2 + ... + a^k tokens (accepted prefix plus the target's
-own), and costs c(k) = T(batch, 1 + k) / T(batch, 1) plain steps, T measured at start-up. The
-controller drafts the k in [0, max_draft] maximising E(k) / c(k), summed over a batch's rows (a
-step costs what its longest row costs); k = 0 is a plain step, so speculation that does not pay
-does not run.
+Acceptance is bursty: a draft whose first token is right is usually right for a while (a copied
+span), so one per-token rate undercounts long drafts. The controller models a draft of k tokens
+for sequence i as accepted up to position j with probability a_i * f_i^(j-1): a_i, the
+sequence's rate at the first position, and f_i, its rate at a later position given the one
+before was accepted. A verify step then yields E_i(k) = 1 + sum_j P_i(>= j) tokens (accepted prefix plus the target's own). A step's cost is the forward over 1 + k tokens
+per row, T(batch, 1 + k), measured at start-up, plus what the step spends around the forward
+(drafting, acceptance math, the host sync, longer contexts), measured on the steps as they run.
+The controller drafts the k in [0, max_draft] maximising the batch's expected tokens per second
+(a step costs what its longest row costs); k = 0 is a plain step, so speculation that does not
+pay does not run.
 """
 from __future__ import annotations
 
@@ -14,58 +18,111 @@ import bisect
 
 class DraftController:
     def __init__(self, max_draft: int, cost: dict[int, list[float]] | None = None,
-                 prior_accepted: float = 1.0, prior_drafted: float = 2.0, decay: float = 0.9):
-        """cost[b][s-1]: forward time of a batch of b rows of s tokens (any unit); None = flat."""
+                 prior_accepted: float = 1.0, prior_drafted: float = 2.0, decay: float = 0.9,
+                 step_decay: float = 0.9, prior_follow: tuple[float, float] = (1.4, 2.0)):
+        """cost[b][s-1]: forward seconds of a batch of b rows of s tokens; None = flat, no timing."""
         self.max_draft = max_draft
         self.cost = cost or {}
         self.buckets = sorted(self.cost)
-        self.prior = (prior_accepted, prior_drafted)
+        self.prior = (prior_accepted, prior_drafted, *prior_follow)
         self.decay = decay
-        self.counts: dict[int, list[float]] = {}   # seq_id -> [accepted, drafted], decayed sums
+        self.step_decay = step_decay
+        # seq_id -> decayed counts [accepted, trials] at position 1, [accepted, trials] at later
+        # positions reached, [hits, asks] of the drafter
+        self.counts: dict[int, list[float]] = {}
+        # (bucket, drafting) -> running mean of step seconds beyond the calibrated forward
+        self.overhead: dict[tuple[int, bool], float] = {}
+
+    def _counts(self, seq_id: int) -> list[float]:
+        return self.counts.get(seq_id) or [*self.prior, 0.0, 0.0]
 
     def acceptance(self, seq_id: int) -> float:
-        accepted, drafted = self.counts.get(seq_id, self.prior)
-        return accepted / drafted if drafted else 0.0
+        """P(first drafted token accepted)."""
+        accepted, trials = self._counts(seq_id)[:2]
+        return accepted / trials
 
-    def cost_ratio(self, batch_size: int, num_draft: int) -> float:
+    def follow_rate(self, seq_id: int) -> float:
+        """P(a drafted token accepted | the one before it was)."""
+        accepted, trials = self._counts(seq_id)[2:4]
+        return accepted / trials
+
+    def hit_rate(self, seq_id: int) -> float:
+        """Share of asks for which the drafter had a draft (1 until the sequence was asked)."""
+        hits, asks = self._counts(seq_id)[4:]
+        return hits / asks if asks else 1.0
+
+    def _bucket(self, batch_size: int) -> int:
+        return self.buckets[min(bisect.bisect_left(self.buckets, batch_size), len(self.buckets) - 1)]
+
+    def step_cost(self, batch_size: int, num_draft: int) -> float:
+        """Expected seconds of a step: the calibrated forward plus the measured overhead."""
         if not self.buckets:
             return 1.0
-        i = min(bisect.bisect_left(self.buckets, batch_size), len(self.buckets) - 1)
-        curve = self.cost[self.buckets[i]]
-        return curve[min(num_draft, len(curve) - 1)] / curve[0]
+        b = self._bucket(batch_size)
+        curve = self.cost[b]
+        return curve[min(num_draft, len(curve) - 1)] + self.overhead.get((b, num_draft > 0), 0.0)
 
-    def num_draft(self, seq_ids: list[int], batch_size: int) -> int:
+    def cost_ratio(self, batch_size: int, num_draft: int) -> float:
+        return self.step_cost(batch_size, num_draft) / self.step_cost(batch_size, 0)
+
+    def num_draft(self, seq_ids: list[int], batch_size: int, available: list[int] | None = None) -> int:
         """One draft length for the speculating sequences of a batch of batch_size rows. A step's
         cost is set by its longest row, so the k chosen maximises the batch's expected tokens
         per unit of cost: sum_i E_i(k) / c(batch, k), against batch_size tokens for a plain step.
+        available[i], when the drafts are already known, is how many tokens row i has (a row
+        without a draft gains nothing from k); otherwise a row's gain is weighted by its hit rate.
         Rows that do not speculate yield one token whatever k is."""
-        rates = [min(self.acceptance(s), 0.99) for s in seq_ids]
-        powers = [1.0] * len(rates)
+        follow = [min(self.follow_rate(s), 0.99) for s in seq_ids]
+        firsts = [min(self.acceptance(s), 0.99) for s in seq_ids]
+        weights = [1.0] * len(seq_ids) if available is not None else [self.hit_rate(s) for s in seq_ids]
+        limits = available if available is not None else [self.max_draft] * len(seq_ids)
+        top = min(self.max_draft, max(limits, default=0))
+        reach = [w * a for w, a in zip(weights, firsts)]      # P(accepted through position k), row i
         expected = float(batch_size)
-        best_k, best_rate = 0, float(batch_size)
-        for k in range(1, self.max_draft + 1):
-            for i, a in enumerate(rates):
-                powers[i] *= a
-                expected += powers[i]
-            rate = expected / self.cost_ratio(batch_size, k)
+        best_k, best_rate = 0, batch_size / self.step_cost(batch_size, 0)
+        for k in range(1, top + 1):
+            for i in range(len(reach)):
+                if k <= limits[i]:
+                    expected += reach[i]
+                    reach[i] *= follow[i]
+            rate = expected / self.step_cost(batch_size, k)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
 
-    def observe(self, seq_id: int, num_draft: int, num_accepted: int) -> None:
-        """Acceptance counts decay so the estimate follows the sequence's recent behaviour. A step
-        without a draft carries no evidence: the estimate relaxes toward the prior instead, so a
-        sequence whose drafting was switched off is probed again after a few steps (without
+    def observe(self, seq_id: int, asked: int, num_draft: int, num_accepted: int) -> None:
+        """After a step that asked the drafter for `asked` tokens and verified num_draft of them.
+        Acceptance counts decay so the estimate follows the sequence's recent behaviour. A step
+        that asked for nothing carries no evidence: the estimate relaxes toward the prior instead,
+        so a sequence whose drafting was switched off is probed again after a few steps (without
         this, one bad stretch would end speculation for the rest of the sequence)."""
-        accepted, drafted = self.counts.get(seq_id, self.prior)
-        if num_draft == 0:
-            keep = self.decay
-            self.counts[seq_id] = [accepted * keep + self.prior[0] * (1 - keep),
-                                   drafted * keep + self.prior[1] * (1 - keep)]
+        acc1, trials1, accf, trialsf, hits, asks = self._counts(seq_id)
+        d, p = self.decay, self.prior
+        if asked == 0:
+            self.counts[seq_id] = [acc1 * d + p[0] * (1 - d), trials1 * d + p[1] * (1 - d),
+                                   accf * d + p[2] * (1 - d), trialsf * d + p[3] * (1 - d), hits, asks]
             return
-        # a rejection at position i says nothing about positions after i: count i + 1 trials
-        trials = min(num_accepted + 1, num_draft)
-        self.counts[seq_id] = [accepted * self.decay + num_accepted, drafted * self.decay + trials]
+        hits, asks = hits * d + (num_draft > 0), asks * d + 1
+        if num_draft:
+            acc1, trials1 = acc1 * d + (num_accepted > 0), trials1 * d + 1
+            # later positions reached: 2..num_accepted + 1 (a rejection ends the draft)
+            reached = min(num_accepted + 1, num_draft) - 1
+            if reached > 0:
+                accf, trialsf = accf * d + num_accepted - 1, trialsf * d + reached
+        self.counts[seq_id] = [acc1, trials1, accf, trialsf, hits, asks]
+
+    def observe_step(self, batch_size: int, num_draft: int, seconds: float) -> None:
+        """A decode step of batch_size rows drafting num_draft tokens took `seconds` (propose
+        through the host sync). What it took beyond the calibrated forward is the overhead that
+        start-up timing cannot see: drafting, acceptance math, launches, longer contexts."""
+        if not self.buckets:
+            return
+        b = self._bucket(batch_size)
+        curve = self.cost[b]
+        extra = seconds - curve[min(num_draft, len(curve) - 1)]
+        key = (b, num_draft > 0)
+        old = self.overhead.get(key)
+        self.overhead[key] = extra if old is None else self.step_decay * old + (1 - self.step_decay) * extra
 
     def end(self, seq_id: int) -> None:
         self.counts.pop(seq_id, None)
