@@ -323,8 +323,8 @@ def chat_ids(llm, text):
 
 def default_model(args, model, gguf, prompts):
     device = args.device
-    llm = LLM(model, spec=SpecConfig(num_draft_tokens=8), dtype="bfloat16", device=device, max_num_seqs=1,
-              max_model_len=4096)
+    llm = LLM(model, spec=SpecConfig(num_draft_tokens=args.num_draft_tokens), dtype="bfloat16", device=device,
+              max_num_seqs=1, max_model_len=4096)
     first = [chat_ids(llm, p[0]) for p in prompts.values()][:3]
     n = 64 if args.quick else 256
     rates = {}
@@ -407,8 +407,8 @@ def spec_bench(llm, prompts, max_tokens):
 # ---- 5. serving ---------------------------------------------------------------------------------
 def serving(args, model, prompts):
     texts = [t for ts in prompts.values() for t in ts]
-    llm = LLM(model, spec=SpecConfig(num_draft_tokens=8), dtype="bfloat16", device=args.device, max_num_seqs=32,
-              max_model_len=2048)
+    llm = LLM(model, spec=SpecConfig(num_draft_tokens=args.num_draft_tokens), dtype="bfloat16", device=args.device,
+              max_num_seqs=32, max_model_len=2048)
     engine = llm.engine
     params = greedy(128 if args.quick else 256, ignore_eos=False)
     ids = [i for i in (chat_ids(llm, t) for t in texts) if len(i) + params.max_tokens <= 2048]
@@ -446,6 +446,7 @@ def main():
     p.add_argument("--quick", action="store_true", help="fewer tokens and repetitions (a debugging run)")
     p.add_argument("--smoke", action="store_true", help="a small random shape instead of Llama-3-8B's")
     p.add_argument("--only", nargs="*", default=["exact", "8b", "default", "serving"])
+    p.add_argument("--num-draft-tokens", type=int, default=8, help="most tokens drafted per step (sections 4, 5)")
     args = p.parse_args()
     started = time.perf_counter()
     folder = resolve_model(args.model)

@@ -86,6 +86,14 @@ def test_rows_that_rarely_find_a_match_are_discounted():
             c.observe(s, 8, 0, 0)
     assert c.hit_rate(0) < 0.1
     assert c.num_draft(list(range(8)), 8) == 0
+    # not asked, no evidence: the hit rate relaxes back, so the rows are asked again (regression:
+    # it stayed low for good, and a device-drafting sequence never drafted again)
+    steps = 0
+    while c.num_draft(list(range(8)), 8) == 0 and steps < 100:
+        for s in range(8):
+            c.observe(s, 0, 0, 0)
+        steps += 1
+    assert 0 < steps < 100
 
 
 def test_measured_step_overhead_can_switch_speculation_off():
@@ -99,7 +107,7 @@ def test_measured_step_overhead_can_switch_speculation_off():
     for _ in range(50):
         c.observe_step(1, 0, 1.0)
         c.observe_step(1, 4, 3.0)
-    assert c.cost_ratio(1, 4) > 2.9
+    assert c.cost_ratio(1, 4) > 2.5
     assert c.num_draft([0], 1) == 0
 
 
@@ -112,3 +120,19 @@ def test_bursty_acceptance_drafts_long():
         c.observe(0, 8, 8, 8)
     assert 0.4 < c.acceptance(0) < 0.6 and c.follow_rate(0) > 0.9
     assert c.num_draft([0], 1) == 8
+
+
+def test_one_slow_step_does_not_end_speculation():
+    """Regression: the first drafting step was slow once (first calls), its overhead stood for
+    every later step, and the controller never drafted again."""
+    c = DraftController(8, {1: [1.0 + 0.01 * k for k in range(9)]})
+    for _ in range(10):
+        c.observe(0, 8, 8, 4)
+    c.observe_step(1, 8, 1000.0)
+    assert c.cost_ratio(1, 8) <= 5 * 1.08 + 1e-9      # the forward plus at most 4 forwards
+    steps = 0
+    while c.num_draft([0], 1) == 0 and steps < 100:
+        c.observe_step(1, 0, 1.0)
+        c.observe(0, 0, 0, 0)
+        steps += 1
+    assert steps < 100

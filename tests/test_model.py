@@ -39,20 +39,25 @@ def test_cached_decode_matches_reference(pair):
 
 
 def test_ragged_batch_equals_rows_alone(pair):
-    """Rows of different lengths and positions in one padded forward give each row's own logits."""
+    """Rows of different lengths and positions in one padded forward give each row's own logits,
+    whichever slots they sit in."""
     _, ours = pair
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (7, 30, 15)]
-    runner = ModelRunner(ours, num_slots=3, max_len=512, max_step_tokens=64)
-    alone = []
-    for slot, p in enumerate(prompts):
+    slots = [0, 1, 5]
+    runner = ModelRunner(ours, num_slots=6, max_len=512, max_step_tokens=64)
+    alone = {}
+    for slot, p in zip(slots, prompts):
         runner.forward([Row(slot, p[:-3], 0)], logits="none")
-        alone.append(runner.forward([Row(slot, p[-3:], len(p) - 3)])[0][0])
-    # the same last rows again, batched (slots 2, 0, 1: not contiguous), overwriting the same positions
-    order = [2, 0, 1]
-    batched, _ = runner.forward([Row(s, prompts[s][-3:], len(prompts[s]) - 3) for s in order])
-    for i, s in enumerate(order):
-        torch.testing.assert_close(batched[i], alone[s], atol=1e-9, rtol=1e-9)
+        alone[slot] = runner.forward([Row(slot, p[-3:], len(p) - 3)])[0][0]
+    # the same last rows again, batched, overwriting the same positions: 5, 0, 1 reads slots 0..5
+    # as one view (2..4 idle), 1, 5 and 5, 0 gather each row's cache (their range is too wide for
+    # two rows), 0, 1 is a plain view
+    last = dict(zip(slots, prompts))
+    for order in ([5, 0, 1], [1, 5], [5, 0], [0, 1]):
+        batched, _ = runner.forward([Row(s, last[s][-3:], len(last[s]) - 3) for s in order])
+        for i, s in enumerate(order):
+            torch.testing.assert_close(batched[i], alone[s], atol=1e-9, rtol=1e-9)
 
 
 def test_hidden_states_are_pre_norm_last_layer(pair):

@@ -63,6 +63,9 @@ class CudaGraphRunner(ModelRunner):
         self.input_ids = self.inputs[rows:]                                             # [b*t] -> [b, t]
         self.positions = torch.zeros(rows * tokens, dtype=torch.long, device=device)    # [b*t] -> [b, t]
         self.mask = torch.zeros(rows * tokens * self.cache_len, dtype=torch.bool, device=device)  # -> [b, 1, t, L]
+        # the mask as the additive bias attention takes without converting it in every layer
+        self.bias = torch.zeros(rows * tokens * self.cache_len, dtype=self.dtype, device=device)  # -> [b, 1, t, L]
+        self.bias_values = torch.tensor([0.0, float("-inf")], dtype=self.dtype, device=device)
         self.logits = torch.zeros(rows * tokens, vocab, dtype=torch.float32, device=device)       # -> [b, t, V]
         self.slot_ids = torch.arange(rows, device=device)
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
@@ -82,8 +85,10 @@ class CudaGraphRunner(ModelRunner):
         torch.le(keys, positions[:, None, :, None], out=mask)                          # key <= query position
         if self.window:
             mask &= keys > positions[:, None, :, None] - self.window
+        bias = self.bias[:b * t * L].view(b, 1, t, L)
+        torch.where(mask, self.bias_values[0], self.bias_values[1], out=bias)
         batch = ForwardBatch(input_ids=self.input_ids[:b * t].view(b, t), positions=positions,
-                             slots=self.slot_ids[:b], kv_len=L, mask=mask, slot_start=0)
+                             slots=self.slot_ids[:b], kv_len=L, mask=bias, slot_start=0)
         out, _ = self.model(batch, self.cache)                                          # [b*t, V]
         self.logits[:b * t].copy_(out)
 

@@ -159,13 +159,17 @@ class LLMEngine:
             room = [min(r, k) for r in room]
             if k and asking:
                 drafts = self.drafter.propose_device([s.seq_id for s in seqs], room)
-        elif asking:
-            got = self.drafter.propose([seqs[i].seq_id for i in asking], [room[i] for i in asking])
-            available = [len(d) if d else 0 for d in got]
-            k = self.controller.num_draft([seqs[i].seq_id for i in asking], len(seqs), available)
-            drafts = list(none)
-            for i, d in zip(asking, got):
-                drafts[i] = Draft(d.tokens[:k], d.parents, d.probs) if d and k else None
+        else:
+            ids, most = [seqs[i].seq_id for i in asking], [room[i] for i in asking]
+            k = 0
+            # the drafter runs only when full drafts in every asking row would pay at this batch size
+            if asking and self.controller.num_draft(ids, len(seqs), most):
+                got = self.drafter.propose(ids, most)
+                k = self.controller.num_draft(ids, len(seqs), [len(d) if d else 0 for d in got])
+                if k:
+                    drafts = list(none)
+                    for i, d in zip(asking, got):
+                        drafts[i] = Draft(d.tokens[:k], d.parents, d.probs) if d else None
             room = [min(r, k) for r in room]
         elapsed = time.perf_counter() - t0
         for s in seqs:

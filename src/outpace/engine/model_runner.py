@@ -23,6 +23,11 @@ class Row:
     start: int          # position of token_ids[0]
 
 
+# Rows on scattered slots attend over their slot range as one view when the range is at most this
+# many times the rows; wider ranges gather each row's cache instead.
+SPAN_LIMIT = 2
+
+
 class ModelRunner:
     def __init__(self, model: DecoderLM, num_slots: int, max_len: int, max_step_tokens: int,
                  exact_tokens: int | None = None):
@@ -64,23 +69,33 @@ class ModelRunner:
         kv_len = max(r.start for r in rows) + S
         if exact:
             kv_len = self.cache.max_len
+        is_contiguous = slots == list(range(slots[0], slots[0] + B))
+        lowest, span = min(slots), max(slots) - min(slots) + 1
+        span_rows = None
+        query_positions = positions
+        if not is_contiguous and span <= SPAN_LIMIT * B:
+            # attention reads slots lowest..lowest+span-1 as one view; idle slots' rows attend to
+            # every key (never an empty softmax) and are dropped
+            span_rows = torch.tensor([s - lowest for s in slots], device=self.device)
+            query_positions = torch.full((span, S), kv_len - 1, dtype=torch.long, device=self.device)
+            query_positions[span_rows] = positions
         mask = None
         if S > 1 or B > 1 or exact or self.window:
             keys = self._arange[:kv_len]
-            allowed = keys[None, None, :] <= positions[:, :, None]             # [B, S, L]
+            allowed = keys[None, None, :] <= query_positions[:, :, None]       # [B or span, S, L]
             if self.window:
-                allowed &= keys[None, None, :] > positions[:, :, None] - self.window
+                allowed &= keys[None, None, :] > query_positions[:, :, None] - self.window
             mask = allowed.unsqueeze(1)
-        is_contiguous = slots == list(range(slots[0], slots[0] + B))
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, device=self.device),
             positions=positions,
             slots=torch.tensor(slots, device=self.device),
             kv_len=kv_len,
             mask=mask,
-            slot_start=slots[0] if is_contiguous else None,
+            slot_start=slots[0] if is_contiguous else lowest if span_rows is not None else None,
             write_start=rows[0].start if B == 1 else None,
             logit_rows=None if logits == "all" else torch.zeros(0, dtype=torch.long, device=self.device),
+            span_rows=span_rows,
         )
         out, hidden = self.model(batch, self.cache, need_hidden=need_hidden)
         return (out.view(B, S, -1) if logits == "all" else None), hidden

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from outpace.model.config import ModelConfig
-from outpace.model.rope import apply_rope
+from outpace.model.fused import add_rms_norm, rms_norm, rope, silu_mul
 
 
 @dataclass
@@ -24,10 +24,13 @@ class ForwardBatch:
     positions: torch.Tensor        # [B, S] int64, cache position of each new token
     slots: torch.Tensor            # [B] int64, cache slot of each row
     kv_len: int                    # keys attended: cache positions [0, kv_len)
-    mask: torch.Tensor | None      # [B, 1, S, kv_len] bool, True = may attend; None = all keys
+    mask: torch.Tensor | None      # [B, 1, S, kv_len] bool (True = may attend) or additive bias; None = all keys
     slot_start: int | None = None  # slots are slot_start .. slot_start+B-1: read the cache as a view
     write_start: int | None = None  # B == 1: the row's first position, so writes are slice copies
     logit_rows: torch.Tensor | None = None  # flat indices into B*S of the rows that need logits
+    # rows' offsets in the slot range slot_start.. that attention reads as one view; the range's
+    # other slots are idle rows whose outputs are dropped (mask then has one row per slot of it)
+    span_rows: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -38,12 +41,17 @@ class RMSNorm(nn.Module):
         self.shape = (dim,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 or x.is_cuda:
-            # one fused op: in float32 bit for bit the reference's normalise-then-scale; on CUDA
-            # one kernel instead of four (bf16 rounding may differ from the reference's in the last bit)
+        if x.dtype == torch.float32 and not x.is_cuda:
+            # one fused op: in float32 bit for bit the reference's normalise-then-scale
             return F.rms_norm(x, self.shape, self.weight, self.eps)
-        # CPU bf16: the reference normalises in float32, rounds to the model dtype, then scales
-        return F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype) * self.weight
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, its norm): one kernel on CUDA."""
+        if h.is_cuda:
+            return add_rms_norm(h, delta, self.weight, self.eps)
+        h = h + delta
+        return h, self(h)
 
 
 class Attention(nn.Module):
@@ -65,7 +73,7 @@ class Attention(nn.Module):
         qk, v = qkv[:, :, :H + KVH], qkv[:, :, H + KVH:]
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
-        qk = apply_rope(qk, cos, sin)                     # q and k rotated together: [B, S, H+KVH, D]
+        qk = rope(qk, cos, sin)                           # q and k rotated together: [B, S, H+KVH, D]
         q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
         v = v.transpose(1, 2)                             # [B, KVH, S, D]
         # write the new keys/values at their positions; stale entries past a sequence's length
@@ -77,13 +85,23 @@ class Attention(nn.Module):
             index = (batch.slots[:, None, None], self._heads(x.device), batch.positions[:, None, :])
             k_cache.index_put_(index, k)
             v_cache.index_put_(index, v)
-        if batch.slot_start is not None:
-            keys = k_cache[batch.slot_start:batch.slot_start + B, :, :batch.kv_len]
-            values = v_cache[batch.slot_start:batch.slot_start + B, :, :batch.kv_len]
+        if batch.span_rows is not None:
+            # rows scattered over a slot range: attend over the range as a view (idle slots get
+            # zero queries) rather than gathering every row's cache, which cost more than the linears
+            span = batch.mask.shape[0]
+            keys = k_cache[batch.slot_start:batch.slot_start + span, :, :batch.kv_len]
+            values = v_cache[batch.slot_start:batch.slot_start + span, :, :batch.kv_len]
+            q = q.new_zeros((span, *q.shape[1:])).index_copy_(0, batch.span_rows, q)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
+            out = out.index_select(0, batch.span_rows)
         else:
-            keys = k_cache[:, :, :batch.kv_len].index_select(0, batch.slots)
-            values = v_cache[:, :, :batch.kv_len].index_select(0, batch.slots)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
+            if batch.slot_start is not None:
+                keys = k_cache[batch.slot_start:batch.slot_start + B, :, :batch.kv_len]
+                values = v_cache[batch.slot_start:batch.slot_start + B, :, :batch.kv_len]
+            else:
+                keys = k_cache[:, :, :batch.kv_len].index_select(0, batch.slots)
+                values = v_cache[:, :, :batch.kv_len].index_select(0, batch.slots)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
         return self.o(out.transpose(1, 2).reshape(B, S, -1))
 
     def _heads(self, device) -> torch.Tensor:
@@ -102,8 +120,7 @@ class MLP(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(silu_mul(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -115,5 +132,5 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, h, cos, sin, batch, k_cache, v_cache):
-        h = h + self.attn(self.input_norm(h), cos, sin, batch, k_cache, v_cache)
-        return h + self.mlp(self.post_norm(h))
+        h, x = self.post_norm.add_forward(h, self.attn(self.input_norm(h), cos, sin, batch, k_cache, v_cache))
+        return h + self.mlp(x)

@@ -39,7 +39,7 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, s: dict, dim: int, base: float, max_p
 
 
 def rope_tables(head_dim: int, base: float, max_pos: int, scaling: dict | None):
-    """cos and signed-sin tables [max_pos, head_dim] in float32, for apply_rope's rotate-half
+    """cos and signed-sin tables [max_pos, head_dim] in float32, for fused.rope's rotate-half
     layout: the first half of the signed sin is negated."""
     # float32 throughout, the arithmetic of the reference implementations, so tables match bit for bit
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -59,12 +59,3 @@ def rope_tables(head_dim: int, base: float, max_pos: int, scaling: dict | None):
     sin = emb.sin() * mscale
     sin[:, :head_dim // 2].neg_()
     return emb.cos() * mscale, sin
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [B, S, heads, D]; cos, signed_sin [B, S, 1, D] in x's dtype.
-
-    The reference rotates as x * cos + cat(-x2, x1) * sin. Rolling x by half gives cat(x2, x1),
-    and multiplying by the signed sin cat(-s1, s2) yields the same products bit for bit, in
-    four ops instead of eight."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

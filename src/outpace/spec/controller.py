@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import bisect
 
+OUTLIER_FORWARDS = 4.0    # a step's measured overhead counts as at most this many of its forwards
+MIN_GAIN = 1.03           # drafting must promise this much over a plain step: estimates are noisy
+
 
 class DraftController:
     def __init__(self, max_draft: int, cost: dict[int, list[float]] | None = None,
                  prior_accepted: float = 1.0, prior_drafted: float = 2.0, decay: float = 0.9,
-                 step_decay: float = 0.9, prior_follow: tuple[float, float] = (1.4, 2.0)):
+                 step_decay: float = 0.9, probe_decay: float = 0.98, prior_follow: tuple[float, float] = (1.4, 2.0)):
         """cost[b][s-1]: forward seconds of a batch of b rows of s tokens; None = flat, no timing."""
         self.max_draft = max_draft
         self.cost = cost or {}
@@ -27,6 +30,7 @@ class DraftController:
         self.prior = (prior_accepted, prior_drafted, *prior_follow)
         self.decay = decay
         self.step_decay = step_decay
+        self.probe_decay = probe_decay
         # seq_id -> decayed counts [accepted, trials] at position 1, [accepted, trials] at later
         # positions reached, [hits, asks] of the drafter
         self.counts: dict[int, list[float]] = {}
@@ -68,7 +72,8 @@ class DraftController:
     def num_draft(self, seq_ids: list[int], batch_size: int, available: list[int] | None = None) -> int:
         """One draft length for the speculating sequences of a batch of batch_size rows. A step's
         cost is set by its longest row, so the k chosen maximises the batch's expected tokens
-        per unit of cost: sum_i E_i(k) / c(batch, k), against batch_size tokens for a plain step.
+        per unit of cost: sum_i E_i(k) / c(batch, k), against batch_size tokens for a plain step
+        (which wins unless drafting promises MIN_GAIN more).
         available[i], when the drafts are already known, is how many tokens row i has (a row
         without a draft gains nothing from k); otherwise a row's gain is weighted by its hit rate.
         Rows that do not speculate yield one token whatever k is."""
@@ -79,7 +84,7 @@ class DraftController:
         top = min(self.max_draft, max(limits, default=0))
         reach = [w * a for w, a in zip(weights, firsts)]      # P(accepted through position k), row i
         expected = float(batch_size)
-        best_k, best_rate = 0, batch_size / self.step_cost(batch_size, 0)
+        best_k, best_rate = 0, MIN_GAIN * batch_size / self.step_cost(batch_size, 0)
         for k in range(1, top + 1):
             for i in range(len(reach)):
                 if k <= limits[i]:
@@ -100,7 +105,8 @@ class DraftController:
         d, p = self.decay, self.prior
         if asked == 0:
             self.counts[seq_id] = [acc1 * d + p[0] * (1 - d), trials1 * d + p[1] * (1 - d),
-                                   accf * d + p[2] * (1 - d), trialsf * d + p[3] * (1 - d), hits, asks]
+                                   accf * d + p[2] * (1 - d), trialsf * d + p[3] * (1 - d),
+                                   hits * d + (1 - d), asks * d + (1 - d)]
             return
         hits, asks = hits * d + (num_draft > 0), asks * d + 1
         if num_draft:
@@ -114,15 +120,22 @@ class DraftController:
     def observe_step(self, batch_size: int, num_draft: int, seconds: float) -> None:
         """A decode step of batch_size rows drafting num_draft tokens took `seconds` (propose
         through the host sync). What it took beyond the calibrated forward is the overhead that
-        start-up timing cannot see: drafting, acceptance math, launches, longer contexts."""
+        start-up timing cannot see: drafting, acceptance math, launches, longer contexts. One slow
+        step (a first call, a collection pause) counts as at most a few forwards, and plain steps
+        pull the drafting overhead toward the plain one, so a bad estimate is probed again rather
+        than ending speculation for good."""
         if not self.buckets:
             return
         b = self._bucket(batch_size)
-        curve = self.cost[b]
-        extra = seconds - curve[min(num_draft, len(curve) - 1)]
-        key = (b, num_draft > 0)
+        forward = self.cost[b][min(num_draft, len(self.cost[b]) - 1)]
+        extra = min(seconds - forward, OUTLIER_FORWARDS * forward)
+        self._update((b, num_draft > 0), extra, self.step_decay)
+        if num_draft == 0 and (b, True) in self.overhead:
+            self._update((b, True), self.overhead[(b, False)], self.probe_decay)
+
+    def _update(self, key: tuple[int, bool], value: float, decay: float) -> None:
         old = self.overhead.get(key)
-        self.overhead[key] = extra if old is None else self.step_decay * old + (1 - self.step_decay) * extra
+        self.overhead[key] = value if old is None else decay * old + (1 - decay) * value
 
     def end(self, seq_id: int) -> None:
         self.counts.pop(seq_id, None)

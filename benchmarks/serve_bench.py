@@ -1,0 +1,191 @@
+"""Serving benchmark: drive `outpace serve` over HTTP at several concurrencies, with and without
+speculation, in one run.
+
+    python benchmarks/serve_bench.py --dataset ../shared/data/spec_bench_question.jsonl \
+        --concurrency 1 4 16 32 --out bench-out/serve
+
+One server (n-gram speculation on) is started for the run; each request asks for speculation or
+not through the request field `speculate` (outpace's extension), so both modes share the process,
+the weights and the calibrated controller. At each concurrency the same prompts (Spec-Bench first
+turns, categories interleaved) run once per mode, the mode that goes first alternating between
+levels; `concurrency` clients each keep one streaming chat request in flight. Greedy, EOS ignored
+so every request produces max_tokens tokens in both modes.
+
+Reported per level and mode: output tokens/s (all output tokens / wall time of the level), time to
+first token and time per output token after the first (median and p99).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def first_turns(path: str) -> list[str]:
+    """Spec-Bench first turns, round-robin over categories so any prefix mixes them."""
+    by_category: dict[str, list[str]] = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            by_category.setdefault(record["category"], []).append(record["turns"][0])
+    queues = list(by_category.values())
+    out = []
+    for i in range(max(len(q) for q in queues)):
+        out += [q[i] for q in queues if i < len(q)]
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+async def one_request(client: httpx.AsyncClient, prompt: str, args, speculate: bool) -> dict:
+    body = {"model": args.model, "messages": [{"role": "user", "content": prompt}], "stream": True,
+            "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True, "speculate": speculate,
+            "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    first = None
+    usage = None
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                first = time.perf_counter()
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    end = time.perf_counter()
+    tokens = usage["completion_tokens"]
+    first = first or end
+    return {"tokens": tokens, "ttft_s": first - started,
+            "tpot_s": (end - first) / (tokens - 1) if tokens > 1 else 0.0, "latency_s": end - started}
+
+
+async def run_level(args, prompts: list[str], concurrency: int, speculate: bool) -> dict:
+    queue: asyncio.Queue = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    results: list[dict] = []
+
+    async def client_loop(client):
+        while not queue.empty():
+            results.append(await one_request(client, queue.get_nowait(), args, speculate))
+
+    timeout = httpx.Timeout(None)
+    async with httpx.AsyncClient(base_url=args.url, timeout=timeout,
+                                 limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+        started = time.perf_counter()
+        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+        wall = time.perf_counter() - started
+    ttft = [r["ttft_s"] for r in results]
+    tpot = [r["tpot_s"] for r in results]
+    tokens = sum(r["tokens"] for r in results)
+    return {"requests": len(results), "output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "ttft_median_s": statistics.median(ttft), "ttft_p99_s": percentile(ttft, 0.99),
+            "tpot_median_s": statistics.median(tpot), "tpot_p99_s": percentile(tpot, 0.99)}
+
+
+def start_server(args) -> subprocess.Popen:
+    try:
+        httpx.get(f"{args.url}/health", timeout=2)
+        raise SystemExit(f"serve_bench: something already listens on port {args.port}; stop it or pass --port")
+    except httpx.HTTPError:
+        pass
+    cmd = [sys.executable, "-m", "outpace.cli", "serve", "--model", args.model, "--port", str(args.port),
+           "--max-num-seqs", str(max(args.concurrency)), "--spec", "ngram", "--log-interval", "60"]
+    cmd += args.server_args
+    log = open(Path(args.out) / "server.log", "w")
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    deadline = time.time() + args.start_timeout
+    while time.time() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"serve_bench: the server exited (code {server.returncode}); see {log.name}")
+        try:
+            if httpx.get(f"{args.url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    server.terminate()
+    raise SystemExit(f"serve_bench: the server did not come up in {args.start_timeout} s; see {log.name}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dataset", required=True, help="Spec-Bench JSONL (question_id, category, turns)")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests per level and mode (default: max(8, 2 x concurrency))")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--start-timeout", type=float, default=600, help="seconds to wait for the server (first start "
+                   "may convert the model and calibrate)")
+    p.add_argument("--out", default="bench-out/serve")
+    p.add_argument("server_args", nargs="*", help="extra `outpace serve` options, after --")
+    args = p.parse_args()
+    args.url = f"http://127.0.0.1:{args.port}"
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    prompts = first_turns(args.dataset)
+    server = start_server(args)
+    levels: list[dict] = []
+    try:
+        asyncio.run(run_level(args, prompts[:2], 2, True))            # warm-up, untimed
+        for index, c in enumerate(args.concurrency):
+            n = args.requests or max(8, 2 * c)
+            batch = [prompts[(index * 7 + i) % len(prompts)] for i in range(n)]
+            level = {"concurrency": c}
+            for speculate in ((False, True) if index % 2 == 0 else (True, False)):
+                level["spec" if speculate else "plain"] = asyncio.run(run_level(args, batch, c, speculate))
+            level["speedup"] = level["spec"]["tokens_per_s"] / level["plain"]["tokens_per_s"]
+            levels.append(level)
+            print(f"concurrency {c}: plain {level['plain']['tokens_per_s']:.1f} tok/s, "
+                  f"speculative {level['spec']['tokens_per_s']:.1f} tok/s ({level['speedup']:.2f}x)", flush=True)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    report(args, levels)
+
+
+def report(args, levels: list[dict]) -> None:
+    ms = 1000
+    lines = ["| concurrency | mode | requests | output tok/s | TTFT median / p99 (ms) | TPOT median / p99 (ms) | speedup |",
+             "|---|---|---|---|---|---|---|"]
+    for level in levels:
+        for mode in ("plain", "spec"):
+            r = level[mode]
+            speedup = f"{level['speedup']:.2f}x" if mode == "spec" else ""
+            lines.append(f"| {level['concurrency']} | {'speculative' if mode == 'spec' else 'plain'} | {r['requests']} | "
+                         f"{r['tokens_per_s']:.1f} | {r['ttft_median_s'] * ms:.0f} / {r['ttft_p99_s'] * ms:.0f} | "
+                         f"{r['tpot_median_s'] * ms:.1f} / {r['tpot_p99_s'] * ms:.1f} | {speedup} |")
+    by_c = {level["concurrency"]: level for level in levels}
+    checks = {f"speculative >= plain at concurrency {c}": by_c[c]["speedup"] >= 1.0 for c in by_c}
+    if 1 in by_c:
+        checks["speculative >= 1.3x plain at concurrency 1"] = by_c[1]["speedup"] >= 1.3
+        if 16 in by_c:
+            scale = max(by_c[16]["plain"]["tokens_per_s"], by_c[16]["spec"]["tokens_per_s"]) / by_c[1]["plain"]["tokens_per_s"]
+            checks[f"concurrency 16 total >= 4x concurrency 1 plain ({scale:.2f}x)"] = scale >= 4.0
+    table = "\n".join(lines)
+    targets = "\n".join(f"- {name}: {'met' if ok else 'MISSED'}" for name, ok in checks.items())
+    print(f"\n{table}\n\n{targets}")
+    out = Path(args.out)
+    (out / "results.json").write_text(json.dumps({"config": {k: v for k, v in vars(args).items()}, "levels": levels,
+                                                   "checks": checks}, indent=1))
+    (out / "results.md").write_text(f"{table}\n\n{targets}\n")
+    print(f"written: {out / 'results.json'}, {out / 'results.md'}")
+
+
+if __name__ == "__main__":
+    main()
