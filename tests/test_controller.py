@@ -136,3 +136,17 @@ def test_one_slow_step_does_not_end_speculation():
         c.observe(0, 0, 0, 0)
         steps += 1
     assert steps < 100
+
+
+def test_host_work_per_token_discounts_drafting():
+    """Where the host's work per token dwarfs the forward (a fast GPU, many rows), more tokens per
+    step save little: the same acceptance that pays with free host work does not pay here."""
+    cost = {32: [1.0 + 0.3 * k for k in range(9)]}
+    c = DraftController(8, cost)
+    for s in range(32):
+        for _ in range(10):
+            c.observe(s, 8, 8, 2)
+    assert c.num_draft(list(range(32)), 32) > 0
+    for _ in range(50):
+        c.observe_tokens(32, 32 * 0.5)        # half a forward of host work per token
+    assert c.num_draft(list(range(32)), 32) == 0

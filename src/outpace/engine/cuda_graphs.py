@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from outpace.engine.calibrate import batch_buckets
 from outpace.engine.model_runner import ModelRunner, Row
+from outpace.model import fused
 from outpace.model.decoder import DecoderLM
 from outpace.model.layers import ForwardBatch
 
@@ -154,7 +155,7 @@ class CudaGraphRunner(ModelRunner):
         self.input_ids.zero_()
         bar = tqdm(shapes, desc="outpace: capturing CUDA graphs", unit="graph", file=sys.stderr,
                    disable=None if progress else True)         # None: shown on a terminal only
-        with torch.inference_mode():
+        with torch.inference_mode(), fused.for_graphs():
             for b, t, L in bar:
                 self._run_step(b, t, L)                 # warm-up: kernels chosen and loaded eagerly
                 graph = torch.cuda.CUDAGraph()

@@ -129,8 +129,11 @@ class LLMEngine:
         if not plan.prefill:      # a step that also prefilled says nothing about decode cost
             width = max(asked) if isinstance(drafts, DeviceDrafts) else max(num_drafts)   # tokens per row - 1
             self.controller.observe_step(len(plan.decode), width, time.perf_counter() - t0)
+        t1 = time.perf_counter()
         self.accept(plan.decode, asked, num_drafts, tokens, counts)
-        return self.postprocess(plan.decode)
+        done = self.postprocess(plan.decode)
+        self.controller.observe_tokens(sum(counts), time.perf_counter() - t1)
+        return done
 
     def prefill(self, plan: StepPlan) -> None:
         t0 = time.perf_counter()

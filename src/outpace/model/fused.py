@@ -1,14 +1,19 @@
-"""The step's small elementwise ops, one kernel each on CUDA.
+"""The step's small elementwise ops, one kernel each inside CUDA graphs.
 
 At batch 1 a decode step on a GPU is a few large matrix products and, between them, about twenty
 small elementwise kernels per layer whose launch and tail cost rivals the products on a small
-model. On CUDA each function here is compiled once (torch.compile, Triton, shapes dynamic) into a
-single kernel, captured into the CUDA graphs like any other; on the CPU the same math runs eagerly
-(compiling there took minutes and ran slower). Each computes what the reference implementation
-computes: RMSNorm normalises in float32, rounds to the model dtype, then scales.
+model. While CUDA graphs are captured (`for_graphs()`), each function here runs as one kernel
+compiled once (torch.compile, Triton, shapes dynamic) and is captured like any other. Elsewhere
+(the CPU, eager CUDA steps, prompt chunks) the same math runs as plain torch ops: compiling on the
+CPU took minutes and ran slower, and an eager step pays each compiled call's guard checks on the
+host, which is what bounds it. Each computes what the reference implementation computes: RMSNorm
+normalises in float32, rounds to the model dtype, then scales. The compiled kernels may round
+intermediate values differently from the plain ops (greedy outputs of graphs and eager steps can
+part at near-ties).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -20,14 +25,28 @@ import torch.nn.functional as F
 RECOMPILE_LIMIT = 64
 
 
+_capturing = False
+
+
+@contextlib.contextmanager
+def for_graphs():
+    """Within: CUDA tensors go through the compiled kernels (warm-up and capture of graphs)."""
+    global _capturing
+    previous, _capturing = _capturing, True
+    try:
+        yield
+    finally:
+        _capturing = previous
+
+
 def cuda_compiled(eager):
-    """eager on the CPU; on CUDA one compiled kernel, compiled at first use."""
+    """Plain torch ops, or one compiled kernel for CUDA tensors within for_graphs()."""
     compiled = None
 
     @functools.wraps(eager)
     def call(x: torch.Tensor, *args):
         nonlocal compiled
-        if not x.is_cuda:
+        if not (_capturing and x.is_cuda):
             return eager(x, *args)
         if compiled is None:
             import torch._dynamo

@@ -4,12 +4,13 @@ Acceptance is bursty: a draft whose first token is right is usually right for a 
 span), so one per-token rate undercounts long drafts. The controller models a draft of k tokens
 for sequence i as accepted up to position j with probability a_i * f_i^(j-1): a_i, the
 sequence's rate at the first position, and f_i, its rate at a later position given the one
-before was accepted. A verify step then yields E_i(k) = 1 + sum_j P_i(>= j) tokens (accepted prefix plus the target's own). A step's cost is the forward over 1 + k tokens
-per row, T(batch, 1 + k), measured at start-up, plus what the step spends around the forward
-(drafting, acceptance math, the host sync, longer contexts), measured on the steps as they run.
-The controller drafts the k in [0, max_draft] maximising the batch's expected tokens per second
-(a step costs what its longest row costs); k = 0 is a plain step, so speculation that does not
-pay does not run.
+before was accepted. A verify step then yields E_i(k) = 1 + sum_j P_i(>= j) tokens (accepted
+prefix plus the target's own). A step's cost is the forward over 1 + k tokens per row,
+T(batch, 1 + k), measured at start-up, plus what the step spends around the forward (drafting,
+acceptance math, the host sync, longer contexts), measured on the steps as they run, plus the
+host's work per token it yields (detokenising, stop checks), also measured. The controller drafts
+the k in [0, max_draft] maximising the batch's expected tokens per second (a step costs what its
+longest row costs); k = 0 is a plain step, so speculation that does not pay does not run.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class DraftController:
         self.counts: dict[int, list[float]] = {}
         # (bucket, drafting) -> running mean of step seconds beyond the calibrated forward
         self.overhead: dict[tuple[int, bool], float] = {}
+        self.token_cost = 0.0       # running mean of host seconds per token a step yields
 
     def _counts(self, seq_id: int) -> list[float]:
         return self.counts.get(seq_id) or [*self.prior, 0.0, 0.0]
@@ -84,16 +86,20 @@ class DraftController:
         top = min(self.max_draft, max(limits, default=0))
         reach = [w * a for w, a in zip(weights, firsts)]      # P(accepted through position k), row i
         expected = float(batch_size)
-        best_k, best_rate = 0, MIN_GAIN * batch_size / self.step_cost(batch_size, 0)
+        best_k, best_rate = 0, MIN_GAIN * self._rate(batch_size, 0, expected)
         for k in range(1, top + 1):
             for i in range(len(reach)):
                 if k <= limits[i]:
                     expected += reach[i]
                     reach[i] *= follow[i]
-            rate = expected / self.step_cost(batch_size, k)
+            rate = self._rate(batch_size, k, expected)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
+
+    def _rate(self, batch_size: int, num_draft: int, expected: float) -> float:
+        """Expected tokens per second of a step yielding `expected` tokens."""
+        return expected / (self.step_cost(batch_size, num_draft) + expected * self.token_cost)
 
     def observe(self, seq_id: int, asked: int, num_draft: int, num_accepted: int) -> None:
         """After a step that asked the drafter for `asked` tokens and verified num_draft of them.
@@ -132,6 +138,13 @@ class DraftController:
         self._update((b, num_draft > 0), extra, self.step_decay)
         if num_draft == 0 and (b, True) in self.overhead:
             self._update((b, True), self.overhead[(b, False)], self.probe_decay)
+
+    def observe_tokens(self, num_tokens: int, seconds: float) -> None:
+        """A step's host work on its num_tokens new tokens took `seconds`. It grows with the
+        tokens a step yields, so where it is large (many rows, a fast device) drafting gains less."""
+        if self.buckets and num_tokens:
+            d = self.step_decay
+            self.token_cost = d * self.token_cost + (1 - d) * seconds / num_tokens
 
     def _update(self, key: tuple[int, bool], value: float, decay: float) -> None:
         old = self.overhead.get(key)
