@@ -28,14 +28,14 @@ from pathlib import Path
 
 import httpx
 
+from outpace.bench.dataset import load_spec_bench
+
 
 def first_turns(path: str) -> list[str]:
     """Spec-Bench first turns, round-robin over categories so any prefix mixes them."""
     by_category: dict[str, list[str]] = {}
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            by_category.setdefault(record["category"], []).append(record["turns"][0])
+    for record in load_spec_bench(path):
+        by_category.setdefault(record.category, []).append(record.turns[0])
     queues = list(by_category.values())
     out = []
     for i in range(max(len(q) for q in queues)):

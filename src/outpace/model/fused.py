@@ -56,16 +56,18 @@ def cuda_compiled(eager):
     return call
 
 
-@cuda_compiled
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype) * weight
+
+
+rms_norm = cuda_compiled(_rms_norm)
 
 
 @cuda_compiled
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
     """(h + delta, rms_norm(h + delta)): a residual add and the next norm in one pass."""
     h = h + delta
-    return h, F.rms_norm(h.float(), h.shape[-1:], None, eps).to(h.dtype) * weight
+    return h, _rms_norm(h, weight, eps)
 
 
 @cuda_compiled

@@ -47,7 +47,7 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h + delta, its norm): one kernel on CUDA."""
+        """(h + delta, its norm): one kernel inside CUDA graphs."""
         if h.is_cuda:
             return add_rms_norm(h, delta, self.weight, self.eps)
         h = h + delta
@@ -85,23 +85,21 @@ class Attention(nn.Module):
             index = (batch.slots[:, None, None], self._heads(x.device), batch.positions[:, None, :])
             k_cache.index_put_(index, k)
             v_cache.index_put_(index, v)
-        if batch.span_rows is not None:
-            # rows scattered over a slot range: attend over the range as a view (idle slots get
-            # zero queries) rather than gathering every row's cache, which cost more than the linears
-            span = batch.mask.shape[0]
+        # the rows' caches: a view of slots slot_start.. when they sit in one range (rows scattered
+        # over it put zero queries in its idle slots, dropped after), else a gather of each row's
+        # cache, which costs more than the linears at 16 rows
+        span = B if batch.span_rows is None else batch.mask.shape[0]
+        if batch.slot_start is not None:
             keys = k_cache[batch.slot_start:batch.slot_start + span, :, :batch.kv_len]
             values = v_cache[batch.slot_start:batch.slot_start + span, :, :batch.kv_len]
-            q = q.new_zeros((span, *q.shape[1:])).index_copy_(0, batch.span_rows, q)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
-            out = out.index_select(0, batch.span_rows)
         else:
-            if batch.slot_start is not None:
-                keys = k_cache[batch.slot_start:batch.slot_start + B, :, :batch.kv_len]
-                values = v_cache[batch.slot_start:batch.slot_start + B, :, :batch.kv_len]
-            else:
-                keys = k_cache[:, :, :batch.kv_len].index_select(0, batch.slots)
-                values = v_cache[:, :, :batch.kv_len].index_select(0, batch.slots)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
+            keys = k_cache[:, :, :batch.kv_len].index_select(0, batch.slots)
+            values = v_cache[:, :, :batch.kv_len].index_select(0, batch.slots)
+        if batch.span_rows is not None:
+            q = q.new_zeros((span, *q.shape[1:])).index_copy_(0, batch.span_rows, q)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
+        if batch.span_rows is not None:
+            out = out.index_select(0, batch.span_rows)
         return self.o(out.transpose(1, 2).reshape(B, S, -1))
 
     def _heads(self, device) -> torch.Tensor:
