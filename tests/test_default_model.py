@@ -61,3 +61,28 @@ def test_exact_mode_speculation_is_bit_identical(default_model_dir, dtype):
     plain_out = [o.token_ids for o in plain.generate(PROMPTS, params)]
     assert spec_out == plain_out
     assert spec.engine.stats.num_accepted_tokens > 0, "the prompts were chosen to give accepted drafts"
+
+
+def test_bf16_prompt_chunks_compute_in_float32(default_model_dir):
+    """On the CPU a long bf16 prompt chunk runs in float32 (weights and cache stay bf16): the
+    decode step after it sees the float32 model's logits about as closely as after a bf16 prefill."""
+    from outpace.engine.model_runner import FP32_PREFILL_MIN_TOKENS
+    ids = list(range(1000, 1000 + 3 * FP32_PREFILL_MIN_TOKENS // 2))
+    last = [ids.pop()]
+    logits = {}
+    for dtype, chunk in ((torch.float32, len(ids)), (torch.bfloat16, len(ids)), (torch.bfloat16, 32)):
+        runner = ModelRunner(load_model(default_model_dir, dtype, "cpu", max_len=512), num_slots=1,
+                             max_len=512, max_step_tokens=64)
+        seen = []
+        hook = runner.model.layers[0].mlp.down.register_forward_hook(lambda m, args, out: seen.append(args[0].dtype))
+        for start in range(0, len(ids), chunk):
+            runner.forward([Row(0, ids[start:start + chunk], start)], logits="none")
+        hook.remove()
+        assert set(seen) == {torch.float32 if chunk >= FP32_PREFILL_MIN_TOKENS else dtype}
+        assert runner.cache.k[0].dtype == dtype
+        logits[dtype, chunk] = runner.forward([Row(0, last, len(ids))])[0][0, 0]
+    reference = logits[torch.float32, len(ids)]
+    fp32_chunk = (logits[torch.bfloat16, len(ids)] - reference).abs().max().item()
+    bf16_chunks = (logits[torch.bfloat16, 32] - reference).abs().max().item()
+    print(f"max |logit - float32 model's|: float32 chunk {fp32_chunk:.3f}, bf16 chunks {bf16_chunks:.3f}")
+    assert fp32_chunk < 1.5 * bf16_chunks + 0.05

@@ -82,3 +82,6 @@ def test_packed_cpu_linear_is_bit_identical():
     for rows in (1, 3, 9, 33):
         x = torch.randn(2, rows, 96, generator=g).to(torch.bfloat16)
         assert torch.equal(packed(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
+        # a float32 input (a prompt chunk computed in float32) takes the widened weight
+        assert torch.equal(packed(x.float()), torch.nn.functional.linear(x.float(), linear.weight.float(),
+                                                                        linear.bias.float()))

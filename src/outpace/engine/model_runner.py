@@ -27,6 +27,12 @@ class Row:
 # many times the rows; wider ranges gather each row's cache instead.
 SPAN_LIMIT = 2
 
+# A bfloat16 prompt chunk of at least this many tokens runs in float32 on the CPU: oneDNN's float32
+# products are about 1.6x its bfloat16 ones from 128 rows up there (benchmarks in cpu_linear.py's
+# notes), and float32 attention is faster too. Only prompt chunks: a decode or verify forward keeps
+# the weights' dtype, so plain and speculative steps compute alike.
+FP32_PREFILL_MIN_TOKENS = 128
+
 
 class ModelRunner:
     def __init__(self, model: DecoderLM, num_slots: int, max_len: int, max_step_tokens: int,
@@ -42,6 +48,7 @@ class ModelRunner:
                              cfg.head_dim, self.dtype, self.device)
         self.exact_tokens = exact_tokens
         self.window = cfg.sliding_window
+        self.prefill_dtype = torch.float32 if self.device.type == "cpu" and self.dtype == torch.bfloat16 else None
         self._arange = torch.arange(max_len + max_step_tokens, device=self.device)
         self._extend_rope(model)
 
@@ -80,7 +87,8 @@ class ModelRunner:
             query_positions = torch.full((span, S), kv_len - 1, dtype=torch.long, device=self.device)
             query_positions[span_rows] = positions
         mask = None
-        if S > 1 or B > 1 or exact or self.window:
+        causal = B == 1 and S > 1 and rows[0].start == 0 and not exact and not self.window
+        if (S > 1 or B > 1 or exact or self.window) and not causal:
             keys = self._arange[:kv_len]
             allowed = keys[None, None, :] <= query_positions[:, :, None]       # [B or span, S, L]
             if self.window:
@@ -96,6 +104,8 @@ class ModelRunner:
             write_start=rows[0].start if B == 1 else None,
             logit_rows=None if logits == "all" else torch.zeros(0, dtype=torch.long, device=self.device),
             span_rows=span_rows,
+            causal=causal,
         )
-        out, hidden = self.model(batch, self.cache, need_hidden=need_hidden)
+        compute = self.prefill_dtype if logits == "none" and B * S >= FP32_PREFILL_MIN_TOKENS else None
+        out, hidden = self.model(batch, self.cache, need_hidden=need_hidden, compute_dtype=compute)
         return (out.view(B, S, -1) if logits == "all" else None), hidden

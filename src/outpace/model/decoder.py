@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 
+import torch
 from torch import nn
 
 from outpace.model.config import ModelConfig
@@ -44,19 +45,27 @@ class DecoderLM(nn.Module):
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 
-    def forward(self, batch: ForwardBatch, cache: KVCache, need_hidden: bool = False):
-        """Returns logits [N, V] float32 for batch.logit_rows (all B*S rows when None), and the
-        last layer's hidden states before the final norm [B, S, H] when need_hidden (else None)."""
+    def forward(self, batch: ForwardBatch, cache: KVCache, need_hidden: bool = False,
+                compute_dtype: torch.dtype | None = None):
+        """Returns logits [N, V] float32 for batch.logit_rows (all B*S rows when None; None when it
+        is empty), and the last layer's hidden states before the final norm [B, S, H] when
+        need_hidden (else None). compute_dtype: the activations' dtype when it is not the
+        weights' (weights and cache keep theirs)."""
         h = self.embed(batch.input_ids)                                  # [B, S, H]
+        hidden_dtype = h.dtype
+        if compute_dtype is not None:
+            h = h.to(compute_dtype)
         cos = self.rope_cos[batch.positions].to(h.dtype).unsqueeze(2)    # [B, S, 1, D]
         sin = self.rope_sin[batch.positions].to(h.dtype).unsqueeze(2)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, batch, cache.k[i], cache.v[i])
+        hidden = h.to(hidden_dtype) if need_hidden else None
+        if batch.logit_rows is not None and batch.logit_rows.numel() == 0:
+            return None, hidden
         flat = h.flatten(0, 1)
         if batch.logit_rows is not None:
             flat = flat.index_select(0, batch.logit_rows)
-        logits = self.lm_head(self.norm(flat)).float()
-        return logits, (h if need_hidden else None)
+        return self.lm_head(self.norm(flat)).float(), hidden
 
     def map_weight(self, hf_name: str) -> tuple[str, int | None] | None:
         """Our parameter name and shard index for a Hugging Face tensor name; None = not used."""

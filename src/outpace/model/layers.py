@@ -31,6 +31,7 @@ class ForwardBatch:
     # rows' offsets in the slot range slot_start.. that attention reads as one view; the range's
     # other slots are idle rows whose outputs are dropped (mask then has one row per slot of it)
     span_rows: torch.Tensor | None = None
+    causal: bool = False           # one row from position 0: mask None, keys j <= query i (faster kernels)
 
 
 class RMSNorm(nn.Module):
@@ -43,7 +44,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and not x.is_cuda:
             # one fused op: in float32 bit for bit the reference's normalise-then-scale
-            return F.rms_norm(x, self.shape, self.weight, self.eps)
+            return F.rms_norm(x, self.shape, self.weight.to(x.dtype), self.eps)
         return rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,8 +84,8 @@ class Attention(nn.Module):
             v_cache[batch.slot_start, :, batch.write_start:batch.write_start + S] = v[0]
         else:
             index = (batch.slots[:, None, None], self._heads(x.device), batch.positions[:, None, :])
-            k_cache.index_put_(index, k)
-            v_cache.index_put_(index, v)
+            k_cache.index_put_(index, k.to(k_cache.dtype))
+            v_cache.index_put_(index, v.to(v_cache.dtype))
         # the rows' caches: a view of slots slot_start.. when they sit in one range (rows scattered
         # over it put zero queries in its idle slots, dropped after), else a gather of each row's
         # cache, which costs more than the linears at 16 rows
@@ -95,9 +96,11 @@ class Attention(nn.Module):
         else:
             keys = k_cache[:, :, :batch.kv_len].index_select(0, batch.slots)
             values = v_cache[:, :, :batch.kv_len].index_select(0, batch.slots)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)    # a float32 prompt chunk reads bf16 caches
         if batch.span_rows is not None:
             q = q.new_zeros((span, *q.shape[1:])).index_copy_(0, batch.span_rows, q)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, is_causal=batch.causal,
+                                             enable_gqa=True)
         if batch.span_rows is not None:
             out = out.index_select(0, batch.span_rows)
         return self.o(out.transpose(1, 2).reshape(B, S, -1))
