@@ -197,6 +197,9 @@ class LLMEngine:
                     for s, d in zip(seqs, drafts)]
             logits, _ = self.runner.forward(rows)                                       # [B, S, V]
             K = logits.shape[1] - 1
+            if K == 0 and all(s.params.is_greedy for s in seqs):
+                # a plain greedy step: each row's argmax is its one token, nothing to check
+                return self._plain_greedy(seqs, logits[:, 0].argmax(-1), t0)
             draft_tokens = to_device([(d.tokens if d else []) + [0] * (K - n) for d, n in zip(drafts, num_draft)],
                                      logits.device).view(len(seqs), K)
             draft_lens = to_device(num_draft, logits.device)
@@ -214,6 +217,16 @@ class LLMEngine:
         for s in seqs:
             s.stats.verify_s += elapsed / len(seqs)
         return [h[2:2 + h[0]] for h in host], [h[0] for h in host], [h[1] for h in host]
+
+    def _plain_greedy(self, seqs: list[Sequence], tokens: torch.Tensor, t0: float):
+        """verify()'s result for a step without drafts whose rows are all greedy: tokens [B]."""
+        if isinstance(self.drafter, DeviceNgramDrafter):
+            self.drafter.append([s.seq_id for s in seqs], tokens[:, None], torch.ones_like(tokens))
+        host = tokens.tolist()                          # the step's one host synchronisation
+        elapsed = time.perf_counter() - t0
+        for s in seqs:
+            s.stats.verify_s += elapsed / len(seqs)
+        return [[t] for t in host], [1] * len(seqs), [0] * len(seqs)
 
     def accept(self, seqs, asked, num_drafts, tokens, counts) -> None:
         now = time.perf_counter()

@@ -57,15 +57,18 @@ class DecoderLM(nn.Module):
             h = h.to(compute_dtype)
         cos = self.rope_cos[batch.positions].to(h.dtype).unsqueeze(2)    # [B, S, 1, D]
         sin = self.rope_sin[batch.positions].to(h.dtype).unsqueeze(2)
+        delta = None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, batch, cache.k[i], cache.v[i])
-        hidden = h.to(hidden_dtype) if need_hidden else None
+            h, delta = layer(h, delta, cos, sin, batch, cache.k[i], cache.v[i])
         if batch.logit_rows is not None and batch.logit_rows.numel() == 0:
-            return None, hidden
-        flat = h.flatten(0, 1)
-        if batch.logit_rows is not None:
-            flat = flat.index_select(0, batch.logit_rows)
-        return self.lm_head(self.norm(flat)).float(), hidden
+            return None, ((h + delta).to(hidden_dtype) if need_hidden else None)
+        if batch.logit_rows is None:
+            h, normed = self.norm.add_forward(h, delta)
+            flat = normed.flatten(0, 1)
+        else:
+            h = h + delta
+            flat = self.norm(h.flatten(0, 1).index_select(0, batch.logit_rows))
+        return self.lm_head(flat).float(), (h.to(hidden_dtype) if need_hidden else None)
 
     def map_weight(self, hf_name: str) -> tuple[str, int | None] | None:
         """Our parameter name and shard index for a Hugging Face tensor name; None = not used."""

@@ -77,11 +77,29 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-@cuda_compiled
-def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x [B, S, heads, D]; cos, signed_sin [B, S, 1, D] in x's dtype.
 
     The reference rotates as x * cos + cat(-x2, x1) * sin. Rolling x by half gives cat(x2, x1),
     and multiplying by the signed sin cat(-s1, s2) yields the same products bit for bit, in
     four ops instead of eight (one kernel on CUDA)."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+rope = cuda_compiled(_rope)
+
+
+@cuda_compiled
+def rope_store(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, heads: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+    """Rotates q and k (qk [B, S, H+KVH, D]), writes k and v [B, S, KVH, D] into the caches
+    [slots, KVH, L, D] at (slots [B], positions [B, S]) and returns q as [B, H, S, D]. Inside
+    graphs this is one kernel where the plain ops are a rotation, two transposing copies and two
+    scatters."""
+    qk = _rope(qk, cos, signed_sin)
+    kv_heads = v.shape[2]
+    index = (slots[:, None, None], heads, positions[:, None, :])
+    k_cache.index_put_(index, qk[:, :, -kv_heads:].transpose(1, 2).to(k_cache.dtype))
+    v_cache.index_put_(index, v.transpose(1, 2).to(v_cache.dtype))
+    return qk[:, :, :-kv_heads].transpose(1, 2)

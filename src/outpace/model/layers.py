@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from outpace.model.config import ModelConfig
-from outpace.model.fused import add_rms_norm, rms_norm, rope, silu_mul
+from outpace.model.fused import add_rms_norm, rms_norm, rope, rope_store, silu_mul
 
 
 @dataclass
@@ -74,18 +74,15 @@ class Attention(nn.Module):
         qk, v = qkv[:, :, :H + KVH], qkv[:, :, H + KVH:]
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
-        qk = rope(qk, cos, sin)                           # q and k rotated together: [B, S, H+KVH, D]
-        q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
-        v = v.transpose(1, 2)                             # [B, KVH, S, D]
-        # write the new keys/values at their positions; stale entries past a sequence's length
-        # are never attended (mask) and get overwritten by later writes
+        # q and k rotated together; the new keys/values written at their positions (stale entries
+        # past a sequence's length are never attended (mask) and get overwritten by later writes)
         if batch.write_start is not None:                 # one row at known positions: plain copies
-            k_cache[batch.slot_start, :, batch.write_start:batch.write_start + S] = k[0]
-            v_cache[batch.slot_start, :, batch.write_start:batch.write_start + S] = v[0]
+            qk = rope(qk, cos, sin)                       # [B, S, H+KVH, D]
+            q = qk[:, :, :H].transpose(1, 2)              # [B, H, S, D]
+            k_cache[batch.slot_start, :, batch.write_start:batch.write_start + S] = qk[0, :, H:].transpose(0, 1)
+            v_cache[batch.slot_start, :, batch.write_start:batch.write_start + S] = v[0].transpose(0, 1)
         else:
-            index = (batch.slots[:, None, None], self._heads(x.device), batch.positions[:, None, :])
-            k_cache.index_put_(index, k.to(k_cache.dtype))
-            v_cache.index_put_(index, v.to(v_cache.dtype))
+            q = rope_store(qk, v, cos, sin, k_cache, v_cache, batch.slots, self._heads(x.device), batch.positions)
         # the rows' caches: a view of slots slot_start.. when they sit in one range (rows scattered
         # over it put zero queries in its idle slots, dropped after), else a gather of each row's
         # cache, which costs more than the linears at 16 rows
@@ -132,6 +129,12 @@ class DecoderLayer(nn.Module):
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, cos, sin, batch, k_cache, v_cache):
-        h, x = self.post_norm.add_forward(h, self.attn(self.input_norm(h), cos, sin, batch, k_cache, v_cache))
-        return h + self.mlp(x)
+    def forward(self, h, delta, cos, sin, batch, k_cache, v_cache):
+        """(h, delta) -> (h', delta'): the residual stream is h + delta, whose add the next norm
+        takes into its own kernel on CUDA (delta None: h is the stream)."""
+        if delta is None:
+            x = self.input_norm(h)
+        else:
+            h, x = self.input_norm.add_forward(h, delta)
+        h, x = self.post_norm.add_forward(h, self.attn(x, cos, sin, batch, k_cache, v_cache))
+        return h, self.mlp(x)
