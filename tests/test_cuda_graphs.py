@@ -159,10 +159,12 @@ def device_path_llm(folder, spec, device="cpu"):
     llm = LLM(str(folder), spec=spec, **opts)
     engine = llm.engine
     if device == "cpu":
-        engine.runner = CudaGraphRunner(engine.model, 3, 128, 16, max_decode_tokens=engine.max_draft + 1,
-                                        progress=False)
+        extension = None
         if spec.method == "ngram":
             engine.drafter = DeviceNgramDrafter(spec, 3, 128, "cpu")
+            extension = engine.drafter.graph_step(3, engine.max_draft + 1)
+        engine.runner = CudaGraphRunner(engine.model, 3, 128, 16, max_decode_tokens=engine.max_draft + 1,
+                                        progress=False, extension=extension)
     return llm
 
 
@@ -173,8 +175,10 @@ def test_device_path_speculation_is_lossless(tiny_folder, device):
                 max_model_len=128).generate(ENGINE_PROMPTS, PARAMS)
     spec = SpecConfig(num_draft_tokens=5)
     llm = device_path_llm(tiny_folder, spec, device)
+    in_graph = count_calls(llm.engine, "_verify_in_graph")
     out = llm.generate(ENGINE_PROMPTS, PARAMS)
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    assert in_graph["calls"] > 0                      # greedy steps drafted and verified inside the step
     assert sum(o.spec["num_accepted_tokens"] for o in out) > 0
     # the CPU drafter proposes the same drafts, so the same steps are taken
     cpu = LLM(str(tiny_folder), spec=spec, dtype="float64", device="cpu", max_num_seqs=3, max_model_len=128,
@@ -182,6 +186,41 @@ def test_device_path_speculation_is_lossless(tiny_folder, device):
     assert [o.spec["num_draft_tokens"] for o in out] == [o.spec["num_draft_tokens"] for o in cpu]
     engine = llm.engine
     assert sorted(engine.scheduler.free_slots) == [0, 1, 2] and not engine.drafter.rows
+
+
+def count_calls(obj, name: str) -> dict:
+    counter = {"calls": 0}
+    method = getattr(obj, name)
+
+    def counted(*args, **kwargs):
+        counter["calls"] += 1
+        return method(*args, **kwargs)
+    setattr(obj, name, counted)
+    return counter
+
+
+def test_device_path_mixed_greedy_and_sampled(tiny_folder):
+    """A step with a sampled row drafts on the device, verifies on the host and appends there; the
+    greedy rows beside it keep plain greedy output, and every row of the token buffer holds its
+    sequence's tokens after each step."""
+    spec = SpecConfig(num_draft_tokens=5)
+    llm = device_path_llm(tiny_folder, spec)
+    engine = llm.engine
+    sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=30, ignore_eos=True)
+    plain = LLM(str(tiny_folder), spec="none", dtype="float64", device="cpu", max_num_seqs=3,
+                max_model_len=128).generate(ENGINE_PROMPTS[:2], PARAMS)
+    seqs = [engine.add_request(ENGINE_PROMPTS[0], PARAMS), engine.add_request(ENGINE_PROMPTS[2], sampled),
+            engine.add_request(ENGINE_PROMPTS[1], PARAMS)]
+    on_device = count_calls(engine.drafter, "propose_device")
+    while engine.has_unfinished():
+        engine.step()
+        for seq in seqs:
+            row = engine.drafter.rows.get(seq.seq_id)
+            if row is not None:
+                assert engine.drafter.tokens[row, :engine.drafter.lengths[row]].tolist() == seq.token_ids
+    assert on_device["calls"] > 0
+    assert seqs[0].output_ids == plain[0].token_ids and seqs[2].output_ids == plain[1].token_ids
+    assert seqs[1].num_output_tokens == 30
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

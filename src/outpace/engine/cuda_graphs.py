@@ -18,6 +18,8 @@ A step's shape is static, so is everything in it:
     bucket above the highest slot in the step (the scheduler hands out the lowest free slot first).
     A slot in the bucket with no row this step gets a dummy row whose writes land at positions
     >= max_len, the spare region no real query attends.
+An extension (the device drafter's GraphStep) adds its own work before and after the model inside
+every graph, fed by host values per graph row in the same input copy.
 Prompt chunks (logits='none'), hidden-state requests and shapes beyond the largest tier run eagerly
 through ModelRunner. With use_graphs=False (or on the CPU) the same static-buffer step runs eagerly:
 that is `--no-cuda-graphs`, and what the CPU tests check.
@@ -40,7 +42,8 @@ from outpace.model.layers import ForwardBatch
 class CudaGraphRunner(ModelRunner):
     def __init__(self, model: DecoderLM, num_slots: int, max_len: int, max_step_tokens: int,
                  exact_tokens: int | None = None, max_decode_tokens: int = 1, use_graphs: bool = True,
-                 batch_sizes: list[int] | None = None, kv_lens: list[int] | None = None, progress: bool = True):
+                 batch_sizes: list[int] | None = None, kv_lens: list[int] | None = None, progress: bool = True,
+                 extension=None):
         """max_decode_tokens: the largest tokens-per-row of a decode/verify step (1 + most drafts).
         batch_sizes: the buckets (default 1, 2, 4, ... up to num_slots); kv_lens: the key-length
         buckets (default 512, 1024, ... below the cache length, and the cache length)."""
@@ -58,10 +61,14 @@ class CudaGraphRunner(ModelRunner):
         rows, tokens, vocab = self.buckets[-1], max(self.tiers), model.cfg.vocab_size
         device = self.device
         # The buffers, at the largest shape; shape (b, t) uses views of their first entries.
-        # inputs: one buffer, so a step's host inputs arrive in one copy: [starts | input ids]
-        self.inputs = torch.zeros(rows + rows * tokens, dtype=torch.long, device=device)
+        # inputs: one buffer, so a step's host inputs arrive in one copy: [starts | extension's | input ids]
+        self.extension = extension
+        ext = rows * extension.width if extension else 0
+        self.inputs = torch.zeros(rows + ext + rows * tokens, dtype=torch.long, device=device)
         self.starts = self.inputs[:rows]                                                # [b] position of token 0
-        self.input_ids = self.inputs[rows:]                                             # [b*t] -> [b, t]
+        self.input_ids = self.inputs[rows + ext:]                                       # [b*t] -> [b, t]
+        if extension:
+            extension.bind(self.inputs[rows:rows + ext])
         self.positions = torch.zeros(rows * tokens, dtype=torch.long, device=device)    # [b*t] -> [b, t]
         self.mask = torch.zeros(rows * tokens * self.cache_len, dtype=torch.bool, device=device)  # -> [b, 1, t, L]
         # the mask as the additive bias attention takes without converting it in every layer
@@ -88,10 +95,15 @@ class CudaGraphRunner(ModelRunner):
             mask &= keys > positions[:, None, :, None] - self.window
         bias = self.bias[:b * t * L].view(b, 1, t, L)
         torch.where(mask, self.bias_values[0], self.bias_values[1], out=bias)
-        batch = ForwardBatch(input_ids=self.input_ids[:b * t].view(b, t), positions=positions,
+        input_ids = self.input_ids[:b * t].view(b, t)
+        if self.extension:
+            self.extension.before(b, t, input_ids)
+        batch = ForwardBatch(input_ids=input_ids, positions=positions,
                              slots=self.slot_ids[:b], kv_len=L, mask=bias, slot_start=0)
         out, _ = self.model(batch, self.cache)                                          # [b*t, V]
         self.logits[:b * t].copy_(out)
+        if self.extension:
+            self.extension.after(b, t, input_ids, self.logits[:b * t].view(b, t, -1))
 
     def shape_for(self, rows: list[Row], num_device_tokens: int = 0) -> tuple[int, int, int] | None:
         """(bucket, tier, key length) of a decode/verify step, or None when no graph shape holds it."""
@@ -105,18 +117,23 @@ class CudaGraphRunner(ModelRunner):
 
     @torch.inference_mode()
     def forward(self, rows: list[Row], logits: str = "all", need_hidden: bool = False,
-                draft_tokens: torch.Tensor | None = None):
+                draft_tokens: torch.Tensor | None = None, step_inputs: list[tuple] | None = None,
+                num_device_tokens: int = 0):
         """As ModelRunner.forward. draft_tokens [len(rows), K] (on the device) are appended after
         each row's host tokens, which must then be one per row (its last token): a verify step whose
-        drafts never visit the host. Returns (logits [B, S, V], None) with S the tier."""
-        num_device = 0 if draft_tokens is None else draft_tokens.shape[1]
+        drafts never visit the host. step_inputs: the extension's values per row, whose drafts
+        (at most num_device_tokens) the graph writes itself; the step must then have a shape
+        (shape_for). Returns (logits [B, S, V], None) with S the tier."""
+        num_device = num_device_tokens if draft_tokens is None else draft_tokens.shape[1]
         shape = self.shape_for(rows, num_device) if logits == "all" and not need_hidden else None
+        if shape is None and step_inputs is not None:
+            raise ValueError("a step with extension inputs needs a graph shape (check shape_for first)")
         if shape is None:
             if draft_tokens is not None:
                 rows = [Row(r.slot, r.token_ids + d, r.start) for r, d in zip(rows, draft_tokens.tolist())]
             return super().forward(rows, logits, need_hidden)
         b, t, L = shape
-        self._write_inputs(rows, b, t)
+        self._write_inputs(rows, b, t, step_inputs)
         if draft_tokens is not None:
             if any(len(r.token_ids) != 1 for r in rows):
                 raise ValueError("with draft_tokens every row holds exactly its last token")
@@ -132,13 +149,20 @@ class CudaGraphRunner(ModelRunner):
             return out[:len(rows)], None
         return out.index_select(0, to_device(slots, self.device)), None
 
-    def _write_inputs(self, rows: list[Row], b: int, t: int) -> None:
-        """Rows to graph row = slot; slots without a row get a dummy row in the spare region."""
+    def _write_inputs(self, rows: list[Row], b: int, t: int, step_inputs: list[tuple] | None = None) -> None:
+        """Rows to graph row = slot; slots without a row get a dummy row in the spare region (and
+        the extension's neutral values)."""
         starts, ids = [self.max_len] * self.starts.shape[0], [0] * (b * t)
         for r in rows:
             starts[r.slot] = r.start
             ids[r.slot * t:r.slot * t + len(r.token_ids)] = r.token_ids
-        host = torch.tensor(starts + ids, dtype=torch.long)
+        ext = []
+        if self.extension:
+            per_row = [self.extension.neutral()] * len(starts)
+            for r, values in zip(rows, step_inputs or []):
+                per_row[r.slot] = values
+            ext = [v for column in zip(*per_row) for v in column]      # [width, rows], row-major
+        host = torch.tensor(starts + ext + ids, dtype=torch.long)
         if self.device.type == "cuda":
             host = host.pin_memory()                    # the caching host allocator keeps it until copied
         self.inputs[:host.shape[0]].copy_(host, non_blocking=True)
@@ -153,6 +177,9 @@ class CudaGraphRunner(ModelRunner):
         pool = torch.cuda.graph_pool_handle()
         self.starts.fill_(self.max_len)                 # dummy rows: writes land in the spare region
         self.input_ids.zero_()
+        if self.extension:
+            for column, value in zip(self.extension.inputs, self.extension.neutral()):
+                column.fill_(value)
         bar = tqdm(shapes, desc="outpace: capturing CUDA graphs", unit="graph", file=sys.stderr,
                    disable=None if progress else True)         # None: shown on a terminal only
         with torch.inference_mode(), fused.for_graphs():

@@ -23,7 +23,7 @@ from outpace.model.tokenizer import Tokenizer
 from outpace.spec.controller import DraftController
 from outpace.spec.drafter import Draft, Drafter
 from outpace.spec.factory import make_drafter
-from outpace.spec.ngram_device import DeviceDrafts, DeviceNgramDrafter
+from outpace.spec.ngram_device import DeviceDrafts, DeviceNgramDrafter, GraphDrafts
 from outpace.spec.verify import verify_greedy, verify_sampling
 
 
@@ -54,8 +54,8 @@ class LLMEngine:
         self.model = load_model(folder, self.dtype, self.device, config.max_model_len)
         spec = config.spec
         self.max_draft = spec.num_draft_tokens if spec.enabled or drafter is not None else 0
-        self.runner = self._make_runner(config, spec.num_draft_tokens + 1 if spec.exact else None)
         self.drafter = drafter if drafter is not None else self._make_drafter(spec)
+        self.runner = self._make_runner(config, spec.num_draft_tokens + 1 if spec.exact else None)
         cost = None
         if self.max_draft and config.calibrate and not spec.exact:
             # measure_verify_cost waits for the device after each forward, so host clocks time it
@@ -72,9 +72,13 @@ class LLMEngine:
         max_step_tokens = max(config.max_prefill_tokens, self.max_draft + 1)
         if not self.device.startswith("cuda"):
             return ModelRunner(self.model, config.max_num_seqs, config.max_model_len, max_step_tokens, exact_tokens)
+        extension = None
+        if isinstance(self.drafter, DeviceNgramDrafter):     # its drafting and greedy verification join the graphs
+            extension = self.drafter.graph_step(config.max_num_seqs, max(self.max_draft + 1, exact_tokens or 0))
         return CudaGraphRunner(self.model, config.max_num_seqs, config.max_model_len,
                                max(max_step_tokens, exact_tokens or 0), exact_tokens,
-                               max_decode_tokens=self.max_draft + 1, use_graphs=config.cuda_graphs)
+                               max_decode_tokens=self.max_draft + 1, use_graphs=config.cuda_graphs,
+                               extension=extension)
 
     def _make_drafter(self, spec) -> Drafter:
         """CUDA: n-gram drafting over a device token buffer, no host round trip per step."""
@@ -127,7 +131,8 @@ class LLMEngine:
         drafts, asked = self.propose(plan.decode)
         tokens, counts, num_drafts = self.verify(plan.decode, drafts)
         if not plan.prefill:      # a step that also prefilled says nothing about decode cost
-            width = max(asked) if isinstance(drafts, DeviceDrafts) else max(num_drafts)   # tokens per row - 1
+            on_device = isinstance(drafts, (DeviceDrafts, GraphDrafts))
+            width = max(asked) if on_device else max(num_drafts)       # tokens per row - 1
             self.controller.observe_step(len(plan.decode), width, time.perf_counter() - t0)
         t1 = time.perf_counter()
         self.accept(plan.decode, asked, num_drafts, tokens, counts)
@@ -143,6 +148,17 @@ class LLMEngine:
         for c in plan.prefill:
             c.seq.num_cached = c.end
             c.seq.prefill_s += elapsed
+
+    def _in_graph(self, seqs: list[Sequence], room: list[int]) -> bool:
+        """Whether the runner's graph step can draft and verify this step itself (greedy rows, a
+        captured shape)."""
+        runner = self.runner
+        if not isinstance(runner, CudaGraphRunner) or runner.extension is None:
+            return False
+        if not all(s.params.is_greedy for s in seqs):
+            return False
+        rows = [Row(s.slot, [0], len(s.token_ids) - 1) for s in seqs]
+        return runner.shape_for(rows, max(room)) is not None
 
     def propose(self, seqs: list[Sequence]) -> tuple[list[Draft | None] | DeviceDrafts, list[int]]:
         """Drafts for this step and how many tokens each row asked for. A host drafter drafts
@@ -160,7 +176,9 @@ class LLMEngine:
         if isinstance(self.drafter, DeviceNgramDrafter):
             k = self.controller.num_draft(spec_ids, len(seqs))
             room = [min(r, k) for r in room]
-            if k and asking:
+            if self._in_graph(seqs, room):
+                drafts = GraphDrafts(room)
+            elif k and asking:
                 drafts = self.drafter.propose_device([s.seq_id for s in seqs], room)
         else:
             ids, most = [seqs[i].seq_id for i in asking], [room[i] for i in asking]
@@ -184,6 +202,8 @@ class LLMEngine:
         rule (greedy or rejection sampling) as batched tensor math. Returns host lists: the tokens
         to append, their counts and the draft lengths."""
         t0 = time.perf_counter()
+        if isinstance(drafts, GraphDrafts):
+            return self._verify_in_graph(seqs, drafts.room, t0)
         if isinstance(drafts, DeviceDrafts):
             # drafts never visit the host: the runner appends them to each row's last token
             rows = [Row(s.slot, s.token_ids[-1:], len(s.token_ids) - 1) for s in seqs]
@@ -213,6 +233,23 @@ class LLMEngine:
             self.drafter.append([s.seq_id for s in seqs], out, num_out)
         # the one host synchronisation of the step: accepted tokens return to the scheduler
         host = torch.cat([num_out[:, None], draft_lens[:, None], out], dim=1).tolist()
+        elapsed = time.perf_counter() - t0
+        for s in seqs:
+            s.stats.verify_s += elapsed / len(seqs)
+        return [h[2:2 + h[0]] for h in host], [h[0] for h in host], [h[1] for h in host]
+
+    def _verify_in_graph(self, seqs: list[Sequence], room: list[int], t0: float):
+        """verify() when the graph drafts, verifies and appends: its result rows come back."""
+        rows = [Row(s.slot, s.token_ids[-1:], len(s.token_ids) - 1) for s in seqs]
+        inputs = self.drafter.step_inputs([s.seq_id for s in seqs], room, greedy=True)
+        self.runner.forward(rows, step_inputs=inputs, num_device_tokens=max(room))
+        result = self.runner.extension.result
+        slots = [s.slot for s in seqs]
+        if slots == list(range(len(seqs))):
+            result = result[:len(seqs)]
+        else:
+            result = result.index_select(0, to_device(slots, result.device))
+        host = result.tolist()                          # the step's one host synchronisation
         elapsed = time.perf_counter() - t0
         for s in seqs:
             s.stats.verify_s += elapsed / len(seqs)

@@ -8,7 +8,12 @@ costs no host round trip. On CUDA the propose over all rows is one captured CUDA
 
 Rows are taken lazily: a sequence keeps its tokens on the host (`pending`) until it first asks for
 a draft, so requests waiting in the queue or decoding plainly hold no row, and at most max_seqs
-(the running sequences) ever do.
+(the running sequences) ever do. One more row, the scratch row, takes the writes of graph rows
+that have no row of their own.
+
+With CUDA graphs and greedy rows the whole step is one graph: GraphStep is the drafter's part of
+the runner's captured step (drafting into each row's input tokens before the forward, greedy
+verification and the append after it), replacing some forty small launches from the host.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import torch
 from outpace.config import SpecConfig
 from outpace.spec import ngram_gpu
 from outpace.spec.drafter import Drafter
+from outpace.spec.verify import verify_greedy
 
 
 @dataclass
@@ -34,6 +40,13 @@ class DeviceDrafts:
     num_draft: torch.Tensor
 
 
+@dataclass
+class GraphDrafts:
+    """A step whose drafts the runner's graph makes itself (GraphStep): room[i] tokens at most per row."""
+
+    room: list[int]
+
+
 class DeviceNgramDrafter(Drafter):
     name = "ngram-device"
 
@@ -42,7 +55,8 @@ class DeviceNgramDrafter(Drafter):
         self.min_ngram, self.max_ngram, self.match = spec.min_ngram, spec.max_ngram, spec.match
         self.max_draft = spec.num_draft_tokens
         self.device = torch.device(device)
-        self.tokens, self.lengths = ngram_gpu.new_buffer(max_seqs, max_len, self.device)
+        self.tokens, self.lengths = ngram_gpu.new_buffer(max_seqs + 1, max_len, self.device)
+        self.scratch = max_seqs                        # the last row: writes nobody reads
         self.all_rows = torch.arange(max_seqs, device=self.device)
         self.rows: dict[int, int] = {}                 # seq_id -> buffer row
         self.free_rows = list(range(max_seqs - 1, -1, -1))
@@ -121,9 +135,71 @@ class DeviceNgramDrafter(Drafter):
             out_tokens, num_out = out_tokens.index_select(0, index_t), num_out.index_select(0, index_t)
         ngram_gpu.append(self.tokens, self.lengths, rows_t, out_tokens, num_out)
 
+    def graph_step(self, max_rows: int, max_tokens: int) -> GraphStep:
+        return GraphStep(self, max_rows, max_tokens)
+
+    def step_inputs(self, seq_ids: Sequence[int], room: Sequence[int], greedy: bool) -> list[tuple[int, int, int]]:
+        """GraphStep's host inputs per row: (row to draft from, row to append to, room). A row
+        that asks takes a buffer row now; a sampled step appends on the host (after rejection
+        sampling), so its rows append to the scratch row inside the graph."""
+        out = []
+        for seq_id, k in zip(seq_ids, room):
+            if k > 0 and seq_id not in self.rows:
+                self._take_row(seq_id)
+            row = self.rows.get(seq_id, self.scratch)
+            out.append((row if k > 0 else self.scratch, row if greedy else self.scratch, k))
+        return out
+
     def _take_row(self, seq_id: int) -> None:
         if not self.free_rows:
             raise RuntimeError("the n-gram token buffer has no free row: more drafting sequences than max_seqs")
         row = self.free_rows.pop()
         ngram_gpu.write_row(self.tokens, self.lengths, row, self.pending.pop(seq_id))
         self.rows[seq_id] = row
+
+
+class GraphStep:
+    """The drafter's part of CudaGraphRunner's step, for graph rows r < b holding t tokens:
+    before the forward, row r drafts up to room[r] <= t-1 tokens from buffer row src[r] into its
+    input tokens 1..t-1 (room 0 leaves what the host wrote there); after it, greedy verification
+    appends the verified tokens to buffer row dst[r] and writes result[r] = [tokens out, tokens
+    drafted, target tokens [t]]. Host inputs: `inputs` [3, max_rows] = src, dst, room, a view the
+    runner binds into its one input copy. Rows without a step (idle slots, runner.forward called
+    without inputs) get neutral() values: the scratch row and room 0."""
+
+    width = 3
+
+    def __init__(self, drafter: DeviceNgramDrafter, max_rows: int, max_tokens: int):
+        self.drafter = drafter
+        device = drafter.device
+        self.inputs = torch.zeros(3, max_rows, dtype=torch.long, device=device)
+        self.num_draft = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.result = torch.zeros(max_rows, 2 + max_tokens, dtype=torch.long, device=device)
+
+    def bind(self, inputs: torch.Tensor) -> None:
+        self.inputs = inputs.view(3, -1)
+
+    def neutral(self) -> tuple[int, int, int]:
+        return self.drafter.scratch, self.drafter.scratch, 0
+
+    def before(self, b: int, t: int, input_ids: torch.Tensor) -> None:
+        d = self.drafter
+        d.lengths[d.scratch:].zero_()                   # the scratch row restarts empty every step
+        src, room = self.inputs[0, :b], self.inputs[2, :b]
+        if t == 1:
+            self.num_draft[:b].zero_()
+            return
+        draft, num = ngram_gpu.propose(d.tokens, d.lengths, src, t - 1, d.min_ngram, d.max_ngram, d.match)
+        num = torch.minimum(num, room)
+        self.num_draft[:b] = num
+        drafted = room[:, None] > 0
+        input_ids[:, 1:] = torch.where(drafted, draft, input_ids[:, 1:])
+
+    def after(self, b: int, t: int, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
+        d = self.drafter
+        num = self.num_draft[:b]
+        target, num_out = verify_greedy(logits, input_ids[:, 1:], num)
+        ngram_gpu.append(d.tokens, d.lengths, self.inputs[1, :b], target, num_out)
+        self.result[:b, 0] = num_out
+        self.result[:b, 1] = num
+        self.result[:b, 2:2 + t] = target
