@@ -233,4 +233,7 @@ def test_graph_replay_equals_eager(tiny_folder):
     for rows in steps():
         want, _ = eager.forward(rows)
         got, _ = graphs.forward(rows)
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        # the norms work in float32 (the reference's rule) and the graphs' compiled kernels reduce
+        # in another order, so results agree to float32 rounding (measured: 2e-6 on logits of a few
+        # units); a wrong buffer or a stale entry is off by far more
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

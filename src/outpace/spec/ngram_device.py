@@ -24,6 +24,7 @@ import torch
 
 from outpace.config import SpecConfig
 from outpace.spec import ngram_gpu
+from outpace.model.fused import cuda_compiled
 from outpace.spec.drafter import Drafter
 from outpace.spec.verify import verify_greedy
 
@@ -185,21 +186,32 @@ class GraphStep:
     def before(self, b: int, t: int, input_ids: torch.Tensor) -> None:
         d = self.drafter
         d.lengths[d.scratch:].zero_()                   # the scratch row restarts empty every step
-        src, room = self.inputs[0, :b], self.inputs[2, :b]
         if t == 1:
             self.num_draft[:b].zero_()
             return
-        draft, num = ngram_gpu.propose(d.tokens, d.lengths, src, t - 1, d.min_ngram, d.max_ngram, d.match)
-        num = torch.minimum(num, room)
-        self.num_draft[:b] = num
-        drafted = room[:, None] > 0
-        input_ids[:, 1:] = torch.where(drafted, draft, input_ids[:, 1:])
+        _draft_into(input_ids, d.tokens, d.lengths, self.inputs[0, :b], self.inputs[2, :b], self.num_draft[:b],
+                    d.min_ngram, d.max_ngram, d.match)
 
     def after(self, b: int, t: int, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
         d = self.drafter
-        num = self.num_draft[:b]
-        target, num_out = verify_greedy(logits, input_ids[:, 1:], num)
-        ngram_gpu.append(d.tokens, d.lengths, self.inputs[1, :b], target, num_out)
-        self.result[:b, 0] = num_out
-        self.result[:b, 1] = num
-        self.result[:b, 2:2 + t] = target
+        _verify_append(logits, input_ids, self.num_draft[:b], d.tokens, d.lengths, self.inputs[1, :b], self.result[:b])
+
+
+@cuda_compiled
+def _draft_into(input_ids, tokens, lengths, src, room, num_draft, min_ngram: int, max_ngram: int, match: str) -> None:
+    """Rows with room draft from buffer rows src into input_ids[:, 1:] (num_draft: how many)."""
+    draft, num = ngram_gpu.propose(tokens, lengths, src, input_ids.shape[1] - 1, min_ngram, max_ngram, match)
+    num = torch.minimum(num, room)
+    num_draft.copy_(num)
+    input_ids[:, 1:] = torch.where(room[:, None] > 0, draft, input_ids[:, 1:])
+
+
+@cuda_compiled
+def _verify_append(logits, input_ids, num_draft, tokens, lengths, dst, result) -> None:
+    """Greedy verification of input_ids[:, 1:], the verified tokens appended to buffer rows dst,
+    result = [tokens out, tokens drafted, target tokens]."""
+    target, num_out = verify_greedy(logits, input_ids[:, 1:], num_draft)
+    ngram_gpu.append(tokens, lengths, dst, target, num_out)
+    result[:, 0] = num_out
+    result[:, 1] = num_draft
+    result[:, 2:2 + target.shape[1]] = target
