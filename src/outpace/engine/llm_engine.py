@@ -241,7 +241,7 @@ class LLMEngine:
     def _verify_in_graph(self, seqs: list[Sequence], room: list[int], t0: float):
         """verify() when the graph drafts, verifies and appends: its result rows come back."""
         rows = [Row(s.slot, s.token_ids[-1:], len(s.token_ids) - 1) for s in seqs]
-        inputs = self.drafter.step_inputs([s.seq_id for s in seqs], room, greedy=True)
+        inputs = self.drafter.step_inputs([s.seq_id for s in seqs], room)
         self.runner.forward(rows, step_inputs=inputs, num_device_tokens=max(room))
         result = self.runner.extension.result
         slots = [s.slot for s in seqs]

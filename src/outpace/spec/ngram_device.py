@@ -23,8 +23,8 @@ from typing import Sequence
 import torch
 
 from outpace.config import SpecConfig
-from outpace.spec import ngram_gpu
 from outpace.model.fused import cuda_compiled
+from outpace.spec import ngram_gpu
 from outpace.spec.drafter import Drafter
 from outpace.spec.verify import verify_greedy
 
@@ -139,16 +139,16 @@ class DeviceNgramDrafter(Drafter):
     def graph_step(self, max_rows: int, max_tokens: int) -> GraphStep:
         return GraphStep(self, max_rows, max_tokens)
 
-    def step_inputs(self, seq_ids: Sequence[int], room: Sequence[int], greedy: bool) -> list[tuple[int, int, int]]:
-        """GraphStep's host inputs per row: (row to draft from, row to append to, room). A row
-        that asks takes a buffer row now; a sampled step appends on the host (after rejection
-        sampling), so its rows append to the scratch row inside the graph."""
+    def step_inputs(self, seq_ids: Sequence[int], room: Sequence[int]) -> list[tuple[int, int, int]]:
+        """GraphStep's host inputs per row of a greedy step: (row to draft from, row to append to,
+        room). A row that asks takes a buffer row now. (A sampled step verifies and appends on
+        the host; its graph rows get GraphStep.neutral(), so the graph touches only the scratch row.)"""
         out = []
         for seq_id, k in zip(seq_ids, room):
             if k > 0 and seq_id not in self.rows:
                 self._take_row(seq_id)
             row = self.rows.get(seq_id, self.scratch)
-            out.append((row if k > 0 else self.scratch, row if greedy else self.scratch, k))
+            out.append((row if k > 0 else self.scratch, row, k))
         return out
 
     def _take_row(self, seq_id: int) -> None:
@@ -173,7 +173,7 @@ class GraphStep:
     def __init__(self, drafter: DeviceNgramDrafter, max_rows: int, max_tokens: int):
         self.drafter = drafter
         device = drafter.device
-        self.inputs = torch.zeros(3, max_rows, dtype=torch.long, device=device)
+        self.inputs: torch.Tensor | None = None         # [3, rows], bound by the runner
         self.num_draft = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.result = torch.zeros(max_rows, 2 + max_tokens, dtype=torch.long, device=device)
 
