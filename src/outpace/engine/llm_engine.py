@@ -233,10 +233,7 @@ class LLMEngine:
             self.drafter.append([s.seq_id for s in seqs], out, num_out)
         # the one host synchronisation of the step: accepted tokens return to the scheduler
         host = torch.cat([num_out[:, None], draft_lens[:, None], out], dim=1).tolist()
-        elapsed = time.perf_counter() - t0
-        for s in seqs:
-            s.stats.verify_s += elapsed / len(seqs)
-        return [h[2:2 + h[0]] for h in host], [h[0] for h in host], [h[1] for h in host]
+        return self._verified(seqs, host, t0)
 
     def _verify_in_graph(self, seqs: list[Sequence], room: list[int], t0: float):
         """verify() when the graph drafts, verifies and appends: its result rows come back."""
@@ -250,6 +247,12 @@ class LLMEngine:
         else:
             result = result.index_select(0, to_device(slots, result.device))
         host = result.tolist()                          # the step's one host synchronisation
+        return self._verified(seqs, host, t0)
+
+    @staticmethod
+    def _verified(seqs: list[Sequence], host: list[list[int]], t0: float):
+        """verify()'s return from its host rows [tokens out, tokens drafted, tokens...]: the tokens
+        to append, their counts and the draft lengths; the step's time is charged to its rows."""
         elapsed = time.perf_counter() - t0
         for s in seqs:
             s.stats.verify_s += elapsed / len(seqs)
@@ -260,10 +263,7 @@ class LLMEngine:
         if isinstance(self.drafter, DeviceNgramDrafter):
             self.drafter.append([s.seq_id for s in seqs], tokens[:, None], torch.ones_like(tokens))
         host = tokens.tolist()                          # the step's one host synchronisation
-        elapsed = time.perf_counter() - t0
-        for s in seqs:
-            s.stats.verify_s += elapsed / len(seqs)
-        return [[t] for t in host], [1] * len(seqs), [0] * len(seqs)
+        return self._verified(seqs, [[1, 0, t] for t in host], t0)
 
     def accept(self, seqs, asked, num_drafts, tokens, counts) -> None:
         now = time.perf_counter()
