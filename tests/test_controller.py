@@ -60,6 +60,24 @@ def test_one_draft_length_for_the_batch_weighs_every_row():
     assert c.num_draft(list(range(8)), 8) == 8
 
 
+def test_packed_rows_draft_where_it_pays():
+    """Packed rows pay per drafted token: in a batch of eight, where one token more costs a tenth
+    of a step and the padded choice cannot draft, the one accepting row drafts long and the
+    rejecting rows do not draft."""
+    cost = {8: [1.0 + 0.8 * k for k in range(9)]}     # 8 rows x (1 + k): a token costs 0.1
+    c = DraftController(8, cost)
+    for _ in range(10):
+        c.observe(0, 8, 8, 8)
+        for s in range(1, 8):
+            c.observe(s, 8, 8, 0)
+    assert c.num_draft(list(range(8)), 8, available=[8] * 8) == 0
+    lengths = c.draft_lengths(list(range(8)), 8, available=[8] * 8)
+    assert lengths[0] >= 6 and lengths[1:] == [0] * 7
+    assert c.draft_lengths(list(range(8)), 8, available=[3] + [8] * 7)[0] == 3
+    assert c.draft_lengths(list(range(8)), 8, available=[8] * 8, packed=False) == [0] * 8
+    assert c.step_cost(8, 8 + 4) == 1.0 + 0.8 * 0.5        # between the curve's points
+
+
 def test_rows_without_a_draft_gain_nothing():
     """Drafts known before the choice: rows that found no match do not pay for a long step."""
     cost = {8: [1.0 + 0.2 * k for k in range(9)]}
@@ -105,8 +123,8 @@ def test_measured_step_overhead_can_switch_speculation_off():
         c.observe(0, 8, 8, 1)
     assert c.num_draft([0], 1) > 0
     for _ in range(50):
-        c.observe_step(1, 0, 1.0)
-        c.observe_step(1, 4, 3.0)
+        c.observe_step(1, 1, 1.0)
+        c.observe_step(1, 5, 3.0)
     assert c.cost_ratio(1, 4) > 2.5
     assert c.num_draft([0], 1) == 0
 
@@ -128,11 +146,11 @@ def test_one_slow_step_does_not_end_speculation():
     c = DraftController(8, {1: [1.0 + 0.01 * k for k in range(9)]})
     for _ in range(10):
         c.observe(0, 8, 8, 4)
-    c.observe_step(1, 8, 1000.0)
+    c.observe_step(1, 9, 1000.0)
     assert c.cost_ratio(1, 8) <= 5 * 1.08 + 1e-9      # the forward plus at most 4 forwards
     steps = 0
     while c.num_draft([0], 1) == 0 and steps < 100:
-        c.observe_step(1, 0, 1.0)
+        c.observe_step(1, 1, 1.0)
         c.observe(0, 0, 0, 0)
         steps += 1
     assert steps < 100

@@ -39,25 +39,31 @@ def test_cached_decode_matches_reference(pair):
 
 
 def test_ragged_batch_equals_rows_alone(pair):
-    """Rows of different lengths and positions in one padded forward give each row's own logits,
-    whichever slots they sit in."""
+    """Rows of different lengths and positions in one forward (packed: the linears see only real
+    tokens) give each row's own logits, whichever slots they sit in; so do prompt chunks."""
     _, ours = pair
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (7, 30, 15)]
-    slots = [0, 1, 5]
+    slots, tails = [0, 1, 5], {0: 1, 1: 4, 5: 3}
     runner = ModelRunner(ours, num_slots=6, max_len=512, max_step_tokens=64)
     alone = {}
     for slot, p in zip(slots, prompts):
-        runner.forward([Row(slot, p[:-3], 0)], logits="none")
-        alone[slot] = runner.forward([Row(slot, p[-3:], len(p) - 3)])[0][0]
+        n = tails[slot]
+        runner.forward([Row(slot, p[:-n], 0)], logits="none")
+        alone[slot] = runner.forward([Row(slot, p[-n:], len(p) - n)])[0][0]
     # the same last rows again, batched, overwriting the same positions: 5, 0, 1 reads slots 0..5
     # as one view (2..4 idle), 1, 5 and 5, 0 gather each row's cache (their range is too wide for
     # two rows), 0, 1 is a plain view
     last = dict(zip(slots, prompts))
     for order in ([5, 0, 1], [1, 5], [5, 0], [0, 1]):
-        batched, _ = runner.forward([Row(s, last[s][-3:], len(last[s]) - 3) for s in order])
+        batched, _ = runner.forward([Row(s, last[s][-tails[s]:], len(last[s]) - tails[s]) for s in order])
         for i, s in enumerate(order):
-            torch.testing.assert_close(batched[i], alone[s], atol=1e-9, rtol=1e-9)
+            torch.testing.assert_close(batched[i, :tails[s]], alone[s], atol=1e-9, rtol=1e-9)
+    # prompt chunks of different lengths in one forward fill the cache as each alone did
+    runner.forward([Row(s, p[:-tails[s]], 0) for s, p in zip(slots, prompts)], logits="none")
+    batched, _ = runner.forward([Row(s, last[s][-tails[s]:], len(last[s]) - tails[s]) for s in slots])
+    for i, s in enumerate(slots):
+        torch.testing.assert_close(batched[i, :tails[s]], alone[s], atol=1e-9, rtol=1e-9)
 
 
 def test_hidden_states_are_pre_norm_last_layer(pair):

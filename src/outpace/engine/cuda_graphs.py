@@ -78,6 +78,7 @@ class CudaGraphRunner(ModelRunner):
         self.slot_ids = torch.arange(rows, device=device)
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.use_graphs = use_graphs and self.device.type == "cuda"
+        self.packs_rows = False         # decode steps have static [b, t] shapes
         self.capture_s = 0.0
         self.capture_bytes = 0
         if self.use_graphs:

@@ -132,8 +132,10 @@ class LLMEngine:
         tokens, counts, num_drafts = self.verify(plan.decode, drafts)
         if not plan.prefill:      # a step that also prefilled says nothing about decode cost
             on_device = isinstance(drafts, (DeviceDrafts, GraphDrafts))
-            width = max(asked) if on_device else max(num_drafts)       # tokens per row - 1
-            self.controller.observe_step(len(plan.decode), width, time.perf_counter() - t0)
+            widths, rows = (asked if on_device else num_drafts), len(plan.decode)
+            padded = on_device or not self.runner.packs_rows
+            self.controller.observe_step(rows, rows + (rows * max(widths) if padded else sum(widths)),
+                                         time.perf_counter() - t0)
         t1 = time.perf_counter()
         self.accept(plan.decode, asked, num_drafts, tokens, counts)
         done = self.postprocess(plan.decode)
@@ -182,16 +184,17 @@ class LLMEngine:
                 drafts = self.drafter.propose_device([s.seq_id for s in seqs], room)
         else:
             ids, most = [seqs[i].seq_id for i in asking], [room[i] for i in asking]
-            k = 0
-            # the drafter runs only when full drafts in every asking row would pay at this batch size
-            if asking and self.controller.num_draft(ids, len(seqs), most):
+            packed = self.runner.packs_rows
+            room = [0] * len(seqs)
+            # the drafter runs only when full drafts would pay for some row at this batch size
+            if asking and any(self.controller.draft_lengths(ids, len(seqs), most, packed)):
                 got = self.drafter.propose(ids, most)
-                k = self.controller.num_draft(ids, len(seqs), [len(d) if d else 0 for d in got])
-                if k:
-                    drafts = list(none)
-                    for i, d in zip(asking, got):
-                        drafts[i] = Draft(d.tokens[:k], d.parents, d.probs) if d else None
-            room = [min(r, k) for r in room]
+                lengths = self.controller.draft_lengths(ids, len(seqs), [len(d) if d else 0 for d in got], packed)
+                drafts = list(none)
+                for i, d, n, r in zip(asking, got, lengths, most):
+                    # asked: n tokens; r when the drafter had none (a miss); 0 when the draft was
+                    # not worth verifying (no evidence either way)
+                    drafts[i], room[i] = (d.truncated(n), n) if n else (None, 0 if d else r)
         elapsed = time.perf_counter() - t0
         for s in seqs:
             s.stats.draft_s += elapsed / len(seqs)

@@ -1,9 +1,11 @@
 """ModelRunner: the one place where host-side rows become tensors and the target model runs.
 
 A row is one sequence's new tokens in a step: a prompt chunk, or its last token followed by its
-draft. Rows are padded to the longest in the step; padded tokens are written past the sequence's
-length (the cache has `max_step_tokens` spare positions for that), masked from every query, and
-overwritten later.
+draft. Rows of different lengths are packed: the model's linear layers run over the real tokens
+only, so a row's draft costs what its tokens cost, not the longest row's length times the rows.
+Attention lays rows out padded to the longest; padded tokens are written past the sequence's length
+(the cache has `max_step_tokens` spare positions for that), masked from every query, and
+overwritten later. Exact mode never packs: its forwards keep one shape whatever the drafts.
 """
 from __future__ import annotations
 
@@ -50,6 +52,9 @@ class ModelRunner:
         self.window = cfg.sliding_window
         self.prefill_dtype = torch.float32 if self.device.type == "cpu" and self.dtype == torch.bfloat16 else None
         self._arange = torch.arange(max_len + max_step_tokens, device=self.device)
+        self._padded_logits: torch.Tensor | None = None
+        # whether rows of different lengths cost their own tokens (packed) or the longest row's
+        self.packs_rows = exact_tokens is None
         self._extend_rope(model)
 
     def _extend_rope(self, model: DecoderLM) -> None:
@@ -69,7 +74,13 @@ class ModelRunner:
         exact = self.exact_tokens is not None and logits == "all"
         if exact:
             S = max(S, self.exact_tokens)
-        ids = [r.token_ids + [0] * (S - len(r.token_ids)) for r in rows]
+        lengths = [len(r.token_ids) for r in rows]
+        packed = not exact and sum(lengths) < B * S
+        if packed:
+            ids = [t for r in rows for t in r.token_ids]
+            token_index = torch.tensor([b * S + j for b, n in enumerate(lengths) for j in range(n)], device=self.device)
+        else:
+            ids = [r.token_ids + [0] * (S - len(r.token_ids)) for r in rows]
         starts = torch.tensor([r.start for r in rows], device=self.device)
         positions = starts[:, None] + self._arange[None, :S]                    # [B, S]
         slots = [r.slot for r in rows]
@@ -102,10 +113,23 @@ class ModelRunner:
             mask=mask,
             slot_start=slots[0] if is_contiguous else lowest if span_rows is not None else None,
             write_start=rows[0].start if B == 1 else None,
-            logit_rows=None if logits == "all" else torch.zeros(0, dtype=torch.long, device=self.device),
+            logits=logits == "all",
+            token_index=token_index if packed else None,
+            long_rows=torch.tensor([b for b, n in enumerate(lengths) if n > 1], device=self.device) if packed else None,
             span_rows=span_rows,
             causal=causal,
         )
-        compute = self.prefill_dtype if logits == "none" and B * S >= FP32_PREFILL_MIN_TOKENS else None
+        compute = self.prefill_dtype if logits == "none" and sum(lengths) >= FP32_PREFILL_MIN_TOKENS else None
         out, hidden = self.model(batch, self.cache, need_hidden=need_hidden, compute_dtype=compute)
+        if packed:      # back to [B, S]: padded entries keep finite stale values, which nobody reads
+            out = None if out is None else self._unpacked(out, token_index, B * S)
+            if hidden is not None:
+                hidden = hidden.new_zeros(B * S, hidden.shape[-1]).index_copy_(0, token_index, hidden).view(B, S, -1)
         return (out.view(B, S, -1) if logits == "all" else None), hidden
+
+    def _unpacked(self, logits: torch.Tensor, token_index: torch.Tensor, n: int) -> torch.Tensor:
+        """Packed logits [T, V] laid out as n padded rows, in a buffer kept across steps: a fresh
+        one of this size costs more to fault in than the model's LM head over the padding."""
+        if self._padded_logits is None or self._padded_logits.shape[0] < n:
+            self._padded_logits = logits.new_zeros(n, logits.shape[-1])
+        return self._padded_logits[:n].index_copy_(0, token_index, logits)

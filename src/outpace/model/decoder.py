@@ -47,11 +47,11 @@ class DecoderLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, cache: KVCache, need_hidden: bool = False,
                 compute_dtype: torch.dtype | None = None):
-        """Returns logits [N, V] float32 for batch.logit_rows (all B*S rows when None; None when it
-        is empty), and the last layer's hidden states before the final norm [B, S, H] when
-        need_hidden (else None). compute_dtype: the activations' dtype when it is not the
-        weights' (weights and cache keep theirs)."""
-        h = self.embed(batch.input_ids)                                  # [B, S, H]
+        """Returns logits [N, V] float32 for every token of the batch (N = B*S, or T when packed;
+        None when batch.logits is False), and the last layer's hidden states before the final norm
+        ([B, S, H] or [T, H]) when need_hidden (else None). compute_dtype: the activations' dtype
+        when it is not the weights' (weights and cache keep theirs)."""
+        h = self.embed(batch.input_ids)                                  # [B, S, H] or [T, H]
         hidden_dtype = h.dtype
         if compute_dtype is not None:
             h = h.to(compute_dtype)
@@ -60,15 +60,11 @@ class DecoderLM(nn.Module):
         delta = None
         for i, layer in enumerate(self.layers):
             h, delta = layer(h, delta, cos, sin, batch, cache.k[i], cache.v[i])
-        if batch.logit_rows is not None and batch.logit_rows.numel() == 0:
+        if not batch.logits:
             return None, ((h + delta).to(hidden_dtype) if need_hidden else None)
-        if batch.logit_rows is None:
-            h, normed = self.norm.add_forward(h, delta)
-            flat = normed.flatten(0, 1)
-        else:
-            h = h + delta
-            flat = self.norm(h.flatten(0, 1).index_select(0, batch.logit_rows))
-        return self.lm_head(flat).float(), (h.to(hidden_dtype) if need_hidden else None)
+        h, normed = self.norm.add_forward(h, delta)
+        logits = self.lm_head(normed.reshape(-1, normed.shape[-1])).float()
+        return logits, (h.to(hidden_dtype) if need_hidden else None)
 
     def map_weight(self, hf_name: str) -> tuple[str, int | None] | None:
         """Our parameter name and shard index for a Hugging Face tensor name; None = not used."""

@@ -1,8 +1,10 @@
 """Shared layers of the decoder-only families: RMSNorm, attention with a KV cache, SwiGLU MLP.
 
-Every forward takes a padded batch [B, S]: row b holds S new tokens of one sequence at explicit
-positions (1 for decoding, k+1 for verifying k drafts, many for a prompt chunk). Attention reads
-keys from the cache through an explicit boolean mask, so a tree of drafts is one more mask.
+Every forward takes a batch of B rows at explicit positions [B, S]: row b holds up to S new tokens
+of one sequence (1 for decoding, k+1 for verifying k drafts, many for a prompt chunk). Rows may be
+packed: the residual stream then holds only the real tokens [T, H], so the linear layers never
+compute padding, and attention alone lays them out as [B, S]. Attention reads keys from the cache
+through an explicit boolean mask, so a tree of drafts is one more mask.
 """
 from __future__ import annotations
 
@@ -20,14 +22,18 @@ from outpace.model.fused import add_rms_norm, rms_norm, rope, rope_store, silu_m
 class ForwardBatch:
     """Where a forward reads and writes the cache. Built by the model runner, shared by all layers."""
 
-    input_ids: torch.Tensor        # [B, S] int64
+    input_ids: torch.Tensor        # [B, S] int64 ([T] when packed)
     positions: torch.Tensor        # [B, S] int64, cache position of each new token
     slots: torch.Tensor            # [B] int64, cache slot of each row
     kv_len: int                    # keys attended: cache positions [0, kv_len)
     mask: torch.Tensor | None      # [B, 1, S, kv_len] bool (True = may attend) or additive bias; None = all keys
     slot_start: int | None = None  # slots are slot_start .. slot_start+B-1: read the cache as a view
     write_start: int | None = None  # B == 1: the row's first position, so writes are slice copies
-    logit_rows: torch.Tensor | None = None  # flat indices into B*S of the rows that need logits
+    logits: bool = True            # False: a prompt chunk, whose logits nobody reads
+    # packed rows: flat indices into B*S of the T real tokens, in order (None: every [B, S] entry is
+    # one), and the rows holding more than one token, whose later queries attention runs apart
+    token_index: torch.Tensor | None = None
+    long_rows: torch.Tensor | None = None
     # rows' offsets in the slot range slot_start.. that attention reads as one view; the range's
     # other slots are idle rows whose outputs are dropped (mask then has one row per slot of it)
     span_rows: torch.Tensor | None = None
@@ -68,9 +74,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin, batch: ForwardBatch, k_cache, v_cache):
-        B, S, _ = x.shape
+        B, S = batch.positions.shape
         H, KVH = self.num_heads, self.num_kv_heads
-        qkv = self.qkv(x).view(B, S, H + 2 * KVH, self.head_dim)
+        qkv = self.qkv(x)
+        if batch.token_index is not None:                 # packed: padding is zeros, masked and overwritten
+            qkv = qkv.new_zeros(B * S, qkv.shape[-1]).index_copy_(0, batch.token_index, qkv)
+        qkv = qkv.view(B, S, H + 2 * KVH, self.head_dim)
         qk, v = qkv[:, :, :H + KVH], qkv[:, :, H + KVH:]
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
@@ -86,21 +95,37 @@ class Attention(nn.Module):
         # the rows' caches: a view of slots slot_start.. when they sit in one range (rows scattered
         # over it put zero queries in its idle slots, dropped after), else a gather of each row's
         # cache, which costs more than the linears at 16 rows
-        span = B if batch.span_rows is None else batch.mask.shape[0]
         if batch.slot_start is not None:
+            span = B if batch.span_rows is None else batch.mask.shape[0]
             keys = k_cache[batch.slot_start:batch.slot_start + span, :, :batch.kv_len]
             values = v_cache[batch.slot_start:batch.slot_start + span, :, :batch.kv_len]
         else:
             keys = k_cache[:, :, :batch.kv_len].index_select(0, batch.slots)
             values = v_cache[:, :, :batch.kv_len].index_select(0, batch.slots)
-        keys, values = keys.to(q.dtype), values.to(q.dtype)    # a float32 prompt chunk reads bf16 caches
-        if batch.span_rows is not None:
-            q = q.new_zeros((span, *q.shape[1:])).index_copy_(0, batch.span_rows, q)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, is_causal=batch.causal,
-                                             enable_gqa=True)
-        if batch.span_rows is not None:
-            out = out.index_select(0, batch.span_rows)
+        if batch.token_index is None:
+            out = self._attend(q, keys, values, batch.mask, batch.causal, batch.span_rows)
+        else:
+            # packed rows: attention's cost follows its queries, so padding every row to the
+            # longest would cost what the packed linears saved. Every row's first query attends
+            # as in a decode step; the longer rows' later ones over a gather of their own caches.
+            rows = batch.long_rows
+            out = q.new_zeros(q.shape)
+            out[:, :, :1] = self._attend(q[:, :, :1], keys, values, batch.mask[:, :, :1], False, batch.span_rows)
+            mask_rows = rows if batch.span_rows is None else batch.span_rows[rows]
+            out[rows, :, 1:] = self._attend(q[rows, :, 1:], k_cache[:, :, :batch.kv_len].index_select(0, batch.slots[rows]),
+                                            v_cache[:, :, :batch.kv_len].index_select(0, batch.slots[rows]),
+                                            batch.mask[mask_rows, :, 1:], False, None)
+            return self.o(out.transpose(1, 2).reshape(B * S, -1).index_select(0, batch.token_index))
         return self.o(out.transpose(1, 2).reshape(B, S, -1))
+
+    @staticmethod
+    def _attend(q, keys, values, mask, causal: bool, span_rows) -> torch.Tensor:
+        """q [B, H, S, D] over keys/values [B or span, KVH, L, D]; span_rows: q's rows in the span."""
+        keys, values = keys.to(q.dtype), values.to(q.dtype)    # a float32 prompt chunk reads bf16 caches
+        if span_rows is not None:
+            q = q.new_zeros((keys.shape[0], *q.shape[1:])).index_copy_(0, span_rows, q)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        return out if span_rows is None else out.index_select(0, span_rows)
 
     def _heads(self, device) -> torch.Tensor:
         heads = getattr(self, "_heads_index", None)

@@ -5,12 +5,14 @@ span), so one per-token rate undercounts long drafts. The controller models a dr
 for sequence i as accepted up to position j with probability a_i * f_i^(j-1): a_i, the
 sequence's rate at the first position, and f_i, its rate at a later position given the one
 before was accepted. A verify step then yields E_i(k) = 1 + sum_j P_i(>= j) tokens (accepted
-prefix plus the target's own). A step's cost is the forward over 1 + k tokens per row,
-T(batch, 1 + k), measured at start-up, plus what the step spends around the forward (drafting,
-acceptance math, the host sync, longer contexts), measured on the steps as they run, plus the
-host's work per token it yields (detokenising, stop checks), also measured. The controller drafts
-the k in [0, max_draft] maximising the batch's expected tokens per second (a step costs what its
-longest row costs); k = 0 is a plain step, so speculation that does not pay does not run.
+prefix plus the target's own). A step's cost is its forward, T(batch, 1 + k) for b rows of 1 + k
+tokens measured at start-up (read at the mean tokens per row for a step of ragged rows), plus what
+the step spends around the forward (drafting, acceptance math, the host sync, longer contexts),
+measured on the steps as they run, plus the host's work per token it yields (detokenising, stop
+checks), also measured. The controller drafts what maximises the batch's expected tokens per
+second: one k for every row where a step costs what its longest row costs (padded rows, CUDA
+graphs), or a length per row where rows are packed and a drafted token costs what it costs. No
+draft is a plain step, so speculation that does not pay does not run.
 """
 from __future__ import annotations
 
@@ -60,46 +62,79 @@ class DraftController:
     def _bucket(self, batch_size: int) -> int:
         return self.buckets[min(bisect.bisect_left(self.buckets, batch_size), len(self.buckets) - 1)]
 
-    def step_cost(self, batch_size: int, num_draft: int) -> float:
-        """Expected seconds of a step: the calibrated forward plus the measured overhead."""
+    def step_cost(self, batch_size: int, tokens: int) -> float:
+        """Expected seconds of a step of batch_size rows holding `tokens` tokens in all: the
+        calibrated forward (between the curve's points at the mean tokens per row) plus the
+        measured overhead."""
         if not self.buckets:
             return 1.0
         b = self._bucket(batch_size)
         curve = self.cost[b]
-        return curve[min(num_draft, len(curve) - 1)] + self.overhead.get((b, num_draft > 0), 0.0)
+        at = min(tokens / batch_size - 1, len(curve) - 1)
+        low = int(at)
+        forward = curve[low] + (at - low) * (curve[min(low + 1, len(curve) - 1)] - curve[low])
+        return forward + self.overhead.get((b, tokens > batch_size), 0.0)
 
     def cost_ratio(self, batch_size: int, num_draft: int) -> float:
-        return self.step_cost(batch_size, num_draft) / self.step_cost(batch_size, 0)
+        """A step drafting num_draft tokens in every row against a plain step."""
+        return self.step_cost(batch_size, batch_size * (1 + num_draft)) / self.step_cost(batch_size, batch_size)
+
+    def _gains(self, seq_ids: list[int], available: list[int] | None) -> list[list[float]]:
+        """gains[i][j-1]: expected tokens that row i's j-th drafted token adds, P_i(>= j).
+        available[i], when the drafts are already known, is how many tokens row i has (a row
+        without a draft gains nothing); otherwise a row's gain is weighted by its hit rate."""
+        gains = []
+        for i, s in enumerate(seq_ids):
+            follow = min(self.follow_rate(s), 0.99)
+            reach = min(self.acceptance(s), 0.99) * (1.0 if available is not None else self.hit_rate(s))
+            row = []
+            for _ in range(self.max_draft if available is None else min(self.max_draft, available[i])):
+                row.append(reach)
+                reach *= follow
+            gains.append(row)
+        return gains
 
     def num_draft(self, seq_ids: list[int], batch_size: int, available: list[int] | None = None) -> int:
-        """One draft length for the speculating sequences of a batch of batch_size rows. A step's
-        cost is set by its longest row, so the k chosen maximises the batch's expected tokens
-        per unit of cost: sum_i E_i(k) / c(batch, k), against batch_size tokens for a plain step
-        (which wins unless drafting promises MIN_GAIN more).
-        available[i], when the drafts are already known, is how many tokens row i has (a row
-        without a draft gains nothing from k); otherwise a row's gain is weighted by its hit rate.
-        Rows that do not speculate yield one token whatever k is."""
-        follow = [min(self.follow_rate(s), 0.99) for s in seq_ids]
-        firsts = [min(self.acceptance(s), 0.99) for s in seq_ids]
-        weights = [1.0] * len(seq_ids) if available is not None else [self.hit_rate(s) for s in seq_ids]
-        limits = available if available is not None else [self.max_draft] * len(seq_ids)
-        top = min(self.max_draft, max(limits, default=0))
-        reach = [w * a for w, a in zip(weights, firsts)]      # P(accepted through position k), row i
+        """One draft length for the speculating sequences of a batch of batch_size rows, all
+        padded to it: the k maximising sum_i E_i(k) / c(batch, k), against batch_size tokens for
+        a plain step (which wins unless drafting promises MIN_GAIN more). Rows that do not
+        speculate yield one token whatever k is."""
+        gains = self._gains(seq_ids, available)
         expected = float(batch_size)
-        best_k, best_rate = 0, MIN_GAIN * self._rate(batch_size, 0, expected)
-        for k in range(1, top + 1):
-            for i in range(len(reach)):
-                if k <= limits[i]:
-                    expected += reach[i]
-                    reach[i] *= follow[i]
-            rate = self._rate(batch_size, k, expected)
+        best_k, best_rate = 0, MIN_GAIN * self._rate(batch_size, batch_size, expected)
+        for k in range(1, max(map(len, gains), default=0) + 1):
+            expected += sum(row[k - 1] for row in gains if len(row) >= k)
+            rate = self._rate(batch_size, batch_size * (1 + k), expected)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
 
-    def _rate(self, batch_size: int, num_draft: int, expected: float) -> float:
-        """Expected tokens per second of a step yielding `expected` tokens."""
-        return expected / (self.step_cost(batch_size, num_draft) + expected * self.token_cost)
+    def draft_lengths(self, seq_ids: list[int], batch_size: int, available: list[int] | None = None,
+                      packed: bool = True) -> list[int]:
+        """A draft length per sequence (in seq_ids' order) for a batch of batch_size rows. Packed
+        rows pay per token: the drafted tokens taken are the n most promising (each row's gains
+        fall along its draft, so they are prefixes of the rows), n maximising expected tokens per
+        second. Padded rows (packed False) all take num_draft's one length."""
+        if not packed:
+            k = self.num_draft(seq_ids, batch_size, available)
+            limits = available or [self.max_draft] * len(seq_ids)
+            return [min(k, n) for n in limits]
+        ranked = sorted(((g, i) for i, row in enumerate(self._gains(seq_ids, available)) for g in row), reverse=True)
+        expected = float(batch_size)
+        best_n, best_rate = 0, MIN_GAIN * self._rate(batch_size, batch_size, expected)
+        for n, (gain, _) in enumerate(ranked, 1):
+            expected += gain
+            rate = self._rate(batch_size, batch_size + n, expected)
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        lengths = [0] * len(seq_ids)
+        for _, i in ranked[:best_n]:
+            lengths[i] += 1
+        return lengths
+
+    def _rate(self, batch_size: int, tokens: int, expected: float) -> float:
+        """Expected tokens per second of a step of `tokens` tokens yielding `expected` tokens."""
+        return expected / (self.step_cost(batch_size, tokens) + expected * self.token_cost)
 
     def observe(self, seq_id: int, asked: int, num_draft: int, num_accepted: int) -> None:
         """After a step that asked the drafter for `asked` tokens and verified num_draft of them.
@@ -123,8 +158,8 @@ class DraftController:
                 accf, trialsf = accf * d + num_accepted - 1, trialsf * d + reached
         self.counts[seq_id] = [acc1, trials1, accf, trialsf, hits, asks]
 
-    def observe_step(self, batch_size: int, num_draft: int, seconds: float) -> None:
-        """A decode step of batch_size rows drafting num_draft tokens took `seconds` (propose
+    def observe_step(self, batch_size: int, tokens: int, seconds: float) -> None:
+        """A decode step of batch_size rows holding `tokens` tokens in all took `seconds` (propose
         through the host sync). What it took beyond the calibrated forward is the overhead that
         start-up timing cannot see: drafting, acceptance math, launches, longer contexts. One slow
         step (a first call, a collection pause) counts as at most a few forwards, and plain steps
@@ -132,11 +167,11 @@ class DraftController:
         than ending speculation for good."""
         if not self.buckets:
             return
-        b = self._bucket(batch_size)
-        forward = self.cost[b][min(num_draft, len(self.cost[b]) - 1)]
+        b, drafting = self._bucket(batch_size), tokens > batch_size
+        forward = self.step_cost(batch_size, tokens) - self.overhead.get((b, drafting), 0.0)
         extra = min(seconds - forward, OUTLIER_FORWARDS * forward)
-        self._update((b, num_draft > 0), extra, self.step_decay)
-        if num_draft == 0 and (b, True) in self.overhead:
+        self._update((b, drafting), extra, self.step_decay)
+        if not drafting and (b, True) in self.overhead:
             self._update((b, True), self.overhead[(b, False)], self.probe_decay)
 
     def observe_tokens(self, num_tokens: int, seconds: float) -> None:

@@ -28,6 +28,11 @@ class Draft:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def truncated(self, n: int) -> "Draft":
+        """The first n tokens (a tree's first n nodes: parents come before their children)."""
+        return Draft(self.tokens[:n], None if self.parents is None else self.parents[:n],
+                     None if self.probs is None else self.probs[:n])
+
 
 class Drafter:
     """Base class. Subclasses override what they need; the defaults keep no state."""
