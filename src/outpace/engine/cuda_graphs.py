@@ -26,6 +26,7 @@ that is `--no-cuda-graphs`, and what the CPU tests check.
 """
 from __future__ import annotations
 
+import bisect
 import sys
 import time
 
@@ -67,6 +68,14 @@ class CudaGraphRunner(ModelRunner):
         self.inputs = torch.zeros(rows + ext + rows * tokens, dtype=torch.long, device=device)
         self.starts = self.inputs[:rows]                                                # [b] position of token 0
         self.input_ids = self.inputs[rows + ext:]                                       # [b*t] -> [b, t]
+        self.ids_at = rows + ext
+        # inputs' host side, written in place each step (pinned on CUDA, so one asynchronous copy
+        # carries it; `copied` marks when the device has read it). On the CPU it is inputs itself.
+        is_cuda = torch.device(device).type == "cuda"
+        self.host_inputs = torch.zeros_like(self.inputs, device="cpu", pin_memory=True) if is_cuda else self.inputs
+        self.host = self.host_inputs.numpy()
+        self.copied = torch.cuda.Event() if is_cuda else None
+        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}     # length -> (device, host) views
         if extension:
             extension.bind(self.inputs[rows:rows + ext])
         self.positions = torch.zeros(rows * tokens, dtype=torch.long, device=device)    # [b*t] -> [b, t]
@@ -76,6 +85,7 @@ class CudaGraphRunner(ModelRunner):
         self.bias_values = torch.tensor([0.0, float("-inf")], dtype=self.dtype, device=device)
         self.logits = torch.zeros(rows * tokens, vocab, dtype=torch.float32, device=device)       # -> [b, t, V]
         self.slot_ids = torch.arange(rows, device=device)
+        self._outputs: dict[tuple[int, int, int], torch.Tensor] = {}   # (b, t, rows) -> logits view
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.packs_rows = False         # decode steps have static [b, t] shapes
@@ -109,14 +119,14 @@ class CudaGraphRunner(ModelRunner):
     def shape_for(self, rows: list[Row], num_device_tokens: int = 0) -> tuple[int, int, int] | None:
         """(bucket, tier, key length) of a decode/verify step, or None when no graph shape holds it."""
         t = max(len(r.token_ids) for r in rows) + num_device_tokens
-        tier = next((x for x in self.tiers if x >= t), None)
-        bucket = next((x for x in self.buckets if x > max(r.slot for r in rows)), None)
-        if tier is None or bucket is None:
+        i = bisect.bisect_left(self.tiers, t)                              # the smallest tier >= t
+        j = bisect.bisect_right(self.buckets, max(r.slot for r in rows))   # the smallest bucket > every slot
+        if i == len(self.tiers) or j == len(self.buckets):
             return None
+        tier = self.tiers[i]
         end = max(r.start for r in rows) + tier          # every row's positions (padding too) lie below
-        return bucket, tier, next(x for x in self.kv_lens if x >= min(end, self.cache_len))
+        return self.buckets[j], tier, self.kv_lens[bisect.bisect_left(self.kv_lens, min(end, self.cache_len))]
 
-    @torch.inference_mode()
     def forward(self, rows: list[Row], logits: str = "all", need_hidden: bool = False,
                 draft_tokens: torch.Tensor | None = None, step_inputs: list[tuple] | None = None,
                 num_device_tokens: int = 0):
@@ -124,7 +134,8 @@ class CudaGraphRunner(ModelRunner):
         each row's host tokens, which must then be one per row (its last token): a verify step whose
         drafts never visit the host. step_inputs: the extension's values per row, whose drafts
         (at most num_device_tokens) the graph writes itself; the step must then have a shape
-        (shape_for). Returns (logits [B, S, V], None) with S the tier."""
+        (shape_for). Returns (logits [B, S, V], None) with S the tier. A replay needs no inference
+        mode (it records nothing), so only the eager paths enter it: it costs microseconds a step."""
         num_device = num_device_tokens if draft_tokens is None else draft_tokens.shape[1]
         shape = self.shape_for(rows, num_device) if logits == "all" and not need_hidden else None
         if shape is None and step_inputs is not None:
@@ -143,30 +154,47 @@ class CudaGraphRunner(ModelRunner):
         if self.use_graphs:
             self.graphs[shape].replay()
         else:
-            self._run_step(b, t, L)
-        out = self.logits[:b * t].view(b, t, -1)
+            with torch.inference_mode():
+                self._run_step(b, t, L)
         slots = [r.slot for r in rows]
         if slots == list(range(len(rows))):
-            return out[:len(rows)], None
-        return out.index_select(0, to_device(slots, self.device)), None
+            return self._output(b, t, len(rows)), None
+        return self._output(b, t, b).index_select(0, to_device(slots, self.device)), None
+
+    def _output(self, b: int, t: int, n: int) -> torch.Tensor:
+        """The logits of graph rows [0, n) of shape (b, t): [n, t, V], a view made once."""
+        out = self._outputs.get((b, t, n))
+        if out is None:
+            out = self._outputs[(b, t, n)] = self.logits[:b * t].view(b, t, -1)[:n]
+        return out
 
     def _write_inputs(self, rows: list[Row], b: int, t: int, step_inputs: list[tuple] | None = None) -> None:
         """Rows to graph row = slot; slots without a row get a dummy row in the spare region (and
-        the extension's neutral values)."""
-        starts, ids = [self.max_len] * self.starts.shape[0], [0] * (b * t)
+        the extension's neutral values). Written into the host buffer [starts | extension's | the
+        first b*t input ids], which then reaches the device in one copy."""
+        num_rows = self.starts.shape[0]
+        ids_at = self.ids_at
+        n = ids_at + b * t
+        if self.copied is not None:
+            self.copied.synchronize()                   # the last step's copy has read the buffer
+        host = self.host
+        host[:num_rows] = self.max_len
+        host[ids_at:n] = 0
         for r in rows:
-            starts[r.slot] = r.start
-            ids[r.slot * t:r.slot * t + len(r.token_ids)] = r.token_ids
-        ext = []
+            host[r.slot] = r.start
+            at = ids_at + r.slot * t
+            host[at:at + len(r.token_ids)] = r.token_ids
         if self.extension:
-            per_row = [self.extension.neutral()] * len(starts)
+            per_row = [self.extension.neutral()] * num_rows
             for r, values in zip(rows, step_inputs or []):
                 per_row[r.slot] = values
-            ext = [v for column in zip(*per_row) for v in column]      # [width, rows], row-major
-        host = torch.tensor(starts + ext + ids, dtype=torch.long)
-        if self.device.type == "cuda":
-            host = host.pin_memory()                    # the caching host allocator keeps it until copied
-        self.inputs[:host.shape[0]].copy_(host, non_blocking=True)
+            host[num_rows:ids_at] = [v for column in zip(*per_row) for v in column]   # [width, rows], row-major
+        if self.copied is not None:
+            if n not in self._copies:
+                self._copies[n] = self.inputs[:n], self.host_inputs[:n]
+            device, host_part = self._copies[n]
+            device.copy_(host_part, non_blocking=True)
+            self.copied.record()
 
     # ---- capture ----------------------------------------------------------------------------
     def capture(self, progress: bool = True) -> None:
