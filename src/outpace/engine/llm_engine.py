@@ -130,7 +130,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         drafts, asked = self.propose(plan.decode)
         tokens, counts, num_drafts = self.verify(plan.decode, drafts)
-        if not plan.prefill:      # a step that also prefilled says nothing about decode cost
+        is_timed = self.controller.is_timed     # an uncalibrated controller learns nothing from times
+        if is_timed and not plan.prefill:       # a step that also prefilled says nothing about decode cost
             on_device = isinstance(drafts, (DeviceDrafts, GraphDrafts))
             widths, rows = (asked if on_device else num_drafts), len(plan.decode)
             padded = on_device or not self.runner.packs_rows
@@ -139,7 +140,8 @@ class LLMEngine:
         t1 = time.perf_counter()
         self.accept(plan.decode, asked, num_drafts, tokens, counts)
         done = self.postprocess(plan.decode)
-        self.controller.observe_tokens(sum(counts), time.perf_counter() - t1)
+        if is_timed:
+            self.controller.observe_tokens(sum(counts), time.perf_counter() - t1)
         return done
 
     def prefill(self, plan: StepPlan) -> None:
@@ -222,7 +224,7 @@ class LLMEngine:
             K = logits.shape[1] - 1
             if K == 0 and all(s.params.is_greedy for s in seqs):
                 # a plain greedy step: each row's argmax is its one token, nothing to check
-                return self._plain_greedy(seqs, logits[:, 0].argmax(-1), t0)
+                return self._plain_greedy(seqs, logits.argmax(-1), t0)
             draft_tokens = to_device([(d.tokens if d else []) + [0] * (K - n) for d, n in zip(drafts, num_draft)],
                                      logits.device).view(len(seqs), K)
             draft_lens = to_device(num_draft, logits.device)
@@ -262,17 +264,18 @@ class LLMEngine:
         return [h[2:2 + h[0]] for h in host], [h[0] for h in host], [h[1] for h in host]
 
     def _plain_greedy(self, seqs: list[Sequence], tokens: torch.Tensor, t0: float):
-        """verify()'s result for a step without drafts whose rows are all greedy: tokens [B]."""
+        """verify()'s result for a step without drafts whose rows are all greedy: tokens [B, 1]."""
         if isinstance(self.drafter, DeviceNgramDrafter):
-            self.drafter.append([s.seq_id for s in seqs], tokens[:, None], torch.ones_like(tokens))
+            self.drafter.append([s.seq_id for s in seqs], tokens, torch.ones_like(tokens[:, 0]))
         host = tokens.tolist()                          # the step's one host synchronisation
-        return self._verified(seqs, [[1, 0, t] for t in host], t0)
+        return self._verified(seqs, [[1, 0, t] for (t,) in host], t0)
 
     def accept(self, seqs, asked, num_drafts, tokens, counts) -> None:
         now = time.perf_counter()
         for seq, ask, num_draft, new, n in zip(seqs, asked, num_drafts, tokens, counts):
             seq.stats.record(num_draft, n - 1)
-            self.controller.observe(seq.seq_id, ask, num_draft, n - 1)
+            if seq.speculate:       # the controller never drafts for (nor reads) a plain sequence
+                self.controller.observe(seq.seq_id, ask, num_draft, n - 1)
             # the last token and the accepted drafts are now cached; the new last token is not
             seq.num_cached = len(seq.token_ids) + n - 1
             if seq.first_token_time is None:

@@ -32,14 +32,15 @@ class StopChecker:
                 seq.finish_reason = "stop"
                 break
             self.full_text += self.decoder.step([token])
-            if self._apply_stop_strings(seq):
+            if self.params.stop and self._apply_stop_strings(seq):
                 break
             if seq.num_output_tokens >= self.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 seq.finish_reason = "length"
                 break
         if seq.finish_reason and not self.is_stopped_by_string:
             self.full_text += self.decoder.finish()     # a character held back at the very end
-        seq.text = self.full_text if seq.finish_reason else self._visible(self.full_text)
+        # without stop strings nothing is held back
+        seq.text = self.full_text if seq.finish_reason or not self.params.stop else self._visible(self.full_text)
         return appended
 
     def _apply_stop_strings(self, seq) -> bool:

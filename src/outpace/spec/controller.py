@@ -41,6 +41,11 @@ class DraftController:
         self.overhead: dict[tuple[int, bool], float] = {}
         self.token_cost = 0.0       # running mean of host seconds per token a step yields
 
+    @property
+    def is_timed(self) -> bool:
+        """Whether step costs were calibrated: without them observe_step and observe_tokens learn nothing."""
+        return bool(self.buckets)
+
     def _counts(self, seq_id: int) -> list[float]:
         return self.counts.get(seq_id) or [*self.prior, 0.0, 0.0]
 
