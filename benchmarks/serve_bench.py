@@ -8,8 +8,10 @@ One server (n-gram speculation on) is started for the run; each request asks for
 not through the request field `speculate` (outpace's extension), so both modes share the process,
 the weights and the calibrated controller. At each concurrency the same prompts (Spec-Bench first
 turns, categories interleaved) run once per mode, the mode that goes first alternating between
-levels; `concurrency` clients each keep one streaming chat request in flight. Greedy, EOS ignored
-so every request produces max_tokens tokens in both modes.
+levels; `concurrency` clients each keep one streaming chat request in flight. With --rounds 2 (the
+default) each level runs the modes in the order A B B A, so drift of the machine's speed during a
+level weighs on both alike. Greedy, EOS ignored so every request produces max_tokens tokens in both
+modes.
 
 Reported per level and mode: output tokens/s (all output tokens / wall time of the level), time to
 first token and time per output token after the first (median and p99).
@@ -73,7 +75,8 @@ async def one_request(client: httpx.AsyncClient, prompt: str, args, speculate: b
             "tpot_s": (end - first) / (tokens - 1) if tokens > 1 else 0.0, "latency_s": end - started}
 
 
-async def run_level(args, prompts: list[str], concurrency: int, speculate: bool) -> dict:
+async def run_level(args, prompts: list[str], concurrency: int, speculate: bool) -> tuple[list[dict], float]:
+    """Each request's figures and the wall time of the whole level."""
     queue: asyncio.Queue = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
@@ -89,6 +92,10 @@ async def run_level(args, prompts: list[str], concurrency: int, speculate: bool)
         started = time.perf_counter()
         await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
         wall = time.perf_counter() - started
+    return results, wall
+
+
+def summarize(results: list[dict], wall: float) -> dict:
     ttft = [r["ttft_s"] for r in results]
     tpot = [r["tpot_s"] for r in results]
     tokens = sum(r["tokens"] for r in results)
@@ -129,6 +136,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--requests", type=int, default=None,
                    help="requests per level and mode (default: max(8, 2 x concurrency))")
+    p.add_argument("--rounds", type=int, default=2, help="times each level runs each mode, the order alternating")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--start-timeout", type=float, default=600, help="seconds to wait for the server (first start "
@@ -147,8 +155,13 @@ def main() -> None:
             n = args.requests or max(8, 2 * c)
             batch = [prompts[(index * 7 + i) % len(prompts)] for i in range(n)]
             level = {"concurrency": c}
-            for speculate in ((False, True) if index % 2 == 0 else (True, False)):
-                level["spec" if speculate else "plain"] = asyncio.run(run_level(args, batch, c, speculate))
+            runs = {False: ([], 0.0), True: ([], 0.0)}
+            for round_ in range(args.rounds):
+                for speculate in ((False, True) if (index + round_) % 2 == 0 else (True, False)):
+                    results, wall = asyncio.run(run_level(args, batch, c, speculate))
+                    runs[speculate] = (runs[speculate][0] + results, runs[speculate][1] + wall)
+            for speculate, (results, wall) in runs.items():
+                level["spec" if speculate else "plain"] = summarize(results, wall)
             level["speedup"] = level["spec"]["tokens_per_s"] / level["plain"]["tokens_per_s"]
             levels.append(level)
             print(f"concurrency {c}: plain {level['plain']['tokens_per_s']:.1f} tok/s, "

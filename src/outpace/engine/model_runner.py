@@ -1,21 +1,25 @@
 """ModelRunner: the one place where host-side rows become tensors and the target model runs.
 
 A row is one sequence's new tokens in a step: a prompt chunk, or its last token followed by its
-draft. Rows of different lengths are packed: the model's linear layers run over the real tokens
-only, so a row's draft costs what its tokens cost, not the longest row's length times the rows.
-Attention lays rows out padded to the longest; padded tokens are written past the sequence's length
-(the cache has `max_step_tokens` spare positions for that), masked from every query, and
-overwritten later. Exact mode never packs: its forwards keep one shape whatever the drafts.
+draft. Rows of different lengths are packed: the model's linears, norms, rotation and cache writes
+run over the real tokens only, so a row's draft costs what its tokens cost, not the longest row's
+length times the rows; attention alone lays the rows out by row (padded to the longest, or, where
+that padding would cost much, every row's first query apart from the others). Rows of one length
+are a plain [B, S] batch. Padded entries of logits are never read. Exact mode never packs: its
+forwards keep one shape whatever the drafts, padding included, whose tokens are written past the
+sequence's length (the cache has `max_step_tokens` spare positions for that), masked from every
+query, and overwritten later.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 from outpace.model.decoder import DecoderLM
 from outpace.model.kv_cache import KVCache
-from outpace.model.layers import ForwardBatch
+from outpace.model.layers import ForwardBatch, Packed
 
 
 @dataclass
@@ -28,6 +32,11 @@ class Row:
 # Rows on scattered slots attend over their slot range as one view when the range is at most this
 # many times the rows; wider ranges gather each row's cache instead.
 SPAN_LIMIT = 2
+
+# Packed rows with at least this many padded tokens attend in two parts (every row's first query,
+# then the longer rows' others) rather than padded: about where, at a few hundred keys on this CPU,
+# the padded queries cost what the second attention call and its gathers cost.
+SPLIT_ATTENTION_PADDING = 16
 
 # A bfloat16 prompt chunk of at least this many tokens runs in float32 on the CPU: oneDNN's float32
 # products are about 1.6x its bfloat16 ones from 128 rows up there (benchmarks in cpu_linear.py's
@@ -78,7 +87,6 @@ class ModelRunner:
         packed = not exact and sum(lengths) < B * S
         if packed:
             ids = [t for r in rows for t in r.token_ids]
-            token_index = torch.tensor([b * S + j for b, n in enumerate(lengths) for j in range(n)], device=self.device)
         else:
             ids = [r.token_ids + [0] * (S - len(r.token_ids)) for r in rows]
         starts = torch.tensor([r.start for r in rows], device=self.device)
@@ -114,18 +122,33 @@ class ModelRunner:
             slot_start=slots[0] if is_contiguous else lowest if span_rows is not None else None,
             write_start=rows[0].start if B == 1 else None,
             logits=logits == "all",
-            token_index=token_index if packed else None,
-            long_rows=torch.tensor([b for b, n in enumerate(lengths) if n > 1], device=self.device) if packed else None,
+            packed=self._packing(lengths, S, positions, slots) if packed else None,
             span_rows=span_rows,
             causal=causal,
         )
         compute = self.prefill_dtype if logits == "none" and sum(lengths) >= FP32_PREFILL_MIN_TOKENS else None
         out, hidden = self.model(batch, self.cache, need_hidden=need_hidden, compute_dtype=compute)
         if packed:      # back to [B, S]: padded entries keep finite stale values, which nobody reads
-            out = None if out is None else self._unpacked(out, token_index, B * S)
+            index = batch.packed.index
+            out = None if out is None else self._unpacked(out, index, B * S)
             if hidden is not None:
-                hidden = hidden.new_zeros(B * S, hidden.shape[-1]).index_copy_(0, token_index, hidden).view(B, S, -1)
+                hidden = hidden.new_zeros(B * S, hidden.shape[-1]).index_copy_(0, index, hidden).view(B, S, -1)
         return (out.view(B, S, -1) if logits == "all" else None), hidden
+
+    def _packing(self, lengths: list[int], S: int, positions: torch.Tensor, slots: list[int]) -> Packed:
+        """Where the real tokens of rows of these lengths sit, padded to S."""
+        device = self.device
+        index = torch.tensor([b * S + j for b, n in enumerate(lengths) for j in range(n)], device=device)
+        packed = Packed(index, positions.flatten().index_select(0, index),
+                        torch.tensor(slots, device=device).repeat_interleave(torch.tensor(lengths, device=device)))
+        if len(lengths) * S - sum(lengths) >= SPLIT_ATTENTION_PADDING:
+            starts = [0, *itertools.accumulate(lengths)][:-1]
+            long_rows = [b for b, n in enumerate(lengths) if n > 1]
+            later = [(starts[b] + j, r * (S - 1) + j - 1) for r, b in enumerate(long_rows) for j in range(1, lengths[b])]
+            packed.long_rows = torch.tensor(long_rows, device=device)
+            packed.first = torch.tensor(starts, device=device)
+            packed.later, packed.later_at = torch.tensor(later, device=device).unbind(1)
+        return packed
 
     def _unpacked(self, logits: torch.Tensor, token_index: torch.Tensor, n: int) -> torch.Tensor:
         """Packed logits [T, V] laid out as n padded rows, in a buffer kept across steps: a fresh

@@ -55,8 +55,9 @@ class DecoderLM(nn.Module):
         hidden_dtype = h.dtype
         if compute_dtype is not None:
             h = h.to(compute_dtype)
-        cos = self.rope_cos[batch.positions].to(h.dtype).unsqueeze(2)    # [B, S, 1, D]
-        sin = self.rope_sin[batch.positions].to(h.dtype).unsqueeze(2)
+        positions = batch.positions if batch.packed is None else batch.packed.positions
+        cos = self.rope_cos[positions].to(h.dtype).unsqueeze(-2)         # [B, S, 1, D] or [T, 1, D]
+        sin = self.rope_sin[positions].to(h.dtype).unsqueeze(-2)
         delta = None
         for i, layer in enumerate(self.layers):
             h, delta = layer(h, delta, cos, sin, batch, cache.k[i], cache.v[i])

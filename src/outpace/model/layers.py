@@ -19,6 +19,23 @@ from outpace.model.fused import add_rms_norm, rms_norm, rope, rope_store, silu_m
 
 
 @dataclass
+class Packed:
+    """Rows of different lengths as their T real tokens, row after row. Attention alone lays them
+    out by row; everything else (linears, norms, rotation, cache writes) sees only real tokens."""
+
+    index: torch.Tensor            # [T] each token's flat index into [B, S]
+    positions: torch.Tensor        # [T] its cache position
+    slots: torch.Tensor            # [T] its cache slot
+    # set when padding the rows would cost much: attention then runs every row's first query
+    # (tokens `first` [B]) apart from the others, which sit in the long rows [R] (rows with more
+    # than one token): tokens `later` at `later_at`, flat indices into [R, S - 1]
+    long_rows: torch.Tensor | None = None
+    first: torch.Tensor | None = None
+    later: torch.Tensor | None = None
+    later_at: torch.Tensor | None = None
+
+
+@dataclass
 class ForwardBatch:
     """Where a forward reads and writes the cache. Built by the model runner, shared by all layers."""
 
@@ -30,10 +47,7 @@ class ForwardBatch:
     slot_start: int | None = None  # slots are slot_start .. slot_start+B-1: read the cache as a view
     write_start: int | None = None  # B == 1: the row's first position, so writes are slice copies
     logits: bool = True            # False: a prompt chunk, whose logits nobody reads
-    # packed rows: flat indices into B*S of the T real tokens, in order (None: every [B, S] entry is
-    # one), and the rows holding more than one token, whose later queries attention runs apart
-    token_index: torch.Tensor | None = None
-    long_rows: torch.Tensor | None = None
+    packed: Packed | None = None   # rows packed into their real tokens (None: every [B, S] entry is one)
     # rows' offsets in the slot range slot_start.. that attention reads as one view; the range's
     # other slots are idle rows whose outputs are dropped (mask then has one row per slot of it)
     span_rows: torch.Tensor | None = None
@@ -76,13 +90,12 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, batch: ForwardBatch, k_cache, v_cache):
         B, S = batch.positions.shape
         H, KVH = self.num_heads, self.num_kv_heads
-        qkv = self.qkv(x)
-        if batch.token_index is not None:                 # packed: padding is zeros, masked and overwritten
-            qkv = qkv.new_zeros(B * S, qkv.shape[-1]).index_copy_(0, batch.token_index, qkv)
-        qkv = qkv.view(B, S, H + 2 * KVH, self.head_dim)
-        qk, v = qkv[:, :, :H + KVH], qkv[:, :, H + KVH:]
+        qkv = self.qkv(x).unflatten(-1, (H + 2 * KVH, self.head_dim))       # [B, S, heads, D] or [T, heads, D]
+        qk, v = qkv[..., :H + KVH, :], qkv[..., H + KVH:, :]
         if self.q_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
+            qk = torch.cat([self.q_norm(qk[..., :H, :]), self.k_norm(qk[..., H:, :])], dim=-2)
+        if batch.packed is not None:
+            return self.o(self._packed(qk, v, cos, sin, batch, k_cache, v_cache).flatten(-2))
         # q and k rotated together; the new keys/values written at their positions (stale entries
         # past a sequence's length are never attended (mask) and get overwritten by later writes)
         if batch.write_start is not None:                 # one row at known positions: plain copies
@@ -92,31 +105,52 @@ class Attention(nn.Module):
             v_cache[batch.slot_start, :, batch.write_start:batch.write_start + S] = v[0].transpose(0, 1)
         else:
             q = rope_store(qk, v, cos, sin, k_cache, v_cache, batch.slots, self._heads(x.device), batch.positions)
-        # the rows' caches: a view of slots slot_start.. when they sit in one range (rows scattered
-        # over it put zero queries in its idle slots, dropped after), else a gather of each row's
-        # cache, which costs more than the linears at 16 rows
-        if batch.slot_start is not None:
-            span = B if batch.span_rows is None else batch.mask.shape[0]
-            keys = k_cache[batch.slot_start:batch.slot_start + span, :, :batch.kv_len]
-            values = v_cache[batch.slot_start:batch.slot_start + span, :, :batch.kv_len]
-        else:
-            keys = k_cache[:, :, :batch.kv_len].index_select(0, batch.slots)
-            values = v_cache[:, :, :batch.kv_len].index_select(0, batch.slots)
-        if batch.token_index is None:
-            out = self._attend(q, keys, values, batch.mask, batch.causal, batch.span_rows)
-        else:
-            # packed rows: attention's cost follows its queries, so padding every row to the
-            # longest would cost what the packed linears saved. Every row's first query attends
-            # as in a decode step; the longer rows' later ones over a gather of their own caches.
-            rows = batch.long_rows
-            out = q.new_zeros(q.shape)
-            out[:, :, :1] = self._attend(q[:, :, :1], keys, values, batch.mask[:, :, :1], False, batch.span_rows)
-            mask_rows = rows if batch.span_rows is None else batch.span_rows[rows]
-            out[rows, :, 1:] = self._attend(q[rows, :, 1:], k_cache[:, :, :batch.kv_len].index_select(0, batch.slots[rows]),
-                                            v_cache[:, :, :batch.kv_len].index_select(0, batch.slots[rows]),
-                                            batch.mask[mask_rows, :, 1:], False, None)
-            return self.o(out.transpose(1, 2).reshape(B * S, -1).index_select(0, batch.token_index))
+        keys, values = self._caches(batch, k_cache, v_cache)
+        out = self._attend(q, keys, values, batch.mask, batch.causal, batch.span_rows)
         return self.o(out.transpose(1, 2).reshape(B, S, -1))
+
+    def _caches(self, batch: ForwardBatch, k_cache, v_cache):
+        """The rows' caches: a view of slots slot_start.. when they sit in one range (rows scattered
+        over it put zero queries in its idle slots, dropped after), else a gather of each row's
+        cache, which costs more than the linears at 16 rows."""
+        if batch.slot_start is not None:
+            span = batch.positions.shape[0] if batch.span_rows is None else batch.mask.shape[0]
+            return (k_cache[batch.slot_start:batch.slot_start + span, :, :batch.kv_len],
+                    v_cache[batch.slot_start:batch.slot_start + span, :, :batch.kv_len])
+        return (k_cache[:, :, :batch.kv_len].index_select(0, batch.slots),
+                v_cache[:, :, :batch.kv_len].index_select(0, batch.slots))
+
+    def _packed(self, qk, v, cos, sin, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
+        """Attention over packed rows (qk [T, H+KVH, D], v [T, KVH, D], cos/sin [T, 1, D]):
+        rotation and cache writes per real token; returns [T, H, D]."""
+        B, S = batch.positions.shape
+        H, pk = self.num_heads, batch.packed
+        qk = rope(qk, cos, sin)
+        index = (pk.slots[:, None], self._heads(qk.device).view(-1), pk.positions[:, None])     # [T, KVH]
+        k_cache.index_put_(index, qk[:, H:].to(k_cache.dtype))
+        v_cache.index_put_(index, v.to(v_cache.dtype))
+        q = qk[:, :H]
+        keys, values = self._caches(batch, k_cache, v_cache)
+        if pk.long_rows is None:        # little padding: attention runs over the rows padded to S
+            padded = q.new_zeros(B * S, *q.shape[1:]).index_copy_(0, pk.index, q).view(B, S, *q.shape[1:])
+            out = self._attend(padded.transpose(1, 2), keys, values, batch.mask, False, batch.span_rows)
+            return out.transpose(1, 2).reshape(B * S, *q.shape[1:]).index_select(0, pk.index)
+        # much padding: attention's cost follows its queries, so every row's first query attends as
+        # in a decode step, and the longer rows' later ones, padded among themselves, over a gather
+        # of their own caches
+        out = torch.empty_like(q)
+        out[pk.first] = self._attend(q[pk.first, :, None], keys, values, batch.mask[:, :, :1], False,
+                                     batch.span_rows)[:, :, 0]
+        rows = pk.long_rows
+        later = q.new_zeros(len(rows) * (S - 1), *q.shape[1:])
+        later[pk.later_at] = q[pk.later]
+        mask_rows = rows if batch.span_rows is None else batch.span_rows[rows]
+        later = self._attend(later.view(len(rows), S - 1, *q.shape[1:]).transpose(1, 2),
+                             k_cache[:, :, :batch.kv_len].index_select(0, batch.slots[rows]),
+                             v_cache[:, :, :batch.kv_len].index_select(0, batch.slots[rows]),
+                             batch.mask[mask_rows, :, 1:], False, None)
+        out[pk.later] = later.transpose(1, 2).reshape(-1, *q.shape[1:])[pk.later_at]
+        return out
 
     @staticmethod
     def _attend(q, keys, values, mask, causal: bool, span_rows) -> torch.Tensor:
