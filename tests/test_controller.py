@@ -62,20 +62,21 @@ def test_one_draft_length_for_the_batch_weighs_every_row():
 
 def test_packed_rows_draft_where_it_pays():
     """Packed rows pay per drafted token: in a batch of eight, where one token more costs a tenth
-    of a step and the padded choice cannot draft, the one accepting row drafts long and the
-    rejecting rows do not draft."""
-    cost = {8: [1.0 + 0.8 * k for k in range(9)]}     # 8 rows x (1 + k): a token costs 0.1
-    c = DraftController(8, cost)
-    for _ in range(10):
-        c.observe(0, 8, 8, 8)
-        for s in range(1, 8):
-            c.observe(s, 8, 8, 0)
-    assert c.num_draft(list(range(8)), 8, available=[8] * 8) == 0
-    lengths = c.draft_lengths(list(range(8)), 8, available=[8] * 8)
+    of a step and one length for every row cannot pay, the one accepting row drafts long and the
+    rejecting rows do not draft. Padded rows take one length: none."""
+    packed = DraftController(8, {8: [[0, 1.0], [64, 1.0 + 6.4]]}, packed=True)   # a drafted token costs 0.1
+    padded = DraftController(8, {8: [1.0 + 0.8 * k for k in range(9)]})          # 8 rows x (1 + k) tokens
+    for c in (packed, padded):
+        for _ in range(10):
+            c.observe(0, 8, 8, 8)
+            for s in range(1, 8):
+                c.observe(s, 8, 8, 0)
+    assert packed.num_draft(list(range(8)), 8, available=[8] * 8) == 0
+    lengths = packed.draft_lengths(list(range(8)), 8, available=[8] * 8)
     assert lengths[0] >= 6 and lengths[1:] == [0] * 7
-    assert c.draft_lengths(list(range(8)), 8, available=[3] + [8] * 7)[0] == 3
-    assert c.draft_lengths(list(range(8)), 8, available=[8] * 8, packed=False) == [0] * 8
-    assert c.step_cost(8, 8 + 4) == 1.0 + 0.8 * 0.5        # between the curve's points
+    assert packed.draft_lengths(list(range(8)), 8, available=[3] + [8] * 7)[0] == 3
+    assert padded.draft_lengths(list(range(8)), 8, available=[8] * 8) == [0] * 8
+    assert packed.step_cost(8, 8 + 4) == packed.step_cost(5, 5 + 4) == 1.0 + 0.4     # between the points
 
 
 def test_rows_without_a_draft_gain_nothing():

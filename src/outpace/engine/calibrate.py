@@ -24,20 +24,30 @@ def batch_buckets(max_seqs: int) -> list[int]:
     return buckets + [max_seqs]
 
 
-def measure_verify_cost(runner: ModelRunner, max_seqs: int, max_tokens: int, reps: int = 3) -> dict[int, list[float]]:
-    """cost[b][s-1] = best-of-reps seconds of one forward over b rows of s tokens. Runs before any
-    request is admitted: it writes scratch keys into the slots it uses, which later prefills overwrite."""
+def measure_verify_cost(runner: ModelRunner, max_seqs: int, max_tokens: int, reps: int = 3) -> dict[int, list]:
+    """The forward's cost by batch-size bucket b, best of reps seconds. A runner that pads rows to
+    the longest (CUDA graphs, exact mode): cost[b][s-1] for b rows of s tokens. A runner that
+    packs rows: cost[b] = [[e, seconds], ...] for b rows holding e drafted tokens in all (drafts
+    of max_tokens-1 tokens in as few rows as hold them: a step's extra tokens cost what they cost,
+    plus what splitting attention costs), e on a ladder 0, 1, 2, 4, ... b*(max_tokens-1). Runs before
+    any request is admitted: it writes scratch keys into the slots it uses, which later prefills
+    overwrite."""
     shape = dataclasses.asdict(runner.model.cfg)
     key = json.dumps([shape, str(runner.dtype), str(runner.device), torch.get_num_threads(), torch.__version__,
-                      type(runner).__name__, max_seqs, max_tokens], sort_keys=True, default=str)
+                      type(runner).__name__, runner.packs_rows, max_seqs, max_tokens], sort_keys=True, default=str)
     path = outpace_home() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.exists():
         return {int(b): curve for b, curve in json.loads(path.read_text()).items()}
-    cost: dict[int, list[float]] = {}
-    shapes = [(b, s) for b in batch_buckets(max_seqs) for s in range(1, max_tokens + 1)]
+    draft = max_tokens - 1
+    if runner.packs_rows:
+        shapes = [(b, e) for b in batch_buckets(max_seqs) for e in sorted({0, b * draft} | {2 ** i for i in range(16)
+                                                                                          if 2 ** i < b * draft})]
+    else:
+        shapes = [(b, b * (s - 1)) for b in batch_buckets(max_seqs) for s in range(1, max_tokens + 1)]
+    cost: dict[int, list] = {}
     runner.forward([Row(0, [0] * max_tokens, CONTEXT)])          # warm-up: first calls allocate
-    for b, s in tqdm(shapes, desc="outpace: measuring verify cost (once per model and machine)", leave=False):
-        rows = [Row(slot, [0] * s, CONTEXT) for slot in range(b)]
+    for b, extra in tqdm(shapes, desc="outpace: measuring verify cost (once per model and machine)", leave=False):
+        rows = [Row(slot, [0] * (1 + min(draft, max(0, extra - slot * draft))), CONTEXT) for slot in range(b)]
         best = float("inf")
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -45,7 +55,7 @@ def measure_verify_cost(runner: ModelRunner, max_seqs: int, max_tokens: int, rep
             if runner.device.type == "cuda":
                 torch.cuda.synchronize(runner.device)
             best = min(best, time.perf_counter() - t0)
-        cost.setdefault(b, []).append(best)
+        cost.setdefault(b, []).append([extra, best] if runner.packs_rows else best)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cost))
     return cost

@@ -60,7 +60,7 @@ class LLMEngine:
         if self.max_draft and config.calibrate and not spec.exact:
             # measure_verify_cost waits for the device after each forward, so host clocks time it
             cost = measure_verify_cost(self.runner, config.max_num_seqs, self.max_draft + 1)
-        self.controller = DraftController(self.max_draft, cost)
+        self.controller = DraftController(self.max_draft, cost, packed=self.runner.packs_rows)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_prefill_tokens)
         self.stats = SpecStats()
         self.sequences: dict[int, Sequence] = {}
@@ -186,12 +186,11 @@ class LLMEngine:
                 drafts = self.drafter.propose_device([s.seq_id for s in seqs], room)
         else:
             ids, most = [seqs[i].seq_id for i in asking], [room[i] for i in asking]
-            packed = self.runner.packs_rows
             room = [0] * len(seqs)
             # the drafter runs only when full drafts would pay for some row at this batch size
-            if asking and any(self.controller.draft_lengths(ids, len(seqs), most, packed)):
+            if asking and any(self.controller.draft_lengths(ids, len(seqs), most)):
                 got = self.drafter.propose(ids, most)
-                lengths = self.controller.draft_lengths(ids, len(seqs), [len(d) if d else 0 for d in got], packed)
+                lengths = self.controller.draft_lengths(ids, len(seqs), [len(d) if d else 0 for d in got])
                 drafts = list(none)
                 for i, d, n, r in zip(asking, got, lengths, most):
                     # asked: n tokens; r when the drafter had none (a miss); 0 when the draft was

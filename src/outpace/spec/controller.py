@@ -5,9 +5,9 @@ span), so one per-token rate undercounts long drafts. The controller models a dr
 for sequence i as accepted up to position j with probability a_i * f_i^(j-1): a_i, the
 sequence's rate at the first position, and f_i, its rate at a later position given the one
 before was accepted. A verify step then yields E_i(k) = 1 + sum_j P_i(>= j) tokens (accepted
-prefix plus the target's own). A step's cost is its forward, T(batch, 1 + k) for b rows of 1 + k
-tokens measured at start-up (read at the mean tokens per row for a step of ragged rows), plus what
-the step spends around the forward (drafting, acceptance math, the host sync, longer contexts),
+prefix plus the target's own). A step's cost is its forward, measured at start-up (for b rows of
+1 + k tokens where rows are padded to the longest; for b rows holding e drafted tokens in all where
+rows are packed), plus what the step spends around the forward (drafting, acceptance math, the host sync, longer contexts),
 measured on the steps as they run, plus the host's work per token it yields (detokenising, stop
 checks), also measured. The controller drafts what maximises the batch's expected tokens per
 second: one k for every row where a step costs what its longest row costs (padded rows, CUDA
@@ -23,13 +23,19 @@ MIN_GAIN = 1.03           # drafting must promise this much over a plain step: e
 
 
 class DraftController:
-    def __init__(self, max_draft: int, cost: dict[int, list[float]] | None = None,
+    def __init__(self, max_draft: int, cost: dict[int, list] | None = None, packed: bool = False,
                  prior_accepted: float = 1.0, prior_drafted: float = 2.0, decay: float = 0.9,
                  step_decay: float = 0.9, probe_decay: float = 0.98, prior_follow: tuple[float, float] = (1.4, 2.0)):
-        """cost[b][s-1]: forward seconds of a batch of b rows of s tokens; None = flat, no timing."""
+        """cost: forward seconds by batch-size bucket b, as calibrate.measure_verify_cost gives them:
+        cost[b][s-1] for b rows of s tokens (packed False: rows padded to the longest), or
+        cost[b] = [[e, seconds], ...] for b rows holding e drafted tokens (packed True). None =
+        flat, no timing."""
         self.max_draft = max_draft
-        self.cost = cost or {}
-        self.buckets = sorted(self.cost)
+        self.packed = packed
+        # curves[b]: (x, seconds) points, x a step's tokens per row (padded) or drafted tokens (packed)
+        self.curves = {b: [tuple(p) for p in curve] if packed else [(s + 1, t) for s, t in enumerate(curve)]
+                       for b, curve in (cost or {}).items()}
+        self.buckets = sorted(self.curves)
         self.prior = (prior_accepted, prior_drafted, *prior_follow)
         self.decay = decay
         self.step_decay = step_decay
@@ -69,16 +75,12 @@ class DraftController:
 
     def step_cost(self, batch_size: int, tokens: int) -> float:
         """Expected seconds of a step of batch_size rows holding `tokens` tokens in all: the
-        calibrated forward (between the curve's points at the mean tokens per row) plus the
-        measured overhead."""
+        calibrated forward (between the curve's points) plus the measured overhead."""
         if not self.buckets:
             return 1.0
         b = self._bucket(batch_size)
-        curve = self.cost[b]
-        at = min(tokens / batch_size - 1, len(curve) - 1)
-        low = int(at)
-        forward = curve[low] + (at - low) * (curve[min(low + 1, len(curve) - 1)] - curve[low])
-        return forward + self.overhead.get((b, tokens > batch_size), 0.0)
+        x = tokens - batch_size if self.packed else tokens / batch_size
+        return _interpolate(self.curves[b], x) + self.overhead.get((b, tokens > batch_size), 0.0)
 
     def cost_ratio(self, batch_size: int, num_draft: int) -> float:
         """A step drafting num_draft tokens in every row against a plain step."""
@@ -114,13 +116,12 @@ class DraftController:
                 best_k, best_rate = k, rate
         return best_k
 
-    def draft_lengths(self, seq_ids: list[int], batch_size: int, available: list[int] | None = None,
-                      packed: bool = True) -> list[int]:
+    def draft_lengths(self, seq_ids: list[int], batch_size: int, available: list[int] | None = None) -> list[int]:
         """A draft length per sequence (in seq_ids' order) for a batch of batch_size rows. Packed
         rows pay per token: the drafted tokens taken are the n most promising (each row's gains
         fall along its draft, so they are prefixes of the rows), n maximising expected tokens per
-        second. Padded rows (packed False) all take num_draft's one length."""
-        if not packed:
+        second. Padded rows all take num_draft's one length."""
+        if not self.packed:
             k = self.num_draft(seq_ids, batch_size, available)
             limits = available or [self.max_draft] * len(seq_ids)
             return [min(k, n) for n in limits]
@@ -192,3 +193,13 @@ class DraftController:
 
     def end(self, seq_id: int) -> None:
         self.counts.pop(seq_id, None)
+
+
+def _interpolate(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear y(x) through points sorted by x, held at the ends."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (x - x0) / (x1 - x0) * (y1 - y0)
+    return points[-1][1]
