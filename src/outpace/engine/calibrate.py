@@ -29,7 +29,8 @@ def measure_verify_cost(runner: ModelRunner, max_seqs: int, max_tokens: int, rep
     the longest (CUDA graphs, exact mode): cost[b][s-1] for b rows of s tokens. A runner that
     packs rows: cost[b] = [[e, seconds], ...] for b rows holding e drafted tokens in all (drafts
     of max_tokens-1 tokens in as few rows as hold them: a step's extra tokens cost what they cost,
-    plus what splitting attention costs), e on a ladder 0, 1, 2, 4, ... b*(max_tokens-1). Runs before
+    plus what splitting attention costs), e = 0..max_tokens-1 (one row's draft), then doubling up
+    to b*(max_tokens-1). Runs before
     any request is admitted: it writes scratch keys into the slots it uses, which later prefills
     overwrite."""
     shape = dataclasses.asdict(runner.model.cfg)
@@ -40,8 +41,8 @@ def measure_verify_cost(runner: ModelRunner, max_seqs: int, max_tokens: int, rep
         return {int(b): curve for b, curve in json.loads(path.read_text()).items()}
     draft = max_tokens - 1
     if runner.packs_rows:
-        shapes = [(b, e) for b in batch_buckets(max_seqs) for e in sorted({0, b * draft} | {2 ** i for i in range(16)
-                                                                                          if 2 ** i < b * draft})]
+        shapes = [(b, e) for b in batch_buckets(max_seqs)
+                  for e in sorted(set(range(draft + 1)) | {b * draft} | {2 ** i for i in range(16) if 2 ** i < b * draft})]
     else:
         shapes = [(b, b * (s - 1)) for b in batch_buckets(max_seqs) for s in range(1, max_tokens + 1)]
     cost: dict[int, list] = {}
