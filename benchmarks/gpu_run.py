@@ -342,8 +342,8 @@ def default_model(args, model, gguf, prompts):
            ["outpace, eager (--no-cuda-graphs)", f"{out['outpace_eager_tokens_per_s']:.1f}",
             f"{out['outpace_eager_tokens_per_s'] / hf_rate:.2f}"],
            ["transformers generate (same GGUF)", f"{hf_rate:.1f}", "1.00"]])
-    cost = llm.engine.controller.cost
-    out["controller_cost_ratio_b1"] = [c / cost[1][0] for c in cost[1]] if cost else None
+    curve = llm.engine.controller.curves.get(1)      # (tokens per row, seconds) at batch 1
+    out["controller_cost_ratio_b1"] = [t / curve[0][1] for _, t in curve] if curve else None
     log(f"[default] calibrated verify cost ratio, batch 1: {out['controller_cost_ratio_b1']}")
     out["spec_bench"] = spec_bench(llm, prompts, 64 if args.quick else 256)
     out["verify"] = verify_table(llm.engine.model, device, "default model, bf16", args.quick)

@@ -169,3 +169,33 @@ def test_host_work_per_token_discounts_drafting():
     for _ in range(50):
         c.observe_tokens(32, 32 * 0.5)        # half a forward of host work per token
     assert c.num_draft(list(range(32)), 32) == 0
+
+
+def test_calibration_times_the_rows_each_runner_runs(tmp_path, monkeypatch):
+    """A padding runner is timed on b rows of s tokens; a packing runner on b rows holding e
+    drafted tokens, drafts in as few rows as hold them (regression: the padding runner was timed
+    on the packed layout, which it pads to full drafts, so every s >= 2 cost what s = 9 costs)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import torch
+
+    from outpace.engine.calibrate import measure_verify_cost
+
+    @dataclasses.dataclass
+    class Shape:
+        hidden: int = 8
+
+    monkeypatch.setenv("OUTPACE_HOME", str(tmp_path))
+    for packs in (False, True):
+        seen = []
+        runner = SimpleNamespace(model=SimpleNamespace(cfg=Shape()), dtype=torch.float32, device=torch.device("cpu"),
+                                 packs_rows=packs, forward=lambda rows: seen.append([len(r.token_ids) for r in rows]))
+        cost = measure_verify_cost(runner, max_seqs=2, max_tokens=3, reps=1)
+        shapes = seen[1:]                                          # after the warm-up call
+        if packs:
+            assert [e for e, _ in cost[2]] == [0, 1, 2, 4]
+            assert [s for s in shapes if len(s) == 2] == [[1, 1], [2, 1], [3, 1], [3, 3]]
+        else:
+            assert len(cost[2]) == 3
+            assert [[1, 1], [2, 2], [3, 3]] == [s for s in shapes if len(s) == 2]

@@ -48,7 +48,10 @@ def measure_verify_cost(runner: ModelRunner, max_seqs: int, max_tokens: int, rep
     cost: dict[int, list] = {}
     runner.forward([Row(0, [0] * max_tokens, CONTEXT)])          # warm-up: first calls allocate
     for b, extra in tqdm(shapes, desc="outpace: measuring verify cost (once per model and machine)", leave=False):
-        rows = [Row(slot, [0] * (1 + min(draft, max(0, extra - slot * draft))), CONTEXT) for slot in range(b)]
+        if runner.packs_rows:
+            rows = [Row(slot, [0] * (1 + min(draft, max(0, extra - slot * draft))), CONTEXT) for slot in range(b)]
+        else:
+            rows = [Row(slot, [0] * (1 + extra // b), CONTEXT) for slot in range(b)]
         best = float("inf")
         for _ in range(reps):
             t0 = time.perf_counter()
