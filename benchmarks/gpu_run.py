@@ -417,10 +417,17 @@ def serving(args, model, prompts):
 
     def wave(batch, speculate):
         seqs = [engine.add_request(i, params, speculate) for i in batch]
-        started = time.perf_counter()
+        started, steps = time.perf_counter(), 0
         while engine.has_unfinished():
             engine.step()
-        return sum(s.num_output_tokens for s in seqs), time.perf_counter() - started
+            steps += 1
+        seconds = time.perf_counter() - started
+        tokens = sum(s.num_output_tokens for s in seqs)
+        drafted = sum(s.stats.num_draft_tokens for s in seqs)
+        accepted = sum(s.stats.num_accepted_tokens for s in seqs)
+        log(f"[serving] {len(batch)} requests, {'n-gram' if speculate else 'plain'}: {tokens} tokens in {steps} "
+            f"steps, {seconds:.2f} s; drafted {drafted}, accepted {accepted}")
+        return tokens, seconds
 
     for concurrency in (1, 8, 32):
         waves = {1: 4, 8: 2, 32: 2}[concurrency] if not args.quick else 2
