@@ -60,20 +60,15 @@ def test_one_draft_length_for_the_batch_weighs_every_row():
     assert c.num_draft(list(range(8)), 8) == 8
 
 
-def test_packed_rows_pay_for_their_own_tokens():
-    """In a batch of eight where one row has a draft: padded, every row pays for its length and
-    drafting does not pay; packed, only that row's tokens are paid for and it drafts in full."""
+def test_packed_costs_are_read_per_drafted_token():
+    """A packing runner's calibration (b rows holding e drafted tokens) is read between its points,
+    for any batch in the bucket; a draft length for the batch is cut to what each row has."""
     packed = DraftController(8, {8: [[0, 1.0], [64, 1.0 + 6.4]]}, packed=True)   # a drafted token costs 0.1
-    padded = DraftController(8, {8: [1.0 + 0.8 * k for k in range(9)]})          # 8 rows x (1 + k) tokens
-    for c in (packed, padded):
-        for _ in range(10):
-            for s in range(8):
-                c.observe(s, 8, 8, 8)
-    only_one = [8] + [0] * 7
-    assert padded.draft_lengths(list(range(8)), 8, available=only_one) == [0] * 8
-    assert packed.draft_lengths(list(range(8)), 8, available=only_one) == only_one
-    assert packed.draft_lengths(list(range(8)), 8, available=[3] + [0] * 7) == [3] + [0] * 7
-    assert packed.step_cost(8, 8 + 4) == packed.step_cost(5, 5 + 4) == 1.0 + 0.4     # between the points
+    assert packed.step_cost(8, 8 + 4) == packed.step_cost(5, 5 + 4) == 1.0 + 0.4
+    for _ in range(10):
+        for s in range(8):
+            packed.observe(s, 8, 8, 8)
+    assert packed.draft_lengths(list(range(8)), 8, available=[3] + [8] * 7) == [3] + [8] * 7
 
 
 def test_rows_without_a_draft_gain_nothing():
