@@ -63,8 +63,8 @@ def test_one_draft_length_for_the_batch_weighs_every_row():
 def test_packed_costs_are_read_per_drafted_token():
     """A packing runner's calibration (b rows holding e drafted tokens) is read between its points,
     for any batch in the bucket; a draft length for the batch is cut to what each row has."""
-    packed = DraftController(8, {8: [[0, 1.0], [64, 1.0 + 6.4]]}, packed=True)   # a drafted token costs 0.1
-    assert packed.step_cost(8, 8 + 4) == packed.step_cost(5, 5 + 4) == 1.0 + 0.4
+    packed = DraftController(8, {8: [[0, 1.0], [64, 1.0 + 0.64]]}, packed=True)   # a drafted token costs 0.01
+    assert packed.step_cost(8, 8 + 4) == packed.step_cost(5, 5 + 4) == 1.0 + 0.04
     for _ in range(10):
         for s in range(8):
             packed.observe(s, 8, 8, 8)
