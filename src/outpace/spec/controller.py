@@ -108,7 +108,7 @@ class DraftController:
         wins unless drafting promises MIN_GAIN more). Rows that do not speculate yield one token
         whatever k is. The step is charged as b rows of 1 + k tokens even where rows are packed
         and rows without a draft cost less: charging packed rows only what they hold drafted more
-        and measured worse in serving (0.94x of plain at 16 clients against 0.98x)."""
+        and served worse (0.94x of plain at 16 clients, against 1.00x with this rule)."""
         gains = self._gains(seq_ids, available)
         expected = float(batch_size)
         best_k, best_rate = 0, MIN_GAIN * self._rate(batch_size, batch_size, expected)
@@ -124,7 +124,7 @@ class DraftController:
         length rather than the most promising tokens of each row: with a length per row, rows
         whose acceptance was estimated from a few steps (or relaxed toward the prior while they
         did not draft) drafted on their own, and serving at 16 clients measured 0.92x of plain
-        against 0.98x with one length (docs/BENCHMARKS.md)."""
+        against 1.00x with one length (docs/BENCHMARKS.md)."""
         k = self.num_draft(seq_ids, batch_size, available)
         return [min(k, n) for n in (available or [self.max_draft] * len(seq_ids))]
 
