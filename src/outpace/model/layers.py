@@ -117,8 +117,12 @@ class Attention(nn.Module):
             span = batch.positions.shape[0] if batch.span_rows is None else batch.mask.shape[0]
             return (k_cache[batch.slot_start:batch.slot_start + span, :, :batch.kv_len],
                     v_cache[batch.slot_start:batch.slot_start + span, :, :batch.kv_len])
-        return (k_cache[:, :, :batch.kv_len].index_select(0, batch.slots),
-                v_cache[:, :, :batch.kv_len].index_select(0, batch.slots))
+        return self._gather(k_cache, v_cache, batch.kv_len, batch.slots)
+
+    @staticmethod
+    def _gather(k_cache, v_cache, kv_len: int, slots: torch.Tensor):
+        """Copies of the caches of `slots`, positions [0, kv_len)."""
+        return k_cache[:, :, :kv_len].index_select(0, slots), v_cache[:, :, :kv_len].index_select(0, slots)
 
     def _packed(self, qk, v, cos, sin, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
         """Attention over packed rows (qk [T, H+KVH, D], v [T, KVH, D], cos/sin [T, 1, D]):
@@ -146,8 +150,7 @@ class Attention(nn.Module):
         later[pk.later_at] = q[pk.later]
         mask_rows = rows if batch.span_rows is None else batch.span_rows[rows]
         later = self._attend(later.view(len(rows), S - 1, *q.shape[1:]).transpose(1, 2),
-                             k_cache[:, :, :batch.kv_len].index_select(0, batch.slots[rows]),
-                             v_cache[:, :, :batch.kv_len].index_select(0, batch.slots[rows]),
+                             *self._gather(k_cache, v_cache, batch.kv_len, batch.slots[rows]),
                              batch.mask[mask_rows, :, 1:], False, None)
         out[pk.later] = later.transpose(1, 2).reshape(-1, *q.shape[1:])[pk.later_at]
         return out

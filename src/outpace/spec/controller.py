@@ -9,9 +9,9 @@ prefix plus the target's own). A step's cost is its forward, measured at start-u
 1 + k tokens where rows are padded to the longest; for b rows holding e drafted tokens in all
 where rows are packed), plus what the step spends around the forward (drafting, acceptance math,
 the host sync, longer contexts), measured on the steps as they run, plus the host's work per
-token it yields (detokenising, stop checks), also measured. The controller drafts the one k (cut to what each row has) that
-maximises the batch's expected tokens per second, a step charged as every row holding 1 + k
-tokens (what it costs where rows are padded; an upper bound where they are packed, which measured
+token it yields (detokenising, stop checks), also measured. The controller drafts the one k (cut
+to what each row has) that maximises the batch's expected tokens per second, a step charged as
+every row holding 1 + k tokens (what it costs where rows are padded; an upper bound where they are packed, which measured
 better than charging packed rows what they hold). No draft is a plain step, so speculation that
 does not pay does not run.
 """
