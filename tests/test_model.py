@@ -66,6 +66,36 @@ def test_ragged_batch_equals_rows_alone(pair):
         torch.testing.assert_close(batched[i, :tails[s]], alone[s], atol=1e-9, rtol=1e-9)
 
 
+def test_prompt_chunks_cache_inside_a_decode_forward(pair):
+    """Prompt chunks riding in a decode forward (one from position 0, one continuing its prompt)
+    fill the cache as a forward of their own does, and the decode rows' logits are their own."""
+    _, ours = pair
+    g = torch.Generator().manual_seed(5)
+    prompts = {s: torch.randint(0, 256, (n,), generator=g).tolist() for s, n in ((0, 9), (2, 20), (3, 12), (4, 26))}
+    rows = {0: 1, 2: 4}                           # decode rows: slot -> tokens in the step
+    runner = ModelRunner(ours, num_slots=5, max_len=512, max_step_tokens=64)
+    alone = {}
+    for s, n in rows.items():
+        p = prompts[s]
+        runner.forward([Row(s, p[:-n], 0)], logits="none")
+        alone[s] = runner.forward([Row(s, p[-n:], len(p) - n)])[0][0]
+    runner.forward([Row(4, prompts[4][:10], 0)], logits="none")
+    step_rows = [Row(s, prompts[s][-n:], len(prompts[s]) - n) for s, n in rows.items()]
+    chunks = [Row(3, prompts[3][:-1], 0), Row(4, prompts[4][10:-1], 10)]
+    mixed, _ = runner.forward(step_rows, chunks=chunks)
+    assert mixed.shape[:2] == (2, 4)
+    for i, (s, n) in enumerate(rows.items()):
+        torch.testing.assert_close(mixed[i, :n], alone[s], atol=1e-9, rtol=1e-9)
+    # the chunks' caches: the prompts' last tokens decode as after a forward of their own
+    fresh = ModelRunner(ours, num_slots=5, max_len=512, max_step_tokens=64)
+    for s in (3, 4):
+        p = prompts[s]
+        fresh.forward([Row(s, p[:-1], 0)], logits="none")
+        expected = fresh.forward([Row(s, p[-1:], len(p) - 1)])[0][0]
+        got = runner.forward([Row(s, p[-1:], len(p) - 1)])[0][0]
+        torch.testing.assert_close(got, expected, atol=1e-9, rtol=1e-9)
+
+
 def test_hidden_states_are_pre_norm_last_layer(pair):
     ref, ours = pair
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(4))

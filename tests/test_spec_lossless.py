@@ -59,17 +59,21 @@ def tiny_folder(tmp_path_factory, default_model_dir):
     return folder
 
 
-PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [100, 200, 300, 100, 200], [7] * 30, [42]]
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [100, 200, 300, 100, 200], [7] * 30, [42],
+           list(range(500, 520)) * 2]
 PARAMS = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
 def engine_options(**kw):
-    return dict(dtype="float64", device="cpu", max_num_seqs=3, max_model_len=256, **kw)
+    """Fewer slots than prompts and small prompt chunks: later prompts are cached in chunks
+    that ride in the others' decode and verify forwards."""
+    return dict(dtype="float64", device="cpu", max_num_seqs=3, max_model_len=256, max_prefill_tokens=8) | kw
 
 
 @pytest.fixture(scope="module")
 def plain_outputs(tiny_folder):
-    llm = LLM(str(tiny_folder), spec="none", **engine_options())
+    """Each prompt decoded alone: no batching, no prompt chunk beside a decode step."""
+    llm = LLM(str(tiny_folder), spec="none", **engine_options(max_num_seqs=1))
     return {tuple(p): o.token_ids for p, o in zip(PROMPTS, llm.generate(PROMPTS, PARAMS))}
 
 

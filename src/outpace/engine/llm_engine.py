@@ -13,7 +13,7 @@ from outpace.engine.calibrate import measure_verify_cost
 from outpace.engine.cuda_graphs import CudaGraphRunner, to_device
 from outpace.engine.model_runner import ModelRunner, Row
 from outpace.engine.sampler import SamplingState, make_generator
-from outpace.engine.scheduler import Scheduler, StepPlan
+from outpace.engine.scheduler import PrefillChunk, Scheduler, StepPlan
 from outpace.engine.sequence import Sequence, SpecStats
 from outpace.engine.stopping import StopChecker
 from outpace.errors import InvalidParameterError, PromptTooLongError
@@ -123,13 +123,17 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Run one step; returns the sequences that got new tokens or finished."""
         plan = self.scheduler.schedule()
-        if plan.prefill:
+        # a packing runner caches this step's prompt chunks in the decode forward itself
+        joined = bool(plan.decode) and self.runner.packs_rows
+        if plan.prefill and not joined:
             self.prefill(plan)
         if not plan.decode:
             return []
         t0 = time.perf_counter()
         drafts, asked = self.propose(plan.decode)
-        tokens, counts, num_drafts = self.verify(plan.decode, drafts)
+        tokens, counts, num_drafts = self.verify(plan.decode, drafts, plan.prefill if joined else [])
+        if plan.prefill and joined:
+            self._prefilled(plan, time.perf_counter() - t0)
         is_timed = self.controller.is_timed     # an uncalibrated controller learns nothing from times
         if is_timed and not plan.prefill:       # a step that also prefilled says nothing about decode cost
             on_device = isinstance(drafts, (DeviceDrafts, GraphDrafts))
@@ -145,10 +149,17 @@ class LLMEngine:
         return done
 
     def prefill(self, plan: StepPlan) -> None:
+        """A forward of prompt chunks alone (no sequence decodes, or the runner pads its rows)."""
         t0 = time.perf_counter()
-        rows = [Row(c.seq.slot, c.seq.token_ids[c.start:c.end], c.start) for c in plan.prefill]
-        self.runner.forward(rows, logits="none")
-        elapsed = time.perf_counter() - t0
+        self.runner.forward(self._chunk_rows(plan.prefill), logits="none")
+        self._prefilled(plan, time.perf_counter() - t0)
+
+    @staticmethod
+    def _chunk_rows(chunks: list[PrefillChunk]) -> list[Row]:
+        return [Row(c.seq.slot, c.seq.token_ids[c.start:c.end], c.start) for c in chunks]
+
+    @staticmethod
+    def _prefilled(plan: StepPlan, elapsed: float) -> None:
         for c in plan.prefill:
             c.seq.num_cached = c.end
             c.seq.prefill_s += elapsed
@@ -205,10 +216,11 @@ class LLMEngine:
             s.stats.draft_s += elapsed / len(seqs)
         return drafts, room
 
-    def verify(self, seqs: list[Sequence], drafts: list[Draft | None]):
-        """One target forward over [last token + draft] of every sequence, then the acceptance
-        rule (greedy or rejection sampling) as batched tensor math. Returns host lists: the tokens
-        to append, their counts and the draft lengths."""
+    def verify(self, seqs: list[Sequence], drafts: list[Draft | None], chunks: list[PrefillChunk] = ()):
+        """One target forward over [last token + draft] of every sequence (and the step's prompt
+        chunks, on a packing runner), then the acceptance rule (greedy or rejection sampling) as
+        batched tensor math. Returns host lists: the tokens to append, their counts and the draft
+        lengths."""
         t0 = time.perf_counter()
         if isinstance(drafts, GraphDrafts):
             return self._verify_in_graph(seqs, drafts.room, t0)
@@ -223,7 +235,8 @@ class LLMEngine:
             num_draft = [len(d) if d else 0 for d in drafts]
             rows = [Row(s.slot, s.token_ids[-1:] + (d.tokens if d else []), len(s.token_ids) - 1)
                     for s, d in zip(seqs, drafts)]
-            logits, _ = self.runner.forward(rows)                                       # [B, S, V]
+            joined = {"chunks": self._chunk_rows(chunks)} if chunks else {}     # a packing runner's only
+            logits, _ = self.runner.forward(rows, **joined)                             # [B, S, V]
             K = logits.shape[1] - 1
             if K == 0 and all(s.params.is_greedy for s in seqs):
                 # a plain greedy step: each row's argmax is its one token, nothing to check

@@ -5,10 +5,12 @@ draft. Rows of different lengths are packed: the model's linears, norms, rotatio
 run over the real tokens only, so a row's draft costs what its tokens cost, not the longest row's
 length times the rows; attention alone lays the rows out by row (padded to the longest, or, where
 that padding would cost much, every row's first query apart from the others). Rows of one length
-are a plain [B, S] batch. Padded entries of logits are never read. Exact mode never packs: its
-forwards keep one shape whatever the drafts, padding included, whose tokens are written past the
-sequence's length (the cache has `max_step_tokens` spare positions for that), masked from every
-query, and overwritten later.
+are a plain [B, S] batch. A packing runner also caches the step's prompt chunks in the same
+forward (their tokens packed after the rows', each attending over its own cache), so a step is one
+forward. Padded entries of logits are never read. Exact mode never packs: its forwards keep one
+shape whatever the drafts, padding included, whose tokens are written past the sequence's length
+(the cache has `max_step_tokens` spare positions for that), masked from every query, and
+overwritten later.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 
 from outpace.model.decoder import DecoderLM
 from outpace.model.kv_cache import KVCache
-from outpace.model.layers import ForwardBatch, Packed
+from outpace.model.layers import ForwardBatch, Packed, PromptChunk
 
 
 @dataclass
@@ -75,18 +77,22 @@ class ModelRunner:
             model.rope_sin = torch.cat([model.rope_sin, model.rope_sin[-1:].expand(extra, -1)])
 
     @torch.inference_mode()
-    def forward(self, rows: list[Row], logits: str = "all", need_hidden: bool = False):
+    def forward(self, rows: list[Row], logits: str = "all", need_hidden: bool = False,
+                chunks: list[Row] = ()):
         """logits: 'all' -> [B, S, V] (a decode/verify step); 'none' -> None (a prompt chunk).
-        Returns (logits, hidden [B, S, H] or None)."""
+        chunks: prompt chunks cached in the same forward (a packing runner only), after `rows`;
+        nothing of theirs is returned. Returns (logits, hidden [B, S, H] or None) of `rows`."""
         B = len(rows)
         S = max(len(r.token_ids) for r in rows)
         exact = self.exact_tokens is not None and logits == "all"
         if exact:
             S = max(S, self.exact_tokens)
         lengths = [len(r.token_ids) for r in rows]
-        packed = not exact and sum(lengths) < B * S
+        if chunks and not self.packs_rows:
+            raise ValueError("only a packing runner caches prompt chunks in a decode forward")
+        packed = not exact and (sum(lengths) < B * S or bool(chunks))
         if packed:
-            ids = [t for r in rows for t in r.token_ids]
+            ids = [t for r in rows + list(chunks) for t in r.token_ids]
         else:
             ids = [r.token_ids + [0] * (S - len(r.token_ids)) for r in rows]
         starts = torch.tensor([r.start for r in rows], device=self.device)
@@ -106,7 +112,7 @@ class ModelRunner:
             query_positions = torch.full((span, S), kv_len - 1, dtype=torch.long, device=self.device)
             query_positions[span_rows] = positions
         mask = None
-        causal = B == 1 and S > 1 and rows[0].start == 0 and not exact and not self.window
+        causal = B == 1 and S > 1 and rows[0].start == 0 and not exact and not self.window and not chunks
         if (S > 1 or B > 1 or exact or self.window) and not causal:
             keys = self._arange[:kv_len]
             allowed = keys[None, None, :] <= query_positions[:, :, None]       # [B or span, S, L]
@@ -122,11 +128,12 @@ class ModelRunner:
             slot_start=slots[0] if is_contiguous else lowest if span_rows is not None else None,
             write_start=rows[0].start if B == 1 else None,
             logits=logits == "all",
-            packed=self._packing(lengths, S, positions, slots) if packed else None,
+            packed=self._packing(lengths, S, positions, slots, chunks) if packed else None,
             span_rows=span_rows,
             causal=causal,
         )
-        compute = self.prefill_dtype if logits == "none" and sum(lengths) >= FP32_PREFILL_MIN_TOKENS else None
+        prompt_tokens = sum(lengths) if logits == "none" else sum(len(c.token_ids) for c in chunks)
+        compute = self.prefill_dtype if prompt_tokens >= FP32_PREFILL_MIN_TOKENS else None
         out, hidden = self.model(batch, self.cache, need_hidden=need_hidden, compute_dtype=compute)
         if packed:      # back to [B, S]: padded entries keep finite stale values, which nobody reads
             index = batch.packed.index
@@ -135,12 +142,20 @@ class ModelRunner:
                 hidden = hidden.new_zeros(B * S, hidden.shape[-1]).index_copy_(0, index, hidden).view(B, S, -1)
         return (out.view(B, S, -1) if logits == "all" else None), hidden
 
-    def _packing(self, lengths: list[int], S: int, positions: torch.Tensor, slots: list[int]) -> Packed:
-        """Where the real tokens of rows of these lengths sit, padded to S."""
+    def _packing(self, lengths: list[int], S: int, positions: torch.Tensor, slots: list[int],
+                 chunks: list[Row]) -> Packed:
+        """Where the real tokens of rows of these lengths sit, padded to S; prompt chunks' tokens
+        follow them."""
         device = self.device
         index = torch.tensor([b * S + j for b, n in enumerate(lengths) for j in range(n)], device=device)
-        packed = Packed(index, positions.flatten().index_select(0, index),
-                        torch.tensor(slots, device=device).repeat_interleave(torch.tensor(lengths, device=device)))
+        token_slots = torch.tensor(slots, device=device).repeat_interleave(torch.tensor(lengths, device=device))
+        packed = Packed(index, positions.flatten().index_select(0, index), token_slots)
+        if chunks:
+            packed.chunks = [self._chunk(c) for c in chunks]
+            packed.positions = torch.cat([packed.positions, *(self._arange[c.start:c.start + len(c.token_ids)]
+                                                               for c in chunks)])
+            packed.slots = torch.cat([token_slots, torch.tensor([c.slot for c in chunks for _ in c.token_ids],
+                                                                device=device)])
         if len(lengths) * S - sum(lengths) >= SPLIT_ATTENTION_PADDING:
             starts = [0, *itertools.accumulate(lengths)][:-1]
             long_rows = [b for b, n in enumerate(lengths) if n > 1]
@@ -149,6 +164,17 @@ class ModelRunner:
             packed.first = torch.tensor(starts, device=device)
             packed.later, packed.later_at = torch.tensor(later, device=device).unbind(1)
         return packed
+
+    def _chunk(self, chunk: Row) -> PromptChunk:
+        """A prompt chunk's own attention: causal from position 0, else through a mask."""
+        n, end = len(chunk.token_ids), chunk.start + len(chunk.token_ids)
+        if chunk.start == 0 and not self.window:
+            return PromptChunk(chunk.slot, n, end, None)
+        keys, queries = self._arange[:end], self._arange[chunk.start:end]
+        allowed = keys[None, :] <= queries[:, None]                               # [n, end]
+        if self.window:
+            allowed &= keys[None, :] > queries[:, None] - self.window
+        return PromptChunk(chunk.slot, n, end, allowed[None, None])
 
     def _unpacked(self, logits: torch.Tensor, token_index: torch.Tensor, n: int) -> torch.Tensor:
         """Packed logits [T, V] laid out as n padded rows, in a buffer kept across steps: a fresh

@@ -47,10 +47,11 @@ class DecoderLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, cache: KVCache, need_hidden: bool = False,
                 compute_dtype: torch.dtype | None = None):
-        """Returns logits [N, V] float32 for every token of the batch (N = B*S, or T when packed;
-        None when batch.logits is False), and the last layer's hidden states before the final norm
-        ([B, S, H] or [T, H]) when need_hidden (else None). compute_dtype: the activations' dtype
-        when it is not the weights' (weights and cache keep theirs)."""
+        """Returns logits [N, V] float32 for every token of the batch's rows (N = B*S, or T when
+        packed; prompt chunks packed after the rows return nothing; None when batch.logits is
+        False), and the last layer's hidden states before the final norm ([B, S, H] or [T, H])
+        when need_hidden (else None). compute_dtype: the activations' dtype when it is not the
+        weights' (weights and cache keep theirs)."""
         h = self.embed(batch.input_ids)                                  # [B, S, H] or [T, H]
         hidden_dtype = h.dtype
         if compute_dtype is not None:
@@ -61,6 +62,9 @@ class DecoderLM(nn.Module):
         delta = None
         for i, layer in enumerate(self.layers):
             h, delta = layer(h, delta, cos, sin, batch, cache.k[i], cache.v[i])
+        if batch.packed is not None and batch.packed.chunks:    # prompt chunks' tokens return nothing
+            rows = len(batch.packed.index)
+            h, delta = h[:rows], delta[:rows]
         if not batch.logits:
             return None, ((h + delta).to(hidden_dtype) if need_hidden else None)
         h, normed = self.norm.add_forward(h, delta)

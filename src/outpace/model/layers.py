@@ -8,7 +8,7 @@ through an explicit boolean mask, so a tree of drafts is one more mask.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -19,13 +19,26 @@ from outpace.model.fused import add_rms_norm, rms_norm, rope, rope_store, silu_m
 
 
 @dataclass
+class PromptChunk:
+    """A prompt chunk cached in a decode forward: its tokens follow the rows' and attend apart."""
+
+    slot: int
+    n: int                         # tokens, at positions end - n .. end - 1
+    end: int
+    mask: torch.Tensor | None      # [1, 1, n, end] bool; None: causal from position 0
+
+
+@dataclass
 class Packed:
     """Rows of different lengths as their T real tokens, row after row. Attention alone lays them
-    out by row; everything else (linears, norms, rotation, cache writes) sees only real tokens."""
+    out by row; everything else (linears, norms, rotation, cache writes) sees only real tokens.
+    Prompt chunks' tokens may follow the rows' (positions and slots cover them too); the model
+    returns logits and hidden states of the rows' tokens only."""
 
-    index: torch.Tensor            # [T] each token's flat index into [B, S]
-    positions: torch.Tensor        # [T] its cache position
-    slots: torch.Tensor            # [T] its cache slot
+    index: torch.Tensor            # [T] each row token's flat index into [B, S]
+    positions: torch.Tensor        # [T (+ chunks' tokens)] its cache position
+    slots: torch.Tensor            # [T (+ chunks' tokens)] its cache slot
+    chunks: list[PromptChunk] = field(default_factory=list)
     # set when padding the rows would cost much: attention then runs every row's first query
     # (tokens `first` [B]) apart from the others, which sit in the long rows [R] (rows with more
     # than one token): tokens `later` at `later_at`, flat indices into [R, S - 1]
@@ -127,13 +140,29 @@ class Attention(nn.Module):
     def _packed(self, qk, v, cos, sin, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
         """Attention over packed rows (qk [T, H+KVH, D], v [T, KVH, D], cos/sin [T, 1, D]):
         rotation and cache writes per real token; returns [T, H, D]."""
-        B, S = batch.positions.shape
         H, pk = self.num_heads, batch.packed
         qk = rope(qk, cos, sin)
         index = (pk.slots[:, None], self._heads(qk.device).view(-1), pk.positions[:, None])     # [T, KVH]
         k_cache.index_put_(index, qk[:, H:].to(k_cache.dtype))
         v_cache.index_put_(index, v.to(v_cache.dtype))
         q = qk[:, :H]
+        if not pk.chunks:
+            return self._packed_rows(q, batch, k_cache, v_cache)
+        # prompt chunks after the rows: each attends over its own slot's cache
+        T = len(pk.index)
+        outs, offset = [self._packed_rows(q[:T], batch, k_cache, v_cache)], T
+        for c in pk.chunks:
+            chunk_q = q[offset:offset + c.n].transpose(0, 1)[None]                 # [1, H, n, D]
+            out = self._attend(chunk_q, k_cache[c.slot:c.slot + 1, :, :c.end], v_cache[c.slot:c.slot + 1, :, :c.end],
+                               c.mask, c.mask is None, None)
+            outs.append(out[0].transpose(0, 1))
+            offset += c.n
+        return torch.cat(outs)
+
+    def _packed_rows(self, q, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
+        """Attention of the packed rows' queries q [T, H, D] (written to the cache already)."""
+        B, S = batch.positions.shape
+        pk = batch.packed
         keys, values = self._caches(batch, k_cache, v_cache)
         if pk.long_rows is None:        # little padding: attention runs over the rows padded to S
             padded = q.new_zeros(B * S, *q.shape[1:]).index_copy_(0, pk.index, q).view(B, S, *q.shape[1:])
