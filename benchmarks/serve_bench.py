@@ -10,8 +10,9 @@ the weights and the calibrated controller. At each concurrency the same prompts 
 turns, categories interleaved) run once per mode, the mode that goes first alternating between
 levels; `concurrency` clients each keep one streaming chat request in flight. With --rounds 2 (the
 default) each level runs the modes in the order A B B A, so drift of the machine's speed during a
-level weighs on both alike. Greedy, EOS ignored so every request produces max_tokens tokens in both
-modes.
+level weighs on both alike. Greedy, EOS ignored so every request produces its max_tokens tokens
+in both modes (all --max-tokens, or with --min-tokens a length per request drawn from the range,
+the same in both modes).
 
 Reported per level and mode: output tokens/s (all output tokens / wall time of the level), time to
 first token and time per output token after the first (median and p99).
@@ -22,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -50,9 +52,9 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
-async def one_request(client: httpx.AsyncClient, prompt: str, args, speculate: bool) -> dict:
+async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int, args, speculate: bool) -> dict:
     body = {"model": args.model, "messages": [{"role": "user", "content": prompt}], "stream": True,
-            "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True, "speculate": speculate,
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "speculate": speculate,
             "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     first = None
@@ -75,8 +77,8 @@ async def one_request(client: httpx.AsyncClient, prompt: str, args, speculate: b
             "tpot_s": (end - first) / (tokens - 1) if tokens > 1 else 0.0, "latency_s": end - started}
 
 
-async def run_level(args, prompts: list[str], concurrency: int, speculate: bool) -> tuple[list[dict], float]:
-    """Each request's figures and the wall time of the whole level."""
+async def run_level(args, prompts: list[tuple[str, int]], concurrency: int, speculate: bool) -> tuple[list[dict], float]:
+    """Each request's figures and the wall time of the whole level; prompts: (text, max_tokens)."""
     queue: asyncio.Queue = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
@@ -84,7 +86,7 @@ async def run_level(args, prompts: list[str], concurrency: int, speculate: bool)
 
     async def client_loop(client):
         while not queue.empty():
-            results.append(await one_request(client, queue.get_nowait(), args, speculate))
+            results.append(await one_request(client, *queue.get_nowait(), args, speculate))
 
     timeout = httpx.Timeout(None)
     async with httpx.AsyncClient(base_url=args.url, timeout=timeout,
@@ -138,22 +140,31 @@ def main() -> None:
                    help="requests per level and mode (default: max(8, 2 x concurrency))")
     p.add_argument("--rounds", type=int, default=2, help="times each level runs each mode, the order alternating")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--min-tokens", type=int, default=None,
+                   help="draw each request's length from [min-tokens, max-tokens] (default: all max-tokens); "
+                        "requests of one length end together in plain mode, a lockstep speculation breaks")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--start-timeout", type=float, default=600, help="seconds to wait for the server (first start "
                    "may convert the model and calibrate)")
     p.add_argument("--out", default="bench-out/serve")
     p.add_argument("server_args", nargs="*", help="extra `outpace serve` options, after --")
     args = p.parse_args()
+    if args.min_tokens is not None and not 1 <= args.min_tokens <= args.max_tokens:
+        p.error(f"--min-tokens must be in [1, --max-tokens = {args.max_tokens}], got {args.min_tokens}")
     args.url = f"http://127.0.0.1:{args.port}"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     prompts = first_turns(args.dataset)
     server = start_server(args)
     levels: list[dict] = []
     try:
-        asyncio.run(run_level(args, prompts[:2], 2, True))            # warm-up, untimed
+        asyncio.run(run_level(args, [(p, args.max_tokens) for p in prompts[:2]], 2, True))   # warm-up, untimed
         for index, c in enumerate(args.concurrency):
             n = args.requests or max(8, 2 * c)
-            batch = [prompts[(index * 7 + i) % len(prompts)] for i in range(n)]
+            # each request's length: max_tokens, or drawn from [min_tokens, max_tokens] by its place
+            # in the level (the same in both modes)
+            lengths = random.Random(index)
+            batch = [(prompts[(index * 7 + i) % len(prompts)],
+                      lengths.randint(args.min_tokens or args.max_tokens, args.max_tokens)) for i in range(n)]
             level = {"concurrency": c}
             runs = {False: ([], 0.0), True: ([], 0.0)}
             for round_ in range(args.rounds):
