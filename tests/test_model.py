@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from outpace.engine.model_runner import ModelRunner, Row
+from outpace.engine.model_runner import FP32_PREFILL_MIN_TOKENS, ModelRunner, Row
 from outpace.model.loader import load_model
 from tiny import FAMILIES, make_tiny
 
@@ -94,6 +94,28 @@ def test_prompt_chunks_cache_inside_a_decode_forward(pair):
         expected = fresh.forward([Row(s, p[-1:], len(p) - 1)])[0][0]
         got = runner.forward([Row(s, p[-1:], len(p) - 1)])[0][0]
         torch.testing.assert_close(got, expected, atol=1e-9, rtol=1e-9)
+
+
+def test_long_chunk_beside_bf16_rows(tmp_path):
+    """A chunk long enough to make the forward float32 (bf16 weights on the CPU) leaves the decode
+    rows beside it computing as bf16 rows do, up to the rounding of their float32 products."""
+    make_tiny("llama", tmp_path, dtype=torch.bfloat16)
+    model = load_model(tmp_path, torch.bfloat16, "cpu", max_len=512)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (20, 30, 200)]
+    runner = ModelRunner(model, num_slots=3, max_len=512, max_step_tokens=256)
+    for slot, p in enumerate(prompts[:2]):
+        runner.forward([Row(slot, p[:-3], 0)], logits="none")
+    rows = [Row(slot, p[-3:], len(p) - 3) for slot, p in enumerate(prompts[:2])]
+    alone, _ = runner.forward(rows)
+    joined, _ = runner.forward(rows, chunks=[Row(2, prompts[2][:-1], 0)])
+    assert runner.prefill_dtype is torch.float32 and len(prompts[2]) - 1 >= FP32_PREFILL_MIN_TOKENS
+    torch.testing.assert_close(joined, alone, atol=0.1, rtol=0.05)
+    assert (joined.argmax(-1) == alone.argmax(-1)).float().mean() > 0.8
+    fresh = ModelRunner(model, num_slots=3, max_len=512, max_step_tokens=256)
+    fresh.forward([Row(2, prompts[2][:-1], 0)], logits="none")
+    last = [Row(2, prompts[2][-1:], len(prompts[2]) - 1)]
+    torch.testing.assert_close(runner.forward(last)[0], fresh.forward(last)[0], atol=1e-3, rtol=1e-3)
 
 
 def test_hidden_states_are_pre_norm_last_layer(pair):

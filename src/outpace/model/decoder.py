@@ -68,7 +68,8 @@ class DecoderLM(nn.Module):
         if not batch.logits:
             return None, ((h + delta).to(hidden_dtype) if need_hidden else None)
         h, normed = self.norm.add_forward(h, delta)
-        logits = self.lm_head(normed.reshape(-1, normed.shape[-1])).float()
+        # the LM head in the weights' dtype (a float32 forward's rows would widen its whole matrix)
+        logits = self.lm_head(normed.reshape(-1, normed.shape[-1]).to(hidden_dtype)).float()
         return logits, (h.to(hidden_dtype) if need_hidden else None)
 
     def map_weight(self, hf_name: str) -> tuple[str, int | None] | None:

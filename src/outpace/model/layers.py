@@ -148,9 +148,12 @@ class Attention(nn.Module):
         q = qk[:, :H]
         if not pk.chunks:
             return self._packed_rows(q, batch, k_cache, v_cache)
-        # prompt chunks after the rows: each attends over its own slot's cache
+        # prompt chunks after the rows: each attends over its own slot's cache. The rows attend in
+        # the cache's dtype even when a long chunk makes the forward float32: widening every row's
+        # cache to float32 cost more than the rows' share of the products
         T = len(pk.index)
-        outs, offset = [self._packed_rows(q[:T], batch, k_cache, v_cache)], T
+        rows = self._packed_rows(q[:T].to(k_cache.dtype), batch, k_cache, v_cache).to(q.dtype)
+        outs, offset = [rows], T
         for c in pk.chunks:
             chunk_q = q[offset:offset + c.n].transpose(0, 1)[None]                 # [1, H, n, D]
             out = self._attend(chunk_q, k_cache[c.slot:c.slot + 1, :, :c.end], v_cache[c.slot:c.slot + 1, :, :c.end],
