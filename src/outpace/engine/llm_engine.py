@@ -235,8 +235,8 @@ class LLMEngine:
             num_draft = [len(d) if d else 0 for d in drafts]
             rows = [Row(s.slot, s.token_ids[-1:] + (d.tokens if d else []), len(s.token_ids) - 1)
                     for s, d in zip(seqs, drafts)]
-            joined = {"chunks": self._chunk_rows(chunks)} if chunks else {}     # a packing runner's only
-            logits, _ = self.runner.forward(rows, **joined)                             # [B, S, V]
+            with_chunks = {"chunks": self._chunk_rows(chunks)} if chunks else {}    # a packing runner's only
+            logits, _ = self.runner.forward(rows, **with_chunks)                        # [B, S, V]
             K = logits.shape[1] - 1
             if K == 0 and all(s.params.is_greedy for s in seqs):
                 # a plain greedy step: each row's argmax is its one token, nothing to check

@@ -114,11 +114,7 @@ class ModelRunner:
         mask = None
         causal = B == 1 and S > 1 and rows[0].start == 0 and not exact and not self.window and not chunks
         if (S > 1 or B > 1 or exact or self.window) and not causal:
-            keys = self._arange[:kv_len]
-            allowed = keys[None, None, :] <= query_positions[:, :, None]       # [B or span, S, L]
-            if self.window:
-                allowed &= keys[None, None, :] > query_positions[:, :, None] - self.window
-            mask = allowed.unsqueeze(1)
+            mask = self._mask(query_positions, kv_len)                           # [B or span, 1, S, L]
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, device=self.device),
             positions=positions,
@@ -170,11 +166,16 @@ class ModelRunner:
         n, end = len(chunk.token_ids), chunk.start + len(chunk.token_ids)
         if chunk.start == 0 and not self.window:
             return PromptChunk(chunk.slot, n, end, None)
-        keys, queries = self._arange[:end], self._arange[chunk.start:end]
-        allowed = keys[None, :] <= queries[:, None]                               # [n, end]
+        return PromptChunk(chunk.slot, n, end, self._mask(self._arange[None, chunk.start:end], end))
+
+    def _mask(self, query_positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """[R, 1, S, kv_len] bool: the keys each query (positions [R, S]) may attend, causal and
+        within the sliding window."""
+        keys = self._arange[:kv_len]
+        allowed = keys[None, None, :] <= query_positions[:, :, None]
         if self.window:
-            allowed &= keys[None, :] > queries[:, None] - self.window
-        return PromptChunk(chunk.slot, n, end, allowed[None, None])
+            allowed &= keys[None, None, :] > query_positions[:, :, None] - self.window
+        return allowed.unsqueeze(1)
 
     def _unpacked(self, logits: torch.Tensor, token_index: torch.Tensor, n: int) -> torch.Tensor:
         """Packed logits [T, V] laid out as n padded rows, in a buffer kept across steps: a fresh

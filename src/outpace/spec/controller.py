@@ -11,9 +11,9 @@ where rows are packed), plus what the step spends around the forward (drafting, 
 the host sync, longer contexts), measured on the steps as they run, plus the host's work per
 token it yields (detokenising, stop checks), also measured. The controller drafts the one k (cut
 to what each row has) that maximises the batch's expected tokens per second, a step charged as
-every row holding 1 + k tokens (what it costs where rows are padded; an upper bound where they are packed, which measured
-better than charging packed rows what they hold). No draft is a plain step, so speculation that
-does not pay does not run.
+every row holding 1 + k tokens (what it costs where rows are padded; an upper bound where they
+are packed, which measured better than charging packed rows what they hold). No draft is a plain
+step, so speculation that does not pay does not run.
 """
 from __future__ import annotations
 
