@@ -30,10 +30,14 @@ NUM_SLOTS = 8
 
 
 class Server:
-    def __init__(self):
-        self.engine = LLMEngine(EngineConfig(model=MODEL, dtype="float32", device="cpu", max_num_seqs=NUM_SLOTS,
+    def __init__(self, num_slots: int = NUM_SLOTS, engine_thread: bool = True):
+        self.engine = LLMEngine(EngineConfig(model=MODEL, dtype="float32", device="cpu", max_num_seqs=num_slots,
                                              max_model_len=MAX_MODEL_LEN, calibrate=False))
-        self.app = build_app(self.engine, MODEL, log_interval_s=30.0)
+        self.app = build_app(self.engine, MODEL, log_interval_s=30.0, engine_thread=engine_thread)
+        # without an engine thread of the app's, the caller runs the loop (`outpace serve`: its main thread)
+        self.loop = None if engine_thread else threading.Thread(target=self.app.state.engine.run, daemon=True)
+        if self.loop is not None:
+            self.loop.start()
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))     # a free port, held from now on: no race with other processes
         self.url = "http://127.0.0.1:%d" % sock.getsockname()[1]
@@ -299,6 +303,19 @@ def test_failed_step_fails_only_its_requests(server, client):
     server.wait_health(timeout=10, num_running=0, num_waiting=0)
     assert server.metric("requests_total", status="error") == 2
     assert client.completions.create(prompt="Hello", max_tokens=3, **greedy()).choices[0].text
+
+
+def test_engine_loop_run_by_the_caller_serves_and_ends_with_the_server():
+    """`outpace serve` runs the engine loop in the thread that built the engine, the HTTP server
+    beside it: requests are served, and the server's shutdown ends the loop."""
+    s = Server(num_slots=2, engine_thread=False)
+    try:
+        text = s.client().completions.create(prompt="Hello", max_tokens=3, **greedy()).choices[0].text
+        assert text and s.health()["status"] == "ok"
+    finally:
+        s.close()
+    s.loop.join(timeout=10)
+    assert not s.loop.is_alive()
 
 
 # ---- load -------------------------------------------------------------------------------------

@@ -85,6 +85,8 @@ def cmd_generate(args) -> None:
 
 def cmd_serve(args) -> None:
     import logging
+    import signal
+    import threading
 
     import torch
     import uvicorn
@@ -99,8 +101,26 @@ def cmd_serve(args) -> None:
                           max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
                           spec=spec_config(args), calibrate=not args.no_calibrate,
                           cuda_graphs=not args.no_cuda_graphs)
-    app = build_app(LLMEngine(config), args.model, log_interval_s=args.log_interval)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    app = build_app(LLMEngine(config), args.model, log_interval_s=args.log_interval, engine_thread=False)
+    # the engine loop stays in this thread, the one that loaded the model (AsyncEngine.run says
+    # why); the HTTP server runs beside it, and its shutdown (or a failed start) ends the loop
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    http = threading.Thread(target=server.run, name="outpace-http", daemon=True)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)      # SIGTERM stops like Ctrl-C
+    http.start()
+    runner = app.state.engine
+    try:
+        runner.run()
+        while runner.error is not None and http.is_alive():    # the loop died: requests are told so
+            http.join(timeout=1.0)
+    except KeyboardInterrupt:
+        runner.shutdown()
+    else:
+        if not server.started:
+            raise SystemExit(f"outpace serve: could not serve on {args.host}:{args.port} (see the error above)")
+    finally:
+        server.should_exit = True
+        http.join(timeout=30)
 
 
 def cmd_pull(args) -> None:

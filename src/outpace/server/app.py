@@ -32,7 +32,10 @@ from outpace.server.protocol import ApiError, GenerateRequest, bad_request, pars
 DISCONNECT_POLL_S = 0.5      # how often a non-streaming request checks that its client is still there
 
 
-def build_app(engine: LLMEngine, model_name: str, log_interval_s: float = 10.0) -> FastAPI:
+def build_app(engine: LLMEngine, model_name: str, log_interval_s: float = 10.0,
+              engine_thread: bool = True) -> FastAPI:
+    """The HTTP API over `engine`. engine_thread: the app runs the engine loop in a thread of its
+    own; False: the caller runs it (app.state.engine.run()), and the app's shutdown ends it."""
     metrics = Metrics(model_name)
     runner = AsyncEngine(engine, metrics, log_interval_s)
     max_model_len = engine.config.max_model_len
@@ -40,7 +43,8 @@ def build_app(engine: LLMEngine, model_name: str, log_interval_s: float = 10.0) 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        runner.start()
+        if engine_thread:
+            runner.start()
         yield
         runner.stop()
 
