@@ -14,8 +14,13 @@ level weighs on both alike. Greedy, EOS ignored so every request produces its ma
 in both modes (all --max-tokens, or with --min-tokens a length per request drawn from the range,
 the same in both modes).
 
-Reported per level and mode: output tokens/s (all output tokens / wall time of the level), time to
-first token and time per output token after the first (median and p99).
+Reported per level and mode: output tokens/s (all output tokens / wall time of the level), output
+tokens/s while every client had a request in flight (the server's generated-token counter, read
+when the level starts and when the first client finds no request left: the level's end, where
+fewer requests remain, is left out), time to first token and time per output token after the
+first (median and p99). The first figure mixes in the level's drain, which depends on how far
+apart the requests end (with one length for every request, plain requests all end in the same
+step, speculative ones do not); the second is the throughput at the level's concurrency.
 """
 from __future__ import annotations
 
@@ -77,31 +82,45 @@ async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int, a
             "tpot_s": (end - first) / (tokens - 1) if tokens > 1 else 0.0, "latency_s": end - started}
 
 
-async def run_level(args, prompts: list[tuple[str, int]], concurrency: int, speculate: bool) -> tuple[list[dict], float]:
-    """Each request's figures and the wall time of the whole level; prompts: (text, max_tokens)."""
+async def generated_tokens(client: httpx.AsyncClient) -> tuple[float, int]:
+    """(now, the server's count of output tokens generated so far)."""
+    text = (await client.get("/metrics")).text
+    return time.perf_counter(), next(int(float(line.split()[-1])) for line in text.splitlines()
+                                     if line.split("{")[0].endswith("generation_tokens_total"))
+
+
+async def run_level(args, prompts: list[tuple[str, int]], concurrency: int, speculate: bool) -> tuple[list[dict], dict]:
+    """Each request's figures and the level's times: wall (the whole level), busy_s and busy_tokens
+    (until the first client found no request left); prompts: (text, max_tokens)."""
     queue: asyncio.Queue = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
     results: list[dict] = []
+    drained = asyncio.Event()
 
     async def client_loop(client):
         while not queue.empty():
             results.append(await one_request(client, *queue.get_nowait(), args, speculate))
+        drained.set()
 
     timeout = httpx.Timeout(None)
     async with httpx.AsyncClient(base_url=args.url, timeout=timeout,
                                  limits=httpx.Limits(max_connections=concurrency + 4)) as client:
-        started = time.perf_counter()
-        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+        started, tokens_before = await generated_tokens(client)
+        clients = asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+        await drained.wait()
+        busy_until, tokens_busy = await generated_tokens(client)
+        await clients
         wall = time.perf_counter() - started
-    return results, wall
+    return results, {"wall_s": wall, "busy_s": busy_until - started, "busy_tokens": tokens_busy - tokens_before}
 
 
-def summarize(results: list[dict], wall: float) -> dict:
+def summarize(results: list[dict], times: dict) -> dict:
     ttft = [r["ttft_s"] for r in results]
     tpot = [r["tpot_s"] for r in results]
     tokens = sum(r["tokens"] for r in results)
-    return {"requests": len(results), "output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+    return {"requests": len(results), "output_tokens": tokens, **times, "tokens_per_s": tokens / times["wall_s"],
+            "busy_tokens_per_s": times["busy_tokens"] / times["busy_s"],
             "ttft_median_s": statistics.median(ttft), "ttft_p99_s": percentile(ttft, 0.99),
             "tpot_median_s": statistics.median(tpot), "tpot_p99_s": percentile(tpot, 0.99)}
 
@@ -166,17 +185,22 @@ def main() -> None:
             batch = [(prompts[(index * 7 + i) % len(prompts)],
                       lengths.randint(args.min_tokens or args.max_tokens, args.max_tokens)) for i in range(n)]
             level = {"concurrency": c}
-            runs = {False: ([], 0.0), True: ([], 0.0)}
+            runs = {mode: ([], dict.fromkeys(("wall_s", "busy_s", "busy_tokens"), 0)) for mode in (False, True)}
             for round_ in range(args.rounds):
                 for speculate in ((False, True) if (index + round_) % 2 == 0 else (True, False)):
-                    results, wall = asyncio.run(run_level(args, batch, c, speculate))
-                    runs[speculate] = (runs[speculate][0] + results, runs[speculate][1] + wall)
-            for speculate, (results, wall) in runs.items():
-                level["spec" if speculate else "plain"] = summarize(results, wall)
-            level["speedup"] = level["spec"]["tokens_per_s"] / level["plain"]["tokens_per_s"]
+                    results, times = asyncio.run(run_level(args, batch, c, speculate))
+                    runs[speculate][0].extend(results)
+                    for key, value in times.items():
+                        runs[speculate][1][key] += value
+            for speculate, (results, times) in runs.items():
+                level["spec" if speculate else "plain"] = summarize(results, times)
+            for key in ("tokens_per_s", "busy_tokens_per_s"):
+                level[key.replace("tokens_per_s", "speedup")] = level["spec"][key] / level["plain"][key]
             levels.append(level)
             print(f"concurrency {c}: plain {level['plain']['tokens_per_s']:.1f} tok/s, "
-                  f"speculative {level['spec']['tokens_per_s']:.1f} tok/s ({level['speedup']:.2f}x)", flush=True)
+                  f"speculative {level['spec']['tokens_per_s']:.1f} tok/s ({level['speedup']:.2f}x); while "
+                  f"all {c} clients were busy: {level['plain']['busy_tokens_per_s']:.1f} / "
+                  f"{level['spec']['busy_tokens_per_s']:.1f} tok/s ({level['busy_speedup']:.2f}x)", flush=True)
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -185,17 +209,21 @@ def main() -> None:
 
 def report(args, levels: list[dict]) -> None:
     ms = 1000
-    lines = ["| concurrency | mode | requests | output tok/s | TTFT median / p99 (ms) | TPOT median / p99 (ms) | speedup |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| concurrency | mode | requests | output tok/s | speedup | tok/s, all clients busy | speedup "
+             "| TTFT median / p99 (ms) | TPOT median / p99 (ms) |", "|---|---|---|---|---|---|---|---|---|"]
     for level in levels:
         for mode in ("plain", "spec"):
             r = level[mode]
-            speedup = f"{level['speedup']:.2f}x" if mode == "spec" else ""
+            speedups = [f"{level[key]:.2f}x" if mode == "spec" else "" for key in ("speedup", "busy_speedup")]
             lines.append(f"| {level['concurrency']} | {'speculative' if mode == 'spec' else 'plain'} | {r['requests']} | "
-                         f"{r['tokens_per_s']:.1f} | {r['ttft_median_s'] * ms:.0f} / {r['ttft_p99_s'] * ms:.0f} | "
-                         f"{r['tpot_median_s'] * ms:.1f} / {r['tpot_p99_s'] * ms:.1f} | {speedup} |")
+                         f"{r['tokens_per_s']:.1f} | {speedups[0]} | {r['busy_tokens_per_s']:.1f} | {speedups[1]} | "
+                         f"{r['ttft_median_s'] * ms:.0f} / {r['ttft_p99_s'] * ms:.0f} | "
+                         f"{r['tpot_median_s'] * ms:.1f} / {r['tpot_p99_s'] * ms:.1f} |")
     by_c = {level["concurrency"]: level for level in levels}
-    checks = {f"speculative >= plain at concurrency {c}": by_c[c]["speedup"] >= 1.0 for c in by_c}
+    checks = {}
+    for c in by_c:
+        checks[f"speculative >= plain at concurrency {c}"] = by_c[c]["speedup"] >= 1.0
+        checks[f"speculative >= plain at concurrency {c}, all clients busy"] = by_c[c]["busy_speedup"] >= 1.0
     if 1 in by_c:
         checks["speculative >= 1.3x plain at concurrency 1"] = by_c[1]["speedup"] >= 1.3
         if 16 in by_c:
