@@ -191,3 +191,61 @@ def test_calibration_times_the_rows_each_runner_runs(tmp_path, monkeypatch):
         else:
             assert len(cost[2]) == 3
             assert [[1, 1], [2, 2], [3, 3]] == [s for s in shapes if len(s) == 2]
+
+
+def test_packed_rows_verify_only_their_promising_tokens():
+    """Where rows are packed a step costs the tokens it holds, so one accepting row drafts among
+    rejecting ones (which draft nothing), where padded rows would make it pay for all eight."""
+    c = DraftController(8, {8: [[0, 1.0], [64, 1.0 + 64 * 0.05]]}, packed=True)    # a drafted token: 0.05
+    for _ in range(10):
+        c.observe(0, 8, 8, 8)
+        for s in range(1, 8):
+            c.observe(s, 8, 8, 0)
+    assert c.draft_lengths(list(range(8)), 8, available=[8] * 8) == [8] + [0] * 7
+    assert c.draft_lengths(list(range(8)), 8, available=[2] + [8] * 7) == [2] + [0] * 7
+
+
+def test_long_matches_draft_where_short_ones_do_not():
+    """Drafts found from a long match of the sequence's tail are accepted, from a one-token match
+    rejected: the controller learns it across sequences and keeps the long-match drafts of a batch."""
+    c = DraftController(8, {8: [[0, 1.0], [64, 1.0 + 64 * 0.08]]}, packed=True)
+    for _ in range(40):
+        for s in range(8):
+            c.observe(s, 4, 4, 4, match_len=4)
+            c.observe(s, 4, 4, 0, match_len=1)
+    assert c.match_factor(4, 1) > 1.5 > 0.2 > c.match_factor(1, 1)
+    assert c.match_factor(3, 1) == 1.0                                  # never seen: no evidence
+    lengths = c.draft_lengths(list(range(8)), 8, available=[8] * 8, matches=[4, 1] * 4)
+    assert all(n > 0 for n in lengths[0::2]) and not any(lengths[1::2])
+
+
+def test_match_rates_shrink_toward_the_pool_on_little_evidence():
+    """One accepted draft of a new match length moves its rate a fifth of the way from the pooled
+    rate toward 1; twenty move it most of the way."""
+    c = DraftController(4, {1: [1.0] * 5})
+    for _ in range(50):
+        c.observe(0, 4, 4, 0, match_len=2)
+
+    def rate(match_len):            # P(first drafted token accepted | match length)
+        pooled = (c.pool[0][0] + 1.0) / (c.pool[0][1] + 2.0)
+        return c.match_factor(match_len, 1) * pooled, pooled
+
+    c.observe(0, 4, 4, 4, match_len=4)
+    one, pooled = rate(4)
+    assert abs(one - (pooled + (1 - pooled) / 5)) < 1e-9
+    for _ in range(20):
+        c.observe(0, 4, 4, 4, match_len=4)
+    assert rate(4)[0] > 0.85 and rate(2)[0] < 0.1
+
+
+def test_packed_drafting_overhead_is_charged_per_drafted_token():
+    """Packed rows: drafting steps measured 0.02 per drafted token above the calibration (attention
+    over longer contexts than the calibration's), so a step of 40 drafted tokens is charged 0.8
+    more and one of a single token 0.02, not the 0.2 a step of 10 showed."""
+    c = DraftController(8, {8: [[0, 1.0], [64, 1.64]]}, packed=True)
+    for _ in range(100):
+        c.observe_step(8, 8, 1.1)                       # plain steps: 0.1 above the calibration
+    for _ in range(100):
+        c.observe_step(8, 8 + 10, 1.1 + 0.1 + 0.2)
+    assert abs(c.step_cost(8, 8 + 40) - (1.4 + 0.1 + 0.8)) < 0.01
+    assert abs(c.step_cost(8, 8 + 1) - (1.01 + 0.1 + 0.02)) < 0.01

@@ -59,6 +59,19 @@ def test_longest_ngram_wins_over_more_recent_shorter(draft):
     assert reference(tokens, 3, 1, 2, "recent") == [3, 9, 2]
 
 
+def test_draft_reports_its_match_length():
+    """The draft controller weighs a draft by how many tail tokens its match rested on."""
+    drafter = NgramDrafter(min_ngram=1, max_ngram=3)
+    drafter.begin(0, [1, 2, 3, 9, 2, 4, 1, 2])          # tail (1, 2) matched at the start
+    drafter.begin(1, [5, 6, 7, 5, 6, 7, 8, 6, 7])       # tail (6, 7) matched, most recently before 8
+    drafter.begin(2, [4, 8, 4])                         # tail (4) matched
+    first, second, third = drafter.propose([0, 1, 2], [3, 3, 3])
+    assert (first.tokens, first.match_len) == ([3, 9, 2], 2)
+    assert (second.tokens, second.match_len) == ([8, 6, 7], 2)
+    assert (third.tokens, third.match_len) == ([8, 4], 1)
+    assert third.truncated(1).match_len == 1
+
+
 def test_recent_versus_first(draft):
     tokens = [5, 1, 5, 2, 5]  # (5) continues with 1 at c=1 and with 2 at c=3
     assert draft(tokens, 2, match="recent") == [2, 5]

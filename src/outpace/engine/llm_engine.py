@@ -142,7 +142,7 @@ class LLMEngine:
             self.controller.observe_step(rows, rows + (rows * max(widths) if padded else sum(widths)),
                                          time.perf_counter() - t0)
         t1 = time.perf_counter()
-        self.accept(plan.decode, asked, num_drafts, tokens, counts)
+        self.accept(plan.decode, drafts, asked, num_drafts, tokens, counts)
         done = self.postprocess(plan.decode)
         if is_timed:
             self.controller.observe_tokens(sum(counts), time.perf_counter() - t1)
@@ -196,21 +196,18 @@ class LLMEngine:
             elif k and asking:
                 drafts = self.drafter.propose_device([s.seq_id for s in seqs], room)
         else:
-            ids, most = [seqs[i].seq_id for i in asking], [room[i] for i in asking]
-            k = 0
-            # the drafter runs only when full drafts would pay at this batch size
-            if asking and any(self.controller.draft_lengths(ids, len(seqs), most)):
-                got = self.drafter.propose(ids, most)
-                lengths = self.controller.draft_lengths(ids, len(seqs), [len(d) if d else 0 for d in got])
-                k = max(lengths)
-                if k:
-                    drafts = list(none)
-                    for i, d, n in zip(asking, got, lengths):
-                        drafts[i] = d.truncated(n) if n else None
-            # asked: k where the step drafts (a row without a draft then records a miss); nothing
-            # where it does not, so the estimates relax toward their priors (counting a miss there
-            # instead measured 1.44x / 1.37x against 1.49x / 1.42x on Spec-Bench summarization / rag)
-            room = [min(r, k) for r in room]
+            ids = [seqs[i].seq_id for i in asking]
+            got = self.drafter.propose(ids, [room[i] for i in asking]) if asking else []
+            lengths = self.controller.draft_lengths(ids, len(seqs), [len(d) if d else 0 for d in got],
+                                                    [d.match_len if d else 0 for d in got])
+            # asked: what a row verifies; nothing where it drafts nothing, so its estimates relax
+            # toward their priors (counting a miss there instead measured 1.44x / 1.37x against
+            # 1.49x / 1.42x on Spec-Bench summarization / rag)
+            room = [0] * len(seqs)
+            if any(lengths):
+                drafts = list(none)
+                for i, d, n in zip(asking, got, lengths):
+                    drafts[i], room[i] = (d.truncated(n), n) if n else (None, 0)
         elapsed = time.perf_counter() - t0
         for s in seqs:
             s.stats.draft_s += elapsed / len(seqs)
@@ -286,12 +283,14 @@ class LLMEngine:
         host = tokens.tolist()                          # the step's one host synchronisation
         return self._verified(seqs, [[1, 0, t] for (t,) in host], t0)
 
-    def accept(self, seqs, asked, num_drafts, tokens, counts) -> None:
+    def accept(self, seqs, drafts, asked, num_drafts, tokens, counts) -> None:
         now = time.perf_counter()
-        for seq, ask, num_draft, new, n in zip(seqs, asked, num_drafts, tokens, counts):
+        # what the controller learns by match length (drafts on the device report none)
+        matches = [d.match_len if d else 0 for d in drafts] if isinstance(drafts, list) else [0] * len(seqs)
+        for seq, ask, num_draft, new, n, match_len in zip(seqs, asked, num_drafts, tokens, counts, matches):
             seq.stats.record(num_draft, n - 1)
             if seq.speculate:       # the controller never drafts for (nor reads) a plain sequence
-                self.controller.observe(seq.seq_id, ask, num_draft, n - 1)
+                self.controller.observe(seq.seq_id, ask, num_draft, n - 1, match_len)
             # the last token and the accepted drafts are now cached; the new last token is not
             seq.num_cached = len(seq.token_ids) + n - 1
             if seq.first_token_time is None:

@@ -4,16 +4,19 @@ Acceptance is bursty: a draft whose first token is right is usually right for a 
 span), so one per-token rate undercounts long drafts. The controller models a draft of k tokens
 for sequence i as accepted up to position j with probability a_i * f_i^(j-1): a_i, the
 sequence's rate at the first position, and f_i, its rate at a later position given the one
-before was accepted. A verify step then yields E_i(k) = 1 + sum_j P_i(>= j) tokens (accepted
-prefix plus the target's own). A step's cost is its forward, measured at start-up (for b rows of
-1 + k tokens where rows are padded to the longest; for b rows holding e drafted tokens in all
-where rows are packed), plus what the step spends around the forward (drafting, acceptance math,
-the host sync, longer contexts), measured on the steps as they run, plus the host's work per
-token it yields (detokenising, stop checks), also measured. The controller drafts the one k (cut
-to what each row has) that maximises the batch's expected tokens per second, a step charged as
-every row holding 1 + k tokens (what it costs where rows are padded; an upper bound where they
-are packed, which measured better than charging packed rows what they hold). No draft is a plain
-step, so speculation that does not pay does not run.
+before was accepted. Where the drafter says how many tail tokens its match rested on, each
+position's rate is scaled by how much likelier drafts of that match length were accepted than
+drafts of any, learned over all sequences (n-gram drafts after a 4-token match were accepted
+about 4 times as often as after a 1-token one). A verify step then yields E_i(k) = 1 + sum_j
+P_i(>= j) tokens (accepted prefix plus the target's own). A step's cost is its forward, measured
+at start-up (for b rows of 1 + k tokens where rows are padded to the longest; for b rows holding
+e drafted tokens in all where rows are packed), plus what the step spends around the forward
+(the host's work, longer contexts, and for drafting steps drafting and acceptance math), measured
+on the steps as they run, plus the host's work per token it yields (detokenising, stop checks),
+also measured. Where rows are packed a step costs the tokens it holds, and the controller takes
+the most promising drafted tokens of any rows; where they are padded it drafts one k for the
+batch (cut to what each row has). Either maximises the batch's expected tokens per second, and
+no draft is a plain step, so speculation that does not pay does not run.
 """
 from __future__ import annotations
 
@@ -21,12 +24,14 @@ import bisect
 
 OUTLIER_FORWARDS = 4.0    # a step's measured overhead counts as at most this many of its forwards
 MIN_GAIN = 1.03           # drafting must promise this much over a plain step: estimates are noisy
+MATCH_PRIOR = 4.0         # drafts' weight of the pooled rate in a match length's rate (shrinkage)
 
 
 class DraftController:
     def __init__(self, max_draft: int, cost: dict[int, list] | None = None, packed: bool = False,
                  prior_accepted: float = 1.0, prior_drafted: float = 2.0, decay: float = 0.9,
-                 step_decay: float = 0.9, probe_decay: float = 0.98, prior_follow: tuple[float, float] = (1.4, 2.0)):
+                 step_decay: float = 0.9, probe_decay: float = 0.98, prior_follow: tuple[float, float] = (1.4, 2.0),
+                 match_decay: float = 0.995):
         """cost: forward seconds by batch-size bucket b, as calibrate.measure_verify_cost gives them:
         cost[b][s-1] for b rows of s tokens (packed False: rows padded to the longest), or
         cost[b] = [[e, seconds], ...] for b rows holding e drafted tokens (packed True). None =
@@ -44,9 +49,18 @@ class DraftController:
         # seq_id -> decayed counts [accepted, trials] at position 1, [accepted, trials] at later
         # positions reached, [hits, asks] of the drafter
         self.counts: dict[int, list[float]] = {}
-        # (bucket, drafting) -> running mean of step seconds beyond the calibrated forward
-        self.overhead: dict[tuple[int, bool], float] = {}
+        # bucket -> running mean of a plain step's seconds beyond the calibrated forward
+        self.overhead: dict[int, float] = {}
+        # bucket -> what a drafting step took beyond that: per drafted token where rows are packed
+        # (their cost follows their tokens: attention over each drafting row's own cache), per step
+        # where rows are padded to a captured shape
+        self.draft_overhead: dict[int, float] = {}
         self.token_cost = 0.0       # running mean of host seconds per token a step yields
+        # verified drafts of every sequence, pooled and by the drafter's match length: per draft
+        # position j, decayed [accepted, reached] (reached: drafted with every earlier token accepted)
+        self.match_decay = match_decay
+        self.pool = [[0.0, 0.0] for _ in range(max_draft)]
+        self.by_match: dict[int, list[list[float]]] = {}
 
     @property
     def is_timed(self) -> bool:
@@ -76,40 +90,66 @@ class DraftController:
 
     def step_cost(self, batch_size: int, tokens: int) -> float:
         """Expected seconds of a step of batch_size rows holding `tokens` tokens in all: the
-        calibrated forward (between the curve's points) plus the measured overhead."""
+        calibrated forward (between the curve's points) plus the measured overheads."""
         if not self.buckets:
             return 1.0
         b = self._bucket(batch_size)
+        return self._forward(b, batch_size, tokens) + self.overhead.get(b, 0.0) + self._draft_extra(b, batch_size, tokens)
+
+    def _forward(self, bucket: int, batch_size: int, tokens: int) -> float:
         x = tokens - batch_size if self.packed else tokens / batch_size
-        return _interpolate(self.curves[b], x) + self.overhead.get((b, tokens > batch_size), 0.0)
+        return _interpolate(self.curves[bucket], x)
+
+    def _draft_extra(self, bucket: int, batch_size: int, tokens: int) -> float:
+        drafted = tokens - batch_size
+        if not drafted:
+            return 0.0
+        return self.draft_overhead.get(bucket, 0.0) * (drafted if self.packed else 1)
 
     def cost_ratio(self, batch_size: int, num_draft: int) -> float:
         """A step drafting num_draft tokens in every row against a plain step."""
         return self.step_cost(batch_size, batch_size * (1 + num_draft)) / self.step_cost(batch_size, batch_size)
 
-    def _gains(self, seq_ids: list[int], available: list[int] | None) -> list[list[float]]:
-        """gains[i][j-1]: expected tokens that row i's j-th drafted token adds, P_i(>= j).
-        available[i], when the drafts are already known, is how many tokens row i has (a row
-        without a draft gains nothing); otherwise a row's gain is weighted by its hit rate."""
+    def match_factor(self, match_len: int, position: int) -> float:
+        """How much likelier a drafted token at `position` (1-based, every earlier one accepted) is
+        accepted when the draft came from a match of match_len tokens, against drafts of any match
+        (1 for 0, unknown). Rates by match length shrink toward the pooled rate while they are
+        measured on few drafts."""
+        table = self.by_match.get(match_len)
+        if table is None:
+            return 1.0
+        accepted, reached = self.pool[position - 1]
+        pooled = (accepted + 1.0) / (reached + 2.0)
+        accepted, reached = table[position - 1]
+        return (accepted + MATCH_PRIOR * pooled) / (reached + MATCH_PRIOR) / pooled
+
+    def _gains(self, seq_ids: list[int], available: list[int] | None,
+               matches: list[int] | None = None) -> list[list[float]]:
+        """gains[i][j-1]: expected tokens that row i's j-th drafted token adds, P_i(>= j): the
+        sequence's own first-position and follow rates, scaled by what its draft's match length
+        says (match_factor). available[i], when the drafts are already known, is how many tokens
+        row i has (a row without a draft gains nothing); otherwise a row's gain is weighted by its
+        hit rate."""
         gains = []
         for i, s in enumerate(seq_ids):
-            follow = min(self.follow_rate(s), 0.99)
-            reach = min(self.acceptance(s), 0.99) * (1.0 if available is not None else self.hit_rate(s))
-            row = []
-            for _ in range(self.max_draft if available is None else min(self.max_draft, available[i])):
+            match = matches[i] if matches else 0
+            rate = min(self.acceptance(s), 0.99) * (1.0 if available is not None else self.hit_rate(s))
+            reach, row = 1.0, []
+            for j in range(1, 1 + (self.max_draft if available is None else min(self.max_draft, available[i]))):
+                reach *= min(rate * self.match_factor(match, j), 0.99)
                 row.append(reach)
-                reach *= follow
+                rate = self.follow_rate(s)
             gains.append(row)
         return gains
 
-    def num_draft(self, seq_ids: list[int], batch_size: int, available: list[int] | None = None) -> int:
-        """One draft length for the speculating sequences of a batch of batch_size rows: the k
-        maximising sum_i E_i(k) / c(batch, k), against batch_size tokens for a plain step (which
-        wins unless drafting promises MIN_GAIN more). Rows that do not speculate yield one token
-        whatever k is. The step is charged as b rows of 1 + k tokens even where rows are packed
-        and rows without a draft cost less: charging packed rows only what they hold drafted more
-        and served worse (0.94x of plain at 16 clients, against 1.00x with this rule)."""
-        gains = self._gains(seq_ids, available)
+    def num_draft(self, seq_ids: list[int], batch_size: int, available: list[int] | None = None,
+                  matches: list[int] | None = None) -> int:
+        """One draft length for the speculating sequences of a batch of batch_size rows (padded
+        rows, or drafts not known yet): the k maximising sum_i E_i(k) / c(batch, k), against
+        batch_size tokens for a plain step (which wins unless drafting promises MIN_GAIN more).
+        Rows that do not speculate yield one token whatever k is; the step is charged as b rows of
+        1 + k tokens."""
+        gains = self._gains(seq_ids, available, matches)
         expected = float(batch_size)
         best_k, best_rate = 0, MIN_GAIN * self._rate(batch_size, batch_size, expected)
         for k in range(1, max(map(len, gains), default=0) + 1):
@@ -119,20 +159,41 @@ class DraftController:
                 best_k, best_rate = k, rate
         return best_k
 
-    def draft_lengths(self, seq_ids: list[int], batch_size: int, available: list[int] | None = None) -> list[int]:
-        """num_draft's one length, cut to what each sequence has (available) or may draft. One
-        length rather than the most promising tokens of each row: with a length per row, rows
-        whose acceptance was estimated from a few steps (or relaxed toward the prior while they
-        did not draft) drafted on their own, and serving at 16 clients measured 0.92x of plain
-        against 1.00x with one length (docs/BENCHMARKS.md)."""
-        k = self.num_draft(seq_ids, batch_size, available)
+    def draft_lengths(self, seq_ids: list[int], batch_size: int, available: list[int] | None = None,
+                      matches: list[int] | None = None) -> list[int]:
+        """How many of its drafted tokens each sequence verifies this step. Where rows are packed
+        and the drafts are known, the most promising tokens of any rows (a step costs the tokens it
+        holds); otherwise num_draft's one length, cut to what each sequence has (available) or may
+        draft."""
+        if self.packed and available is not None:
+            return self._best_tokens(seq_ids, batch_size, available, matches)
+        k = self.num_draft(seq_ids, batch_size, available, matches)
         return [min(k, n) for n in (available or [self.max_draft] * len(seq_ids))]
+
+    def _best_tokens(self, seq_ids: list[int], batch_size: int, available: list[int],
+                     matches: list[int] | None) -> list[int]:
+        """Drafted tokens taken most promising first (a row's gains fall with the position, so each
+        row keeps a prefix) for as long as the step's expected tokens per second grow, against a
+        plain step that wins unless drafting promises MIN_GAIN more."""
+        gains = self._gains(seq_ids, available, matches)
+        ranked = sorted((-g, j, i) for i, row in enumerate(gains) for j, g in enumerate(row))
+        expected = float(batch_size)
+        best_n, best_rate = 0, MIN_GAIN * self._rate(batch_size, batch_size, expected)
+        for n, (g, _, _) in enumerate(ranked, 1):
+            expected -= g
+            rate = self._rate(batch_size, batch_size + n, expected)
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        lengths = [0] * len(seq_ids)
+        for _, _, i in ranked[:best_n]:
+            lengths[i] += 1
+        return lengths
 
     def _rate(self, batch_size: int, tokens: int, expected: float) -> float:
         """Expected tokens per second of a step of `tokens` tokens yielding `expected` tokens."""
         return expected / (self.step_cost(batch_size, tokens) + expected * self.token_cost)
 
-    def observe(self, seq_id: int, asked: int, num_draft: int, num_accepted: int) -> None:
+    def observe(self, seq_id: int, asked: int, num_draft: int, num_accepted: int, match_len: int = 0) -> None:
         """After a step that asked the drafter for `asked` tokens and verified num_draft of them.
         Acceptance counts decay so the estimate follows the sequence's recent behaviour. A step
         that asked for nothing carries no evidence: the estimate relaxes toward the prior instead,
@@ -147,6 +208,10 @@ class DraftController:
             return
         hits, asks = hits * d + (num_draft > 0), asks * d + 1
         if num_draft:
+            self._observe_positions(self.pool, num_draft, num_accepted)
+            if match_len:
+                table = self.by_match.setdefault(match_len, [[0.0, 0.0] for _ in range(self.max_draft)])
+                self._observe_positions(table, num_draft, num_accepted)
             acc1, trials1 = acc1 * d + (num_accepted > 0), trials1 * d + 1
             # later positions reached: 2..num_accepted + 1 (a rejection ends the draft)
             reached = min(num_accepted + 1, num_draft) - 1
@@ -154,21 +219,36 @@ class DraftController:
                 accf, trialsf = accf * d + num_accepted - 1, trialsf * d + reached
         self.counts[seq_id] = [acc1, trials1, accf, trialsf, hits, asks]
 
+    def _observe_positions(self, table: list[list[float]], num_draft: int, num_accepted: int) -> None:
+        d = self.match_decay
+        for j, counts in enumerate(table[:num_draft]):
+            counts[0] *= d
+            counts[1] *= d
+            if j <= num_accepted:           # reached: every earlier position was accepted
+                counts[0] += j < num_accepted
+                counts[1] += 1
+
     def observe_step(self, batch_size: int, tokens: int, seconds: float) -> None:
         """A decode step of batch_size rows holding `tokens` tokens in all took `seconds` (propose
-        through the host sync). What it took beyond the calibrated forward is the overhead that
-        start-up timing cannot see: drafting, acceptance math, launches, longer contexts. One slow
-        step (a first call, a collection pause) counts as at most a few forwards, and plain steps
-        pull the drafting overhead toward the plain one, so a bad estimate is probed again rather
-        than ending speculation for good."""
+        through the host sync). What a plain step took beyond the calibrated forward is the overhead
+        that start-up timing cannot see (launches, the host's work, longer contexts than the
+        calibration's); what a drafting step took beyond that as well is the drafting overhead
+        (drafting, acceptance math, and where rows are packed each drafted token's attention over
+        its row's whole context, which grows with the context: charged per drafted token there).
+        One slow step (a first call, a collection pause) counts as at most a few forwards, and
+        plain steps pull the drafting overhead toward none, so a bad estimate is probed again
+        rather than ending speculation for good."""
         if not self.buckets:
             return
-        b, drafting = self._bucket(batch_size), tokens > batch_size
-        forward = self.step_cost(batch_size, tokens) - self.overhead.get((b, drafting), 0.0)
-        extra = min(seconds - forward, OUTLIER_FORWARDS * forward)
-        self._update((b, drafting), extra, self.step_decay)
-        if not drafting and (b, True) in self.overhead:
-            self._update((b, True), self.overhead[(b, False)], self.probe_decay)
+        b, drafted = self._bucket(batch_size), tokens - batch_size
+        forward = self._forward(b, batch_size, tokens)
+        if not drafted:
+            self._update(self.overhead, b, min(seconds - forward, OUTLIER_FORWARDS * forward), self.step_decay)
+            if b in self.draft_overhead:
+                self.draft_overhead[b] *= self.probe_decay
+            return
+        extra = min(seconds - forward - self.overhead.get(b, 0.0), OUTLIER_FORWARDS * forward)
+        self._update(self.draft_overhead, b, extra / drafted if self.packed else extra, self.step_decay)
 
     def observe_tokens(self, num_tokens: int, seconds: float) -> None:
         """A step's host work on its num_tokens new tokens took `seconds`. It grows with the
@@ -177,9 +257,10 @@ class DraftController:
             d = self.step_decay
             self.token_cost = d * self.token_cost + (1 - d) * seconds / num_tokens
 
-    def _update(self, key: tuple[int, bool], value: float, decay: float) -> None:
-        old = self.overhead.get(key)
-        self.overhead[key] = value if old is None else decay * old + (1 - decay) * value
+    @staticmethod
+    def _update(means: dict[int, float], key: int, value: float, decay: float) -> None:
+        old = means.get(key)
+        means[key] = value if old is None else decay * old + (1 - decay) * value
 
     def end(self, seq_id: int) -> None:
         self.counts.pop(seq_id, None)

@@ -18,12 +18,15 @@ class Draft:
     A chain when parents is None; a tree otherwise, parents[i] being the index of token i's parent
     in `tokens` or -1 for a child of the sequence's last token. probs, when given, is the drafter's
     distribution at each drafted position, [len(tokens), vocab]; without it, verification treats
-    the draft as one-hot (the drafter was certain).
+    the draft as one-hot (the drafter was certain). match_len, for drafters that find their draft
+    by matching the sequence's tail (n-gram, suffix structures), is how many tail tokens matched:
+    longer matches are accepted far more often, and the draft controller learns by how much.
     """
 
     tokens: list[int]
     parents: list[int] | None = None
     probs: torch.Tensor | None = None
+    match_len: int = 0
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -31,7 +34,7 @@ class Draft:
     def truncated(self, n: int) -> "Draft":
         """The first n tokens (a tree's first n nodes: parents come before their children)."""
         return Draft(self.tokens[:n], None if self.parents is None else self.parents[:n],
-                     None if self.probs is None else self.probs[:n])
+                     None if self.probs is None else self.probs[:n], self.match_len)
 
 
 class Drafter:

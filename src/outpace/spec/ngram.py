@@ -82,7 +82,7 @@ class NgramDrafter(Drafter):
         for n, table in zip(reversed(self._ns), reversed(seq.tables)):
             c = table.get(tuple(tokens[-n:])) if n < len(tokens) else None
             if c is not None:
-                return Draft(tokens[c:c + max_tokens])
+                return Draft(tokens[c:c + max_tokens], match_len=n)
         return None
 
     def end(self, seq_id: int) -> None:
