@@ -207,7 +207,8 @@ class LLMEngine:
             if any(lengths):
                 drafts = list(none)
                 for i, d, n in zip(asking, got, lengths):
-                    drafts[i], room[i] = (d.truncated(n), n) if n else (None, 0)
+                    if n:
+                        drafts[i], room[i] = d.truncated(n), n
         elapsed = time.perf_counter() - t0
         for s in seqs:
             s.stats.draft_s += elapsed / len(seqs)

@@ -1,10 +1,11 @@
 """AsyncEngine: the LLMEngine driven by one thread, fed from asyncio request handlers.
 
-Threads: the engine thread alone touches the engine and its Sequences. `outpace serve` runs the
-loop in the thread that built the engine and the HTTP server beside it (see run()). Handlers talk to it through
-`commands`, a thread-safe FIFO that the thread drains between steps (adds and aborts land at a step
-boundary, so a cancelled request's slot is free for the very next step). Results come back as
-immutable `Update` snapshots, put on each request's asyncio queue with call_soon_threadsafe.
+Threads: the engine thread alone touches the engine and its Sequences (`outpace serve` runs the
+loop in the thread that built the engine, the HTTP server beside it: see run()). Handlers talk to
+it through `commands`, a thread-safe FIFO that the thread drains between steps (adds and aborts
+land at a step boundary, so a cancelled request's slot is free for the very next step). Results
+come back as immutable `Update` snapshots, put on each request's asyncio queue with
+call_soon_threadsafe.
 
 Faults: an exception inside a step fails the requests running in that step (their streams get a
 500-style error, their slots are freed) and the loop goes on serving the others.

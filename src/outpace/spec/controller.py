@@ -21,6 +21,8 @@ no draft is a plain step, so speculation that does not pay does not run.
 from __future__ import annotations
 
 import bisect
+import itertools
+from collections.abc import Iterable
 
 OUTLIER_FORWARDS = 4.0    # a step's measured overhead counts as at most this many of its forwards
 MIN_GAIN = 1.03           # drafting must promise this much over a plain step: estimates are noisy
@@ -150,14 +152,9 @@ class DraftController:
         Rows that do not speculate yield one token whatever k is; the step is charged as b rows of
         1 + k tokens."""
         gains = self._gains(seq_ids, available, matches)
-        expected = float(batch_size)
-        best_k, best_rate = 0, MIN_GAIN * self._rate(batch_size, batch_size, expected)
-        for k in range(1, max(map(len, gains), default=0) + 1):
-            expected += sum(row[k - 1] for row in gains if len(row) >= k)
-            rate = self._rate(batch_size, batch_size * (1 + k), expected)
-            if rate > best_rate:
-                best_k, best_rate = k, rate
-        return best_k
+        longest = max(map(len, gains), default=0)
+        columns = (sum(row[k - 1] for row in gains if len(row) >= k) for k in range(1, longest + 1))
+        return self._best_prefix(batch_size, (batch_size * (1 + k) for k in itertools.count(1)), columns)
 
     def draft_lengths(self, seq_ids: list[int], batch_size: int, available: list[int] | None = None,
                       matches: list[int] | None = None) -> list[int]:
@@ -177,17 +174,24 @@ class DraftController:
         plain step that wins unless drafting promises MIN_GAIN more."""
         gains = self._gains(seq_ids, available, matches)
         ranked = sorted((-g, j, i) for i, row in enumerate(gains) for j, g in enumerate(row))
-        expected = float(batch_size)
-        best_n, best_rate = 0, MIN_GAIN * self._rate(batch_size, batch_size, expected)
-        for n, (g, _, _) in enumerate(ranked, 1):
-            expected -= g
-            rate = self._rate(batch_size, batch_size + n, expected)
-            if rate > best_rate:
-                best_n, best_rate = n, rate
+        best_n = self._best_prefix(batch_size, itertools.count(batch_size + 1), (-g for g, _, _ in ranked))
         lengths = [0] * len(seq_ids)
         for _, _, i in ranked[:best_n]:
             lengths[i] += 1
         return lengths
+
+    def _best_prefix(self, batch_size: int, tokens: Iterable[int], gains: Iterable[float]) -> int:
+        """How many drafting choices to take, in order: the n-th brings the step to tokens[n-1]
+        tokens and adds gains[n-1] expected tokens. The n maximising the expected tokens per
+        second; 0 (a plain step) unless drafting promises MIN_GAIN more."""
+        expected = float(batch_size)
+        best_n, best_rate = 0, MIN_GAIN * self._rate(batch_size, batch_size, expected)
+        for n, (step_tokens, gain) in enumerate(zip(tokens, gains), 1):
+            expected += gain
+            rate = self._rate(batch_size, step_tokens, expected)
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        return best_n
 
     def _rate(self, batch_size: int, tokens: int, expected: float) -> float:
         """Expected tokens per second of a step of `tokens` tokens yielding `expected` tokens."""
