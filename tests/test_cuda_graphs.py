@@ -5,7 +5,8 @@ Guards: a graph shape whose rows are slots (dummy rows for idle slots, rows in a
 fed from the device) must give ModelRunner's logits; a dummy row must never touch a real cache
 entry; no tier may reallocate a buffer (a captured graph would read freed memory); the device
 n-gram drafter must draft exactly what the CPU drafter drafts; the engine on this path must keep
-speculative greedy output equal to plain greedy output.
+speculative greedy output equal to plain greedy output, with steps launched before the host has
+read the step before them (overlap) too, whatever ends a request and whenever requests join.
 """
 import random
 
@@ -153,9 +154,9 @@ PARAMS = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 ENGINE_PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [100, 200, 300, 100, 200], [7] * 30, [42]]
 
 
-def device_path_llm(folder, spec, device="cpu"):
+def device_path_llm(folder, spec, device="cpu", overlap=True):
     """An LLM whose engine runs the GPU path (static-shape runner, device drafter) on `device`."""
-    opts = dict(dtype="float64", device=device, max_num_seqs=3, max_model_len=128, calibrate=False)
+    opts = dict(dtype="float64", device=device, max_num_seqs=3, max_model_len=128, calibrate=False, overlap=overlap)
     llm = LLM(str(folder), spec=spec, **opts)
     engine = llm.engine
     if device == "cpu":
@@ -175,17 +176,57 @@ def test_device_path_speculation_is_lossless(tiny_folder, device):
                 max_model_len=128).generate(ENGINE_PROMPTS, PARAMS)
     spec = SpecConfig(num_draft_tokens=5)
     llm = device_path_llm(tiny_folder, spec, device)
-    in_graph = count_calls(llm.engine, "_verify_in_graph")
+    in_graph, launched = count_calls(llm.engine, "_verify_in_graph"), count_calls(llm.engine, "_step_launched")
     out = llm.generate(ENGINE_PROMPTS, PARAMS)
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
     assert in_graph["calls"] > 0                      # greedy steps drafted and verified inside the step
+    assert launched["calls"] > 0                      # and steps launched before the last one was read
     assert sum(o.spec["num_accepted_tokens"] for o in out) > 0
-    # the CPU drafter proposes the same drafts, so the same steps are taken
+    # without overlap the CPU drafter proposes the same drafts, so the same steps are taken (a
+    # launched step drafts less near max_tokens: it cannot know how many tokens the step before adds)
+    llm = device_path_llm(tiny_folder, spec, device, overlap=False)
+    out = llm.generate(ENGINE_PROMPTS, PARAMS)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
     cpu = LLM(str(tiny_folder), spec=spec, dtype="float64", device="cpu", max_num_seqs=3, max_model_len=128,
               calibrate=False).generate(ENGINE_PROMPTS, PARAMS)
     assert [o.spec["num_draft_tokens"] for o in out] == [o.spec["num_draft_tokens"] for o in cpu]
     engine = llm.engine
     assert sorted(engine.scheduler.free_slots) == [0, 1, 2] and not engine.drafter.rows
+
+
+@pytest.mark.parametrize("method", ["ngram", "none"])
+def test_overlapped_steps_end_and_join_like_plain_steps(tiny_folder, method):
+    """Steps launched before the host reads the step before them: requests ending on max_tokens,
+    on a stop token and on the context limit at different steps, and requests joining while a
+    launched step runs (one waits for a slot), all give plain greedy output; the launched step of
+    a request that ended is dropped, and every slot and buffer row comes back."""
+    first = LLM(str(tiny_folder), spec="none", dtype="float64", device="cpu", max_num_seqs=3,
+                max_model_len=128).generate(ENGINE_PROMPTS[0], PARAMS)[0].token_ids
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (7, 30, 200, 13)]
+    params[1].stop_token_ids = [first[11]]          # ends a request mid-run
+    prompts = [ENGINE_PROMPTS[0], ENGINE_PROMPTS[0], ENGINE_PROMPTS[2] * 3, ENGINE_PROMPTS[1]]
+    plain = LLM(str(tiny_folder), spec="none", dtype="float64", device="cpu", max_num_seqs=3,
+                max_model_len=128)
+    want = [plain.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
+    assert len(want[1]) == 12 and len(want[2]) == 128 - 90           # the stop token; the context limit
+    llm = device_path_llm(tiny_folder, SpecConfig(method=method, num_draft_tokens=5))
+    engine = llm.engine
+    launched = count_calls(engine, "_step_launched")
+    seqs = [engine.add_request(prompts[0], params[0]), engine.add_request(prompts[1], params[1])]
+    for _ in range(3):
+        engine.step()
+    seqs += [engine.add_request(p, sp) for p, sp in zip(prompts[2:], params[2:])]    # the last one waits
+    runner = engine.runner
+    while engine.has_unfinished():
+        engine.step()
+        if engine.launched is not None:         # a launched step's rows without a sequence stay dummies
+            idle = set(range(engine.launched.shape[0])) - {s.slot for s in engine.launched.seqs}
+            assert all(runner.starts[slot] == runner.max_len for slot in idle)
+    assert [s.output_ids for s in seqs] == want
+    assert launched["calls"] > 0
+    assert sorted(engine.scheduler.free_slots) == [0, 1, 2] and engine.launched is None
+    if method == "ngram":
+        assert not engine.drafter.rows
 
 
 def count_calls(obj, name: str) -> dict:

@@ -89,6 +89,7 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     calibrate: bool = True          # measure verify cost per batch size at start (draft controller)
     cuda_graphs: bool = True        # CUDA: decode/verify steps replay graphs captured at start
+    overlap: bool = True            # CUDA graphs: a greedy step's successor launches before its tokens are read
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16", "float64"),

@@ -20,6 +20,11 @@ A step's shape is static, so is everything in it:
     >= max_len, the spare region no real query attends.
 An extension (the device drafter's GraphStep) adds its own work before and after the model inside
 every graph, fed by host values per graph row in the same input copy.
+
+Overlap: a greedy step's successor can be launched before the host has read the step's tokens
+(replay_next): each row's start and last token are derived on the device from the step's result,
+so the GPU never idles while the host reads a step, and the host reads a step with a copy that
+waits for that step alone (start_read, read_back), not for the one queued behind it.
 Prompt chunks (logits='none'), hidden-state requests and shapes beyond the largest tier run eagerly
 through ModelRunner. With use_graphs=False (or on the CPU) the same static-buffer step runs eagerly:
 that is `--no-cuda-graphs`, and what the CPU tests check.
@@ -85,6 +90,11 @@ class CudaGraphRunner(ModelRunner):
         self.bias_values = torch.tensor([0.0, float("-inf")], dtype=self.dtype, device=device)
         self.logits = torch.zeros(rows * tokens, vocab, dtype=torch.float32, device=device)       # -> [b, t, V]
         self.slot_ids = torch.arange(rows, device=device)
+        self.plain_columns = torch.tensor([[1, 0]] * rows, device=device)   # a plain row: 1 token out, 0 drafted
+        self.last_shape: tuple[int, int, int] | None = None     # the last step's graph shape (None: eager)
+        self._read: torch.Tensor | None = None                  # start_read's copy on the host
+        self._reads: dict[tuple[int, ...], torch.Tensor] = {}   # pinned host buffers by shape
+        self.read_done = torch.cuda.Event() if is_cuda else None
         self._outputs: dict[tuple[int, int, int], torch.Tensor] = {}   # (b, t, rows) -> logits view
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.use_graphs = use_graphs and self.device.type == "cuda"
@@ -140,6 +150,7 @@ class CudaGraphRunner(ModelRunner):
         shape = self.shape_for(rows, num_device) if logits == "all" and not need_hidden else None
         if shape is None and step_inputs is not None:
             raise ValueError("a step with extension inputs needs a graph shape (check shape_for first)")
+        self.last_shape = shape
         if shape is None:
             if draft_tokens is not None:
                 rows = [Row(r.slot, r.token_ids + d, r.start) for r, d in zip(rows, draft_tokens.tolist())]
@@ -151,15 +162,67 @@ class CudaGraphRunner(ModelRunner):
                 raise ValueError("with draft_tokens every row holds exactly its last token")
             slots = to_device([r.slot for r in rows], self.device)
             self.input_ids[:b * t].view(b, t)[slots, 1:1 + num_device] = draft_tokens
-        if self.use_graphs:
-            self.graphs[shape].replay()
-        else:
-            with torch.inference_mode():
-                self._run_step(b, t, L)
+        self._replay(shape)
         slots = [r.slot for r in rows]
         if slots == list(range(len(rows))):
             return self._output(b, t, len(rows)), None
         return self._output(b, t, b).index_select(0, to_device(slots, self.device)), None
+
+    def _replay(self, shape: tuple[int, int, int]) -> None:
+        if self.use_graphs:
+            self.graphs[shape].replay()
+        else:
+            with torch.inference_mode():
+                self._run_step(*shape)
+
+    # ---- overlapped steps -------------------------------------------------------------------
+    def step_result(self, shape: tuple[int, int, int]) -> torch.Tensor:
+        """A greedy graph step's outcome by graph row, on the device: [b, 2 + t] = tokens out,
+        tokens drafted, the tokens. The extension's result, or for a step without one (t = 1),
+        each row's argmax."""
+        b, t, _ = shape
+        if self.extension:
+            return self.extension.result[:b, :2 + t]
+        with torch.inference_mode():
+            tokens = self.logits[:b * t].view(b, t, -1)[:, 0].argmax(-1, keepdim=True)
+            return torch.cat([self.plain_columns[:b], tokens], dim=1)
+
+    @torch.inference_mode()
+    def replay_next(self, previous: torch.Tensor, active: torch.Tensor, shape: tuple[int, int, int],
+                    rows: list[Row], step_inputs: list[tuple] | None = None) -> None:
+        """Launch step `shape` after the step whose step_result is `previous`, before the host has
+        read it: every active graph row ([b] 1 or 0) advances by its tokens out and feeds its last
+        token (dummy rows stay in the spare region); only the extension's values (step_inputs, by
+        rows' slots) come from the host. rows: the step's rows (slot; their tokens are unused)."""
+        b, t, _ = shape
+        num = previous[:, 0]
+        last = previous.gather(1, num[:, None] + 1)                                   # [b, 1]
+        self.starts[:b].add_(num * active)
+        self.input_ids[:b * t].view(b, t)[:, :1] = last
+        if self.extension:
+            self._write_extension(rows, step_inputs)
+        self._replay(shape)
+        self.last_shape = shape
+
+    def start_read(self, values: torch.Tensor) -> None:
+        """Queue a copy of a small int64 device tensor to the host, for read_back. Unlike .tolist(),
+        read_back then waits for the work queued before this call only, not for a step launched
+        after it."""
+        if self.read_done is None:
+            self._read = values.clone()                 # the next step, run eagerly, overwrites values
+            return
+        buffer = self._reads.get(tuple(values.shape))
+        if buffer is None:
+            buffer = self._reads[tuple(values.shape)] = torch.empty(values.shape, dtype=values.dtype,
+                                                                    pin_memory=True)
+        buffer.copy_(values, non_blocking=True)
+        self.read_done.record()
+        self._read = buffer
+
+    def read_back(self) -> list[list[int]]:
+        if self.read_done is not None:
+            self.read_done.synchronize()
+        return self._read.tolist()
 
     def _output(self, b: int, t: int, n: int) -> torch.Tensor:
         """The logits of graph rows [0, n) of shape (b, t): [n, t, V], a view made once."""
@@ -185,15 +248,30 @@ class CudaGraphRunner(ModelRunner):
             at = ids_at + r.slot * t
             host[at:at + len(r.token_ids)] = r.token_ids
         if self.extension:
-            per_row = [self.extension.neutral()] * num_rows
-            for r, values in zip(rows, step_inputs or []):
-                per_row[r.slot] = values
-            host[num_rows:ids_at] = [v for column in zip(*per_row) for v in column]   # [width, rows], row-major
+            self._extension_values(rows, step_inputs)
         if self.copied is not None:
             if n not in self._copies:
                 self._copies[n] = self.inputs[:n], self.host_inputs[:n]
             device, host_part = self._copies[n]
             device.copy_(host_part, non_blocking=True)
+            self.copied.record()
+
+    def _extension_values(self, rows: list[Row], step_inputs: list[tuple] | None) -> None:
+        """The extension's values per graph row into the host buffer (neutral where no row is)."""
+        num_rows = self.starts.shape[0]
+        per_row = [self.extension.neutral()] * num_rows
+        for r, values in zip(rows, step_inputs or []):
+            per_row[r.slot] = values
+        self.host[num_rows:self.ids_at] = [v for column in zip(*per_row) for v in column]   # [width, rows]
+
+    def _write_extension(self, rows: list[Row], step_inputs: list[tuple] | None) -> None:
+        """The extension's part of the inputs alone, from the host (starts and ids stay as they are)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        self._extension_values(rows, step_inputs)
+        if self.copied is not None:
+            part = slice(self.starts.shape[0], self.ids_at)
+            self.inputs[part].copy_(self.host_inputs[part], non_blocking=True)
             self.copied.record()
 
     # ---- capture ----------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,15 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+@dataclass
+class Launched:
+    """A greedy graph step queued on the device whose tokens the host has not read yet (overlap)."""
+
+    seqs: list[Sequence]
+    room: list[int]                     # drafted tokens each row may verify (0: a plain row)
+    shape: tuple[int, int, int]         # its graph shape
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, drafter: Drafter | None = None):
         self.config = config
@@ -64,6 +74,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.max_num_seqs, config.max_prefill_tokens)
         self.stats = SpecStats()
         self.sequences: dict[int, Sequence] = {}
+        self.launched: Launched | None = None       # overlap: the step after the last one, on the device
         self._ids = itertools.count()
         self.load_s = time.perf_counter() - t0
 
@@ -122,6 +133,10 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Run one step; returns the sequences that got new tokens or finished."""
+        if self.launched is not None:
+            launched, self.launched = self.launched, None
+            if not all(s.is_finished for s in launched.seqs):
+                return self._step_launched(launched)
         plan = self.scheduler.schedule()
         # a packing runner caches this step's prompt chunks in the decode forward itself
         joined = bool(plan.decode) and self.runner.packs_rows
@@ -145,6 +160,20 @@ class LLMEngine:
         self.accept(plan.decode, drafts, asked, num_drafts, tokens, counts)
         done = self.postprocess(plan.decode)
         if is_timed:
+            self.controller.observe_tokens(sum(counts), time.perf_counter() - t1)
+        return done
+
+    def _step_launched(self, launched: Launched) -> list[Sequence]:
+        """A step the previous step launched (overlap): the same rows, their drafts made in the
+        graph. Rows whose sequence ended meanwhile are dropped, tokens and all."""
+        live = [i for i, s in enumerate(launched.seqs) if not s.is_finished]
+        seqs, room = [launched.seqs[i] for i in live], [launched.room[i] for i in live]
+        tokens, counts, num_drafts = self._read_back(seqs, room, launched.shape, time.perf_counter(),
+                                                     may_launch=len(seqs) == len(launched.seqs))
+        t1 = time.perf_counter()
+        self.accept(seqs, [None] * len(seqs), room, num_drafts, tokens, counts)
+        done = self.postprocess(seqs)
+        if self.controller.is_timed:
             self.controller.observe_tokens(sum(counts), time.perf_counter() - t1)
         return done
 
@@ -238,7 +267,7 @@ class LLMEngine:
             K = logits.shape[1] - 1
             if K == 0 and all(s.params.is_greedy for s in seqs):
                 # a plain greedy step: each row's argmax is its one token, nothing to check
-                return self._plain_greedy(seqs, logits.argmax(-1), t0)
+                return self._plain_greedy(seqs, logits, t0)
             draft_tokens = to_device([(d.tokens if d else []) + [0] * (K - n) for d, n in zip(drafts, num_draft)],
                                      logits.device).view(len(seqs), K)
             draft_lens = to_device(num_draft, logits.device)
@@ -259,14 +288,46 @@ class LLMEngine:
         rows = [Row(s.slot, s.token_ids[-1:], len(s.token_ids) - 1) for s in seqs]
         inputs = self.drafter.step_inputs([s.seq_id for s in seqs], room)
         self.runner.forward(rows, step_inputs=inputs, num_device_tokens=max(room))
-        result = self.runner.extension.result
-        slots = [s.slot for s in seqs]
-        if slots == list(range(len(seqs))):
-            result = result[:len(seqs)]
-        else:
-            result = result.index_select(0, to_device(slots, result.device))
-        host = result.tolist()                          # the step's one host synchronisation
-        return self._verified(seqs, host, t0)
+        return self._read_back(seqs, room, self.runner.last_shape, t0)
+
+    def _read_back(self, seqs: list[Sequence], room: list[int], shape: tuple[int, int, int], t0: float,
+                   may_launch: bool = True):
+        """verify()'s return for a greedy graph step: its result rows, read with the step's one
+        host synchronisation. With overlap the next step is launched first, so the device works
+        on it while the host reads this one and accepts its tokens."""
+        runner = self.runner
+        result = runner.step_result(shape)
+        runner.start_read(result)
+        if may_launch and self.config.overlap:
+            self.launched = self._launch_next(seqs, shape, result)
+        host = runner.read_back()                       # the step's one host synchronisation
+        return self._verified(seqs, [host[s.slot] for s in seqs], t0)
+
+    def _launch_next(self, seqs: list[Sequence], shape: tuple[int, int, int], result: torch.Tensor):
+        """Launch the step after a greedy graph step whose tokens are not read yet, when that step
+        holds the same rows (no request waits for a free slot, no prompt is being cached) and
+        every row's positions, however many tokens the step being read adds, stay in the context.
+        Rows draft up to what they have room for after that many tokens."""
+        scheduler, limit = self.scheduler, self.config.max_model_len
+        if (scheduler.waiting and scheduler.free_slots) or len(scheduler.running) != len(seqs):
+            return None
+        ahead = shape[1]                                # the most tokens the step being read adds to a row
+        speculating = [s.seq_id for s in seqs if s.speculate]
+        drafts = bool(speculating) and isinstance(self.drafter, DeviceNgramDrafter)
+        k = self.controller.num_draft(speculating, len(seqs)) if drafts else 0
+        room = [max(0, min(k, s.params.max_tokens - s.num_output_tokens - ahead - 1,
+                           limit - len(s.token_ids) - ahead - 1)) if s.speculate else 0 for s in seqs]
+        rows = [Row(s.slot, [0], len(s.token_ids) - 1 + ahead) for s in seqs]     # starts, at the most
+        if max(r.start for r in rows) + 1 + max(room) > limit:
+            return None
+        next_shape = self.runner.shape_for(rows, max(room))
+        if next_shape is None or next_shape[0] != shape[0]:
+            return None
+        slots = {s.slot for s in seqs}
+        active = to_device([int(r in slots) for r in range(shape[0])], result.device)
+        inputs = self.drafter.step_inputs([s.seq_id for s in seqs], room) if drafts else None
+        self.runner.replay_next(result, active, next_shape, rows, inputs)
+        return Launched(seqs, room, next_shape)
 
     @staticmethod
     def _verified(seqs: list[Sequence], host: list[list[int]], t0: float):
@@ -277,9 +338,17 @@ class LLMEngine:
             s.stats.verify_s += elapsed / len(seqs)
         return [h[2:2 + h[0]] for h in host], [h[0] for h in host], [h[1] for h in host]
 
-    def _plain_greedy(self, seqs: list[Sequence], tokens: torch.Tensor, t0: float):
-        """verify()'s result for a step without drafts whose rows are all greedy: tokens [B, 1]."""
-        if isinstance(self.drafter, DeviceNgramDrafter):
+    def _plain_greedy(self, seqs: list[Sequence], logits: torch.Tensor, t0: float):
+        """verify()'s result for a step without drafts whose rows are all greedy (logits [B, 1, V]):
+        each row's argmax (a graph step's read from the device, its successor launched first where
+        it may be)."""
+        on_device = isinstance(self.drafter, DeviceNgramDrafter)
+        runner = self.runner
+        if isinstance(runner, CudaGraphRunner) and runner.last_shape is not None and not (
+                on_device and any(s.seq_id in self.drafter.rows for s in seqs)):
+            return self._read_back(seqs, [0] * len(seqs), runner.last_shape, t0)
+        tokens = logits.argmax(-1)
+        if on_device:
             self.drafter.append([s.seq_id for s in seqs], tokens, torch.ones_like(tokens[:, 0]))
         host = tokens.tolist()                          # the step's one host synchronisation
         return self._verified(seqs, [[1, 0, t] for (t,) in host], t0)
@@ -302,6 +371,8 @@ class LLMEngine:
         for seq in seqs:
             if seq.finish_reason is not None and not seq.is_finished:
                 self._finish(seq)
+        if self.launched is not None and all(s.is_finished for s in self.launched.seqs):
+            self.launched = None                        # nobody reads it; the device finishes it unread
         return seqs
 
     def _finish(self, seq: Sequence) -> None:
