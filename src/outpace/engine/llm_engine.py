@@ -75,6 +75,7 @@ class LLMEngine:
         self.stats = SpecStats()
         self.sequences: dict[int, Sequence] = {}
         self.launched: Launched | None = None       # overlap: the step after the last one, on the device
+        self._read_at = 0.0                         # when the host last read a graph step's tokens
         self._ids = itertools.count()
         self.load_s = time.perf_counter() - t0
 
@@ -150,7 +151,9 @@ class LLMEngine:
         if plan.prefill and joined:
             self._prefilled(plan, time.perf_counter() - t0)
         is_timed = self.controller.is_timed     # an uncalibrated controller learns nothing from times
-        if is_timed and not plan.prefill:       # a step that also prefilled says nothing about decode cost
+        # a step that also prefilled says nothing about decode cost, nor one that launched its
+        # successor (its time holds that launch; launched steps are timed by their period)
+        if is_timed and not plan.prefill and self.launched is None:
             on_device = isinstance(drafts, (DeviceDrafts, GraphDrafts))
             widths, rows = (asked if on_device else num_drafts), len(plan.decode)
             padded = on_device or not self.runner.packs_rows
@@ -168,14 +171,18 @@ class LLMEngine:
         graph. Rows whose sequence ended meanwhile are dropped, tokens and all."""
         live = [i for i, s in enumerate(launched.seqs) if not s.is_finished]
         seqs, room = [launched.seqs[i] for i in live], [launched.room[i] for i in live]
+        read_before = self._read_at
         tokens, counts, num_drafts = self._read_back(seqs, room, launched.shape, time.perf_counter(),
                                                      may_launch=len(seqs) == len(launched.seqs))
-        t1 = time.perf_counter()
-        self.accept(seqs, [None] * len(seqs), room, num_drafts, tokens, counts)
-        done = self.postprocess(seqs)
         if self.controller.is_timed:
-            self.controller.observe_tokens(sum(counts), time.perf_counter() - t1)
-        return done
+            # what a launched step costs is the time between two reads, the longer of the device's
+            # step and the host's loop; the host's work on the tokens overlaps the device's, so it
+            # adds nothing beyond that period
+            rows = len(launched.seqs)
+            self.controller.observe_step(rows, rows * launched.shape[1], self._read_at - read_before)
+            self.controller.observe_tokens(sum(counts), 0.0)
+        self.accept(seqs, [None] * len(seqs), room, num_drafts, tokens, counts)
+        return self.postprocess(seqs)
 
     def prefill(self, plan: StepPlan) -> None:
         """A forward of prompt chunks alone (no sequence decodes, or the runner pads its rows)."""
@@ -301,6 +308,7 @@ class LLMEngine:
         if may_launch and self.config.overlap:
             self.launched = self._launch_next(seqs, shape, result)
         host = runner.read_back()                       # the step's one host synchronisation
+        self._read_at = time.perf_counter()
         return self._verified(seqs, [host[s.slot] for s in seqs], t0)
 
     def _launch_next(self, seqs: list[Sequence], shape: tuple[int, int, int], result: torch.Tensor):
