@@ -212,6 +212,12 @@ def test_overlapped_steps_end_and_join_like_plain_steps(tiny_folder, method):
     llm = device_path_llm(tiny_folder, SpecConfig(method=method, num_draft_tokens=5))
     engine = llm.engine
     launched = count_calls(engine, "_step_launched")
+    asked, num_draft = {"calls": 0}, engine.controller.num_draft
+
+    def late_drafts(*args):     # no drafting over the first steps: it starts in launched steps
+        asked["calls"] += 1
+        return 0 if asked["calls"] <= 6 else num_draft(*args)
+    engine.controller.num_draft = late_drafts
     seqs = [engine.add_request(prompts[0], params[0]), engine.add_request(prompts[1], params[1])]
     for _ in range(3):
         engine.step()
@@ -222,8 +228,14 @@ def test_overlapped_steps_end_and_join_like_plain_steps(tiny_folder, method):
         if engine.launched is not None:         # a launched step's rows without a sequence stay dummies
             idle = set(range(engine.launched.shape[0])) - {s.slot for s in engine.launched.seqs}
             assert all(runner.starts[slot] == runner.max_len for slot in idle)
+        for seq in seqs:                        # a buffer row holds its sequence's tokens (and the launched step's)
+            row = engine.drafter.rows.get(seq.seq_id) if method == "ngram" else None
+            if row is not None and not seq.is_finished:
+                assert engine.drafter.tokens[row, :len(seq.token_ids)].tolist() == seq.token_ids
     assert [s.output_ids for s in seqs] == want
     assert launched["calls"] > 0
+    if method == "ngram":
+        assert sum(s.stats.num_accepted_tokens for s in seqs) > 0
     assert sorted(engine.scheduler.free_slots) == [0, 1, 2] and engine.launched is None
     if method == "ngram":
         assert not engine.drafter.rows

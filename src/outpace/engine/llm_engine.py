@@ -293,7 +293,9 @@ class LLMEngine:
     def _verify_in_graph(self, seqs: list[Sequence], room: list[int], t0: float):
         """verify() when the graph drafts, verifies and appends: its result rows come back."""
         rows = [Row(s.slot, s.token_ids[-1:], len(s.token_ids) - 1) for s in seqs]
-        inputs = self.drafter.step_inputs([s.seq_id for s in seqs], room)
+        # every speculating sequence takes its buffer row now, drafting or not: a launched step
+        # cannot take one (the host lacks the tokens of the step before it)
+        inputs = self.drafter.step_inputs([s.seq_id for s in seqs], room, [s.speculate for s in seqs])
         self.runner.forward(rows, step_inputs=inputs, num_device_tokens=max(room))
         return self._read_back(seqs, room, self.runner.last_shape, t0)
 
@@ -323,8 +325,9 @@ class LLMEngine:
         speculating = [s.seq_id for s in seqs if s.speculate]
         drafts = bool(speculating) and isinstance(self.drafter, DeviceNgramDrafter)
         k = self.controller.num_draft(speculating, len(seqs)) if drafts else 0
+        has_row = self.drafter.rows if drafts else {}     # a launched step cannot take a row
         room = [max(0, min(k, s.params.max_tokens - s.num_output_tokens - ahead - 1,
-                           limit - len(s.token_ids) - ahead - 1)) if s.speculate else 0 for s in seqs]
+                           limit - len(s.token_ids) - ahead - 1)) if s.seq_id in has_row else 0 for s in seqs]
         rows = [Row(s.slot, [0], len(s.token_ids) - 1 + ahead) for s in seqs]     # starts, at the most
         if max(r.start for r in rows) + 1 + max(room) > limit:
             return None

@@ -139,13 +139,15 @@ class DeviceNgramDrafter(Drafter):
     def graph_step(self, max_rows: int, max_tokens: int) -> GraphStep:
         return GraphStep(self, max_rows, max_tokens)
 
-    def step_inputs(self, seq_ids: Sequence[int], room: Sequence[int]) -> list[tuple[int, int, int]]:
+    def step_inputs(self, seq_ids: Sequence[int], room: Sequence[int],
+                    claim: Sequence[bool] | None = None) -> list[tuple[int, int, int]]:
         """GraphStep's host inputs per row of a greedy step: (row to draft from, row to append to,
-        room). A row that asks takes a buffer row now. (A sampled step verifies and appends on
-        the host; its graph rows get GraphStep.neutral(), so the graph touches only the scratch row.)"""
+        room). A sequence that asks (room > 0), or that claims one, takes a buffer row now; one
+        without a row must not ask. (A sampled step verifies and appends on the host; its graph
+        rows get GraphStep.neutral(), so the graph touches only the scratch row.)"""
         out = []
-        for seq_id, k in zip(seq_ids, room):
-            if k > 0 and seq_id not in self.rows:
+        for i, (seq_id, k) in enumerate(zip(seq_ids, room)):
+            if (k > 0 or (claim is not None and claim[i])) and seq_id not in self.rows:
                 self._take_row(seq_id)
             row = self.rows.get(seq_id, self.scratch)
             out.append((row if k > 0 else self.scratch, row, k))
