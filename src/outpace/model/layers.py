@@ -19,6 +19,14 @@ from outpace.model.config import ModelConfig
 from outpace.model.fused import add_rms_norm, rms_norm, rope, rope_store, silu_mul
 
 
+# Forwards of prompt chunks on CUDA attend through kernels that need no plan per shape. cuDNN's
+# attention, which PyTorch prefers there, builds one for every new (queries, keys) shape: about
+# 55 ms each on an H100 for the default model, against 15-18 ms for the whole forward of a
+# 300-token chunk, and prompt chunks rarely repeat a shape. Flash (causal) and memory-efficient
+# (masked) attention do not; they need the key/value heads repeated up to the query heads.
+PROMPT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 @dataclass
 class PromptChunk:
     """A prompt chunk cached in a decode forward: its tokens follow the rows' and attend apart."""
@@ -120,10 +128,7 @@ class Attention(nn.Module):
         else:
             q = rope_store(qk, v, cos, sin, k_cache, v_cache, batch.slots, self._heads(x.device), batch.positions)
         keys, values = self._caches(batch, k_cache, v_cache)
-        if not batch.logits and q.is_cuda and batch.span_rows is None:
-            out = _attend_prompt(q, keys, values, batch.mask, batch.causal)
-        else:
-            out = self._attend(q, keys, values, batch.mask, batch.causal, batch.span_rows)
+        out = self._attend(q, keys, values, batch.mask, batch.causal, batch.span_rows, prompt=not batch.logits)
         return self.o(out.transpose(1, 2).reshape(B, S, -1))
 
     def _caches(self, batch: ForwardBatch, k_cache, v_cache):
@@ -173,7 +178,8 @@ class Attention(nn.Module):
         keys, values = self._caches(batch, k_cache, v_cache)
         if pk.long_rows is None:        # little padding: attention runs over the rows padded to S
             padded = q.new_zeros(B * S, *q.shape[1:]).index_copy_(0, pk.index, q).view(B, S, *q.shape[1:])
-            out = self._attend(padded.transpose(1, 2), keys, values, batch.mask, False, batch.span_rows)
+            out = self._attend(padded.transpose(1, 2), keys, values, batch.mask, False, batch.span_rows,
+                               prompt=not batch.logits)
             return out.transpose(1, 2).reshape(B * S, *q.shape[1:]).index_select(0, pk.index)
         # much padding: attention's cost follows its queries, so every row's first query attends as
         # in a decode step, and the longer rows' later ones, padded among themselves, over a gather
@@ -192,12 +198,19 @@ class Attention(nn.Module):
         return out
 
     @staticmethod
-    def _attend(q, keys, values, mask, causal: bool, span_rows) -> torch.Tensor:
-        """q [B, H, S, D] over keys/values [B or span, KVH, L, D]; span_rows: q's rows in the span."""
+    def _attend(q, keys, values, mask, causal: bool, span_rows, prompt: bool = False) -> torch.Tensor:
+        """q [B, H, S, D] over keys/values [B or span, KVH, L, D]; span_rows: q's rows in the span.
+        prompt: a forward of prompt chunks only (on CUDA: PROMPT_BACKENDS)."""
         keys, values = keys.to(q.dtype), values.to(q.dtype)    # a float32 prompt chunk reads bf16 caches
         if span_rows is not None:
             q = q.new_zeros((keys.shape[0], *q.shape[1:])).index_copy_(0, span_rows, q)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        if prompt and q.is_cuda:
+            repeat = q.shape[1] // keys.shape[1]
+            keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)
+            with sdpa_kernel(PROMPT_BACKENDS):
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)
         return out if span_rows is None else out.index_select(0, span_rows)
 
     def _heads(self, device) -> torch.Tensor:
@@ -205,23 +218,6 @@ class Attention(nn.Module):
         if heads is None or heads.device != device:
             heads = self._heads_index = torch.arange(self.num_kv_heads, device=device)[None, :, None]
         return heads
-
-
-# Prompt chunks on CUDA: kernels that need no plan per shape. cuDNN's attention, which PyTorch
-# prefers there, builds one for every new (queries, keys) shape: about 55 ms each on an H100 for
-# the default model, against 15-18 ms for the whole forward of a 300-token chunk, and prompt
-# chunks rarely repeat a shape. Flash (causal) and memory-efficient (masked) attention do not,
-# and need the key/value heads repeated up to the query heads.
-PROMPT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def _attend_prompt(q, keys, values, mask, causal: bool) -> torch.Tensor:
-    repeat = q.shape[1] // keys.shape[1]
-    if repeat > 1:
-        keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)
-    with sdpa_kernel(PROMPT_BACKENDS):
-        return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
-                                              is_causal=causal)
 
 
 class MLP(nn.Module):
