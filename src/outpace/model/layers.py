@@ -174,26 +174,25 @@ class Attention(nn.Module):
     def _packed_rows(self, q, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
         """Attention of the packed rows' queries q [T, H, D] (written to the cache already)."""
         B, S = batch.positions.shape
-        pk = batch.packed
+        pk, prompt = batch.packed, not batch.logits
         keys, values = self._caches(batch, k_cache, v_cache)
         if pk.long_rows is None:        # little padding: attention runs over the rows padded to S
             padded = q.new_zeros(B * S, *q.shape[1:]).index_copy_(0, pk.index, q).view(B, S, *q.shape[1:])
-            out = self._attend(padded.transpose(1, 2), keys, values, batch.mask, False, batch.span_rows,
-                               prompt=not batch.logits)
+            out = self._attend(padded.transpose(1, 2), keys, values, batch.mask, False, batch.span_rows, prompt)
             return out.transpose(1, 2).reshape(B * S, *q.shape[1:]).index_select(0, pk.index)
         # much padding: attention's cost follows its queries, so every row's first query attends as
         # in a decode step, and the longer rows' later ones, padded among themselves, over a gather
         # of their own caches
         out = torch.empty_like(q)
         out[pk.first] = self._attend(q[pk.first, :, None], keys, values, batch.mask[:, :, :1], False,
-                                     batch.span_rows)[:, :, 0]
+                                     batch.span_rows, prompt)[:, :, 0]
         rows = pk.long_rows
         later = q.new_zeros(len(rows) * (S - 1), *q.shape[1:])
         later[pk.later_at] = q[pk.later]
         mask_rows = rows if batch.span_rows is None else batch.span_rows[rows]
         later = self._attend(later.view(len(rows), S - 1, *q.shape[1:]).transpose(1, 2),
                              *self._gather(k_cache, v_cache, batch.kv_len, batch.slots[rows]),
-                             batch.mask[mask_rows, :, 1:], False, None)
+                             batch.mask[mask_rows, :, 1:], False, None, prompt)
         out[pk.later] = later.transpose(1, 2).reshape(-1, *q.shape[1:])[pk.later_at]
         return out
 
