@@ -19,6 +19,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=2048, help="prompt plus output tokens (default 2048)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="CUDA: run decode/verify steps eagerly instead of replaying graphs captured at start")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="CUDA graphs: launch each greedy step only after the host has read the last one's "
+                        "tokens (by default it is launched before, so the GPU never waits for the host)")
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -56,7 +59,8 @@ def cmd_generate(args) -> None:
     from outpace.llm import LLM
     params = sampling_params(args)
     llm = LLM(args.model, spec=spec_config(args), dtype=args.dtype, device=args.device,
-              max_model_len=args.max_model_len, max_num_seqs=1, cuda_graphs=not args.no_cuda_graphs)
+              max_model_len=args.max_model_len, max_num_seqs=1, cuda_graphs=not args.no_cuda_graphs,
+              overlap=not args.no_overlap)
     printed = 0
 
     def stream(seq):
@@ -100,7 +104,7 @@ def cmd_serve(args) -> None:
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                           max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
                           spec=spec_config(args), calibrate=not args.no_calibrate,
-                          cuda_graphs=not args.no_cuda_graphs)
+                          cuda_graphs=not args.no_cuda_graphs, overlap=not args.no_overlap)
     app = build_app(LLMEngine(config), args.model, log_interval_s=args.log_interval, engine_thread=False)
     # the engine loop stays in this thread, the one that loaded the model (AsyncEngine.run says
     # why); the HTTP server runs beside it, and its shutdown (or a failed start) ends the loop
