@@ -220,6 +220,7 @@ class CudaGraphRunner(ModelRunner):
         self._read = buffer
 
     def read_back(self) -> list[list[int]]:
+        """start_read's values as lists, once its copy has landed."""
         if self.read_done is not None:
             self.read_done.synchronize()
         return self._read.tolist()
