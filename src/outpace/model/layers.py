@@ -205,7 +205,8 @@ class Attention(nn.Module):
             q = q.new_zeros((keys.shape[0], *q.shape[1:])).index_copy_(0, span_rows, q)
         if prompt and q.is_cuda:
             repeat = q.shape[1] // keys.shape[1]
-            keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)
+            if repeat > 1:                  # grouped-query attention: one key/value head per query head
+                keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)
             with sdpa_kernel(PROMPT_BACKENDS):
                 out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal)
         else:

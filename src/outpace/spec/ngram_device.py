@@ -142,8 +142,8 @@ class DeviceNgramDrafter(Drafter):
     def step_inputs(self, seq_ids: Sequence[int], room: Sequence[int],
                     claim: Sequence[bool] | None = None) -> list[tuple[int, int, int]]:
         """GraphStep's host inputs per row of a greedy step: (row to draft from, row to append to,
-        room). A sequence that asks (room > 0), or that claims one, takes a buffer row now; one
-        without a row must not ask. (A sampled step verifies and appends on the host; its graph
+        room). A sequence without a buffer row takes one now if it asks (room > 0) or claims one
+        (claim[i]). (A sampled step verifies and appends on the host; its graph
         rows get GraphStep.neutral(), so the graph touches only the scratch row.)"""
         out = []
         for i, (seq_id, k) in enumerate(zip(seq_ids, room)):
