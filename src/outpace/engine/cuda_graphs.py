@@ -109,18 +109,21 @@ class CudaGraphRunner(ModelRunner):
         """The captured body: inputs in input_ids/starts, logits out in self.logits[:b*t]."""
         positions = self.positions[:b * t].view(b, t)
         torch.add(self.starts[:b, None], self._arange[:t], out=positions)              # [b, t]
-        mask = self.mask[:b * t * L].view(b, 1, t, L)
-        keys = self._arange[:L]
-        torch.le(keys, positions[:, None, :, None], out=mask)                          # key <= query position
-        if self.window:
-            mask &= keys > positions[:, None, :, None] - self.window
-        bias = self.bias[:b * t * L].view(b, 1, t, L)
-        torch.where(mask, self.bias_values[0], self.bias_values[1], out=bias)
+        bias = None
+        if not fused.graph_attention(self.dtype, self.model.cfg.head_dim, self.device):
+            mask = self.mask[:b * t * L].view(b, 1, t, L)
+            keys = self._arange[:L]
+            torch.le(keys, positions[:, None, :, None], out=mask)                      # key <= query position
+            if self.window:
+                mask &= keys > positions[:, None, :, None] - self.window
+            bias = self.bias[:b * t * L].view(b, 1, t, L)
+            torch.where(mask, self.bias_values[0], self.bias_values[1], out=bias)
         input_ids = self.input_ids[:b * t].view(b, t)
         if self.extension:
             self.extension.before(b, t, input_ids)
         batch = ForwardBatch(input_ids=input_ids, positions=positions,
-                             slots=self.slot_ids[:b], kv_len=L, mask=bias, slot_start=0)
+                             slots=self.slot_ids[:b], kv_len=L, mask=bias, slot_start=0, positional=True,
+                             window=self.window)
         out, _ = self.model(batch, self.cache)                                          # [b*t, V]
         self.logits[:b * t].copy_(out)
         if self.extension:

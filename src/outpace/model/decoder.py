@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from outpace.model.config import ModelConfig
+from outpace.model.fused import linear
 from outpace.model.kv_cache import KVCache
 from outpace.model.layers import DecoderLayer, ForwardBatch, RMSNorm
 from outpace.model.rope import rope_tables
@@ -69,7 +70,7 @@ class DecoderLM(nn.Module):
             return None, ((h + delta).to(hidden_dtype) if need_hidden else None)
         h, normed = self.norm.add_forward(h, delta)
         # the LM head in the weights' dtype (a float32 forward's rows would widen its whole matrix)
-        logits = self.lm_head(normed.reshape(-1, normed.shape[-1]).to(hidden_dtype)).float()
+        logits = linear(normed.reshape(-1, normed.shape[-1]).to(hidden_dtype), self.lm_head).float()
         return logits, (h.to(hidden_dtype) if need_hidden else None)
 
     def map_weight(self, hf_name: str) -> tuple[str, int | None] | None:

@@ -6,7 +6,9 @@ model. While CUDA graphs are captured (`for_graphs()`), each function here runs 
 compiled once (torch.compile, Triton, shapes dynamic) and is captured like any other. Elsewhere
 (the CPU, eager CUDA steps, prompt chunks) the same math runs as plain torch ops: compiling on the
 CPU took minutes and ran slower, and an eager step pays each compiled call's guard checks on the
-host, which is what bounds it. Each computes what the reference implementation computes: RMSNorm
+host, which is what bounds it. Graphs of a half dtype also take two hand-written Triton kernels
+(triton_ops): products of a single row (`linear`) and attention of decode and verify steps
+(`decode_attention`). Each computes what the reference implementation computes: RMSNorm
 normalises in float32, rounds to the model dtype, then scales. The compiled kernels may round
 intermediate values differently from the plain ops (greedy outputs of graphs and eager steps can
 part at near-ties).
@@ -18,6 +20,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 # Shapes are dynamic, but a size of 1 (batch 1, one token) and each dtype or strides compile
@@ -54,6 +57,50 @@ def cuda_compiled(eager):
             compiled = torch.compile(eager, dynamic=True, fullgraph=True)
         return compiled(x, *args)
     return call
+
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def _triton_ops():
+    """The Triton kernels, or None where Triton is missing."""
+    try:
+        from outpace.model import triton_ops
+    except ImportError:
+        return None
+    return triton_ops
+
+
+def _graph_kernels(dtype: torch.dtype, device: torch.device):
+    """triton_ops while graphs are captured for CUDA tensors of a half dtype, else None."""
+    if not (_capturing and device.type == "cuda" and dtype in HALF):
+        return None
+    return _triton_ops()
+
+
+def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """layer(x); inside graphs a single row goes through Triton's matvec (cuBLAS reads the
+    attention's matrices of Llama-3-8B's shape at 71-82% of the copy bandwidth, the matvec at
+    85-92%)."""
+    ops = _graph_kernels(x.dtype, x.device)
+    if ops is None or x.numel() != x.shape[-1]:
+        return layer(x)
+    return ops.matvec(x, layer.weight, layer.bias)
+
+
+def graph_attention(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
+    """Whether decode_attention runs here: inside graphs, for a half dtype and a power-of-two
+    head size. Its queries see keys j <= their positions, so no mask is built for it."""
+    ops = _graph_kernels(dtype, torch.device(device))
+    return ops is not None and ops.attention_fits(head_dim)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                     kv_len: int, slot_start: int, window: int | None) -> torch.Tensor:
+    """Attention of graph rows (q [B, H, S, D]) over their caches, keys j <= each query's
+    position (within the window): [B, S, H * D] (graph_attention must hold)."""
+    return _triton_ops().decode_attention(q, k_cache, v_cache, positions, kv_len, slot_start, window or 0)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -16,7 +16,8 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from outpace.model.config import ModelConfig
-from outpace.model.fused import add_rms_norm, rms_norm, rope, rope_store, silu_mul
+from outpace.model import fused
+from outpace.model.fused import add_rms_norm, linear, rms_norm, rope, rope_store, silu_mul
 
 
 # Forwards of prompt chunks on CUDA attend through kernels that need no plan per shape. cuDNN's
@@ -74,6 +75,10 @@ class ForwardBatch:
     # other slots are idle rows whose outputs are dropped (mask then has one row per slot of it)
     span_rows: torch.Tensor | None = None
     causal: bool = False           # one row from position 0: mask None, keys j <= query i (faster kernels)
+    # graph steps: the mask is keys j <= the query's position (and > position - window), which
+    # fused.decode_attention applies itself (mask None where it runs)
+    positional: bool = False
+    window: int | None = None
 
 
 class RMSNorm(nn.Module):
@@ -112,12 +117,12 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, batch: ForwardBatch, k_cache, v_cache):
         B, S = batch.positions.shape
         H, KVH = self.num_heads, self.num_kv_heads
-        qkv = self.qkv(x).unflatten(-1, (H + 2 * KVH, self.head_dim))       # [B, S, heads, D] or [T, heads, D]
+        qkv = linear(x, self.qkv).unflatten(-1, (H + 2 * KVH, self.head_dim))       # [B, S, heads, D] or [T, heads, D]
         qk, v = qkv[..., :H + KVH, :], qkv[..., H + KVH:, :]
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[..., :H, :]), self.k_norm(qk[..., H:, :])], dim=-2)
         if batch.packed is not None:
-            return self.o(self._packed(qk, v, cos, sin, batch, k_cache, v_cache).flatten(-2))
+            return linear(self._packed(qk, v, cos, sin, batch, k_cache, v_cache).flatten(-2), self.o)
         # q and k rotated together; the new keys/values written at their positions (stale entries
         # past a sequence's length are never attended (mask) and get overwritten by later writes)
         if batch.write_start is not None:                 # one row at known positions: plain copies
@@ -127,9 +132,14 @@ class Attention(nn.Module):
             v_cache[batch.slot_start, :, batch.write_start:batch.write_start + S] = v[0].transpose(0, 1)
         else:
             q = rope_store(qk, v, cos, sin, k_cache, v_cache, batch.slots, self._heads(x.device), batch.positions)
-        keys, values = self._caches(batch, k_cache, v_cache)
-        out = self._attend(q, keys, values, batch.mask, batch.causal, batch.span_rows, prompt=not batch.logits)
-        return self.o(out.transpose(1, 2).reshape(B, S, -1))
+        if batch.positional and fused.graph_attention(q.dtype, self.head_dim, q.device):
+            out = fused.decode_attention(q, k_cache, v_cache, batch.positions, batch.kv_len, batch.slot_start,
+                                         batch.window)
+        else:
+            keys, values = self._caches(batch, k_cache, v_cache)
+            out = self._attend(q, keys, values, batch.mask, batch.causal, batch.span_rows, prompt=not batch.logits)
+            out = out.transpose(1, 2).reshape(B, S, -1)
+        return linear(out, self.o)
 
     def _caches(self, batch: ForwardBatch, k_cache, v_cache):
         """The rows' caches: a view of slots slot_start.. when they sit in one range (rows scattered
@@ -229,7 +239,7 @@ class MLP(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down(silu_mul(self.gate_up(x)))
+        return linear(silu_mul(linear(x, self.gate_up)), self.down)
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,60 @@
+"""The Triton kernels of CUDA graph steps (model/triton_ops.py) against the reference ops, in
+float32 from the same bf16 inputs; CUDA only.
+
+Guards: the one-row product must equal F.linear for even and ragged sizes, with a bias; decode
+attention must equal masked attention for grouped and plain heads, several tokens per row, rows
+in a range of slots, a sliding window and key lengths that splits do not divide, and must not
+read a cache entry past a query's position (those hold large values here, which would swamp any
+result that saw them).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("n,k,bias", [(960, 576, True), (576, 1536, False), (4096, 4096, False),
+                                      (1001, 3000, True), (49152, 576, False)])
+def test_matvec_equals_linear(n, k, bias):
+    from outpace.model.triton_ops import matvec
+    torch.manual_seed(0)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    x = torch.randn(1, 1, k, device="cuda", dtype=torch.bfloat16)
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    got = matvec(x, w, b)
+    assert got.shape == (1, 1, n) and got.dtype == torch.bfloat16
+    # float32 sums rounded once to bf16: within bf16's relative step of the exact result
+    torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=8e-3)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,rows,tokens,keys,window,slot_start", [
+    (32, 8, 128, 1, 1, 512, 0, 0),       # Llama-3-8B's decode step
+    (9, 3, 64, 3, 5, 640, 0, 1),         # the default model's heads, verify rows in slots 1..3
+    (4, 2, 16, 2, 17, 192, 0, 2),
+    (8, 8, 64, 2, 3, 256, 40, 0),        # no grouping, a sliding window
+])
+def test_decode_attention_equals_masked_attention(heads, kv_heads, dim, rows, tokens, keys, window, slot_start):
+    from outpace.model.triton_ops import decode_attention
+    torch.manual_seed(0)
+    slots, length = slot_start + rows + 1, keys + 64
+    k_cache = torch.randn(slots, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn(slots, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16)
+    starts = torch.randint(0, keys - tokens + 1, (rows, 1), device="cuda")
+    starts[0] = keys - tokens                                     # one row reaches the last key
+    positions = starts + torch.arange(tokens, device="cuda")      # [rows, tokens]
+    for r in range(rows):                                         # past the row's last query: poison
+        k_cache[slot_start + r, :, positions[r, -1] + 1:] = 300.0
+        v_cache[slot_start + r, :, positions[r, -1] + 1:] = 1e4
+    q = torch.randn(rows, tokens, heads, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    key = torch.arange(keys, device="cuda")
+    seen = key <= positions[:, None, :, None]                     # [rows, 1, tokens, keys]
+    if window:
+        seen &= key > positions[:, None, :, None] - window
+    k_rows = k_cache[slot_start:slot_start + rows, :, :keys].float().repeat_interleave(heads // kv_heads, 1)
+    v_rows = v_cache[slot_start:slot_start + rows, :, :keys].float().repeat_interleave(heads // kv_heads, 1)
+    want = F.scaled_dot_product_attention(q.float(), k_rows, v_rows, attn_mask=seen)
+    got = decode_attention(q, k_cache, v_cache, positions, keys, slot_start, window)
+    assert got.shape == (rows, tokens, heads * dim)
+    torch.testing.assert_close(got.float(), want.transpose(1, 2).reshape(rows, tokens, -1), rtol=2e-2, atol=2e-2)
