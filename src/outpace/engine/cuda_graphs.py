@@ -110,7 +110,8 @@ class CudaGraphRunner(ModelRunner):
         positions = self.positions[:b * t].view(b, t)
         torch.add(self.starts[:b, None], self._arange[:t], out=positions)              # [b, t]
         bias = None
-        if not fused.graph_attention(self.dtype, self.model.cfg.head_dim, self.device):
+        cfg = self.model.cfg
+        if not fused.graph_attention(self.dtype, cfg.head_dim, self.device, cfg.num_heads // cfg.num_kv_heads * t):
             mask = self.mask[:b * t * L].view(b, 1, t, L)
             keys = self._arange[:L]
             torch.le(keys, positions[:, None, :, None], out=mask)                      # key <= query position

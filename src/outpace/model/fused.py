@@ -89,11 +89,12 @@ def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     return ops.matvec(x, layer.weight, layer.bias)
 
 
-def graph_attention(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
-    """Whether decode_attention runs here: inside graphs, for a half dtype and a power-of-two
-    head size. Its queries see keys j <= their positions, so no mask is built for it."""
+def graph_attention(dtype: torch.dtype, head_dim: int, device: torch.device, queries: int) -> bool:
+    """Whether decode_attention runs here: inside graphs, for a half dtype, a power-of-two head
+    size up to 128 and at most 128 queries per key/value head (query heads per group x tokens per
+    row). Its queries see keys j <= their positions, so no mask is built for it."""
     ops = _graph_kernels(dtype, torch.device(device))
-    return ops is not None and ops.attention_fits(head_dim)
+    return ops is not None and ops.attention_fits(head_dim, queries)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,

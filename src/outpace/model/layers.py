@@ -132,7 +132,7 @@ class Attention(nn.Module):
             v_cache[batch.slot_start, :, batch.write_start:batch.write_start + S] = v[0].transpose(0, 1)
         else:
             q = rope_store(qk, v, cos, sin, k_cache, v_cache, batch.slots, self._heads(x.device), batch.positions)
-        if batch.positional and fused.graph_attention(q.dtype, self.head_dim, q.device):
+        if batch.positional and fused.graph_attention(q.dtype, self.head_dim, q.device, H // KVH * S):
             out = fused.decode_attention(q, k_cache, v_cache, batch.positions, batch.kv_len, batch.slot_start,
                                          batch.window)
         else:

@@ -126,8 +126,10 @@ def _attention_combine_kernel(part_ptr, stat_ptr, out_ptr, num_splits, num_heads
     tl.store(out_ptr + ((row * T + token) * num_heads + head) * D + d, out.to(out_ptr.dtype.element_ty))
 
 
-def attention_fits(head_dim: int) -> bool:
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+def attention_fits(head_dim: int, queries: int) -> bool:
+    """Whether decode_attention takes a head size and a number of queries per key/value head
+    (query heads per group x tokens per row): their tiles must fit a block's registers."""
+    return 16 <= head_dim <= 128 and head_dim & (head_dim - 1) == 0 and queries <= 128
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
