@@ -295,11 +295,8 @@ def test_graph_replay_equals_eager(tiny_folder):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_bf16_graph_replay_equals_eager(tiny_folder):
-    """bf16 graphs run the Triton kernels: one-row products (bucket 1, tier 1) and decode
-    attention, which builds no mask, for every shape."""
-    model = load_model(tiny_folder, torch.bfloat16, "cuda", MAX_LEN)
+def assert_bf16_graphs_equal_eager(folder):
+    model = load_model(folder, torch.bfloat16, "cuda", MAX_LEN)
     kw = dict(max_decode_tokens=6, kv_lens=[32, 64, 128], progress=False)
     graphs = CudaGraphRunner(model, SLOTS, MAX_LEN, SPARE, **kw)
     eager = CudaGraphRunner(model, SLOTS, MAX_LEN, SPARE, use_graphs=False, **kw)
@@ -314,3 +311,24 @@ def test_bf16_graph_replay_equals_eager(tiny_folder):
             # scale apart, where a wrong buffer or an unmasked key is off by their whole size
             scale = want[i, :n].abs().max().item()
             torch.testing.assert_close(got[i, :n], want[i, :n], rtol=0.0, atol=0.03 * scale)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bf16_graph_replay_equals_eager(tiny_folder):
+    """bf16 graphs run the Triton kernels: one-row products (bucket 1, tier 1) and decode
+    attention, which builds no mask, for every shape."""
+    assert_bf16_graphs_equal_eager(tiny_folder)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graphs_fall_back_where_triton_kernels_fail(tiny_folder, monkeypatch, capsys):
+    """A card or Triton build the kernels fail on: graphs capture with PyTorch's kernels (and
+    the masks they need), and the engine says so once."""
+    from outpace.model import fused, triton_ops
+    fused._checked_ops.cache_clear()
+    monkeypatch.setattr(triton_ops, "self_check", lambda device, dtype: "a broken build")
+    try:
+        assert_bf16_graphs_equal_eager(tiny_folder)
+        assert capsys.readouterr().err.count("Triton kernels off") == 1
+    finally:
+        fused._checked_ops.cache_clear()

@@ -58,3 +58,9 @@ def test_decode_attention_equals_masked_attention(heads, kv_heads, dim, rows, to
     got = decode_attention(q, k_cache, v_cache, positions, keys, slot_start, window)
     assert got.shape == (rows, tokens, heads * dim)
     torch.testing.assert_close(got.float(), want.transpose(1, 2).reshape(rows, tokens, -1), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_self_check_passes_on_this_card(dtype):
+    from outpace.model.triton_ops import self_check
+    assert self_check(torch.device("cuda"), dtype) is None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -72,11 +73,24 @@ def _triton_ops():
     return triton_ops
 
 
+@functools.cache
+def _checked_ops(device: torch.device, dtype: torch.dtype):
+    """triton_ops once its kernels have run correctly on this device in this dtype, else None
+    (said once on stderr: graphs then use PyTorch's kernels)."""
+    ops = _triton_ops()
+    problem = "Triton is not installed" if ops is None else ops.self_check(device, dtype)
+    if problem:
+        print(f"outpace: Triton kernels off on {device} ({problem}); CUDA graphs use PyTorch's kernels",
+              file=sys.stderr)
+        return None
+    return ops
+
+
 def _graph_kernels(dtype: torch.dtype, device: torch.device):
     """triton_ops while graphs are captured for CUDA tensors of a half dtype, else None."""
     if not (_capturing and device.type == "cuda" and dtype in HALF):
         return None
-    return _triton_ops()
+    return _checked_ops(device, dtype)
 
 
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
@@ -101,7 +115,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      kv_len: int, slot_start: int, window: int | None) -> torch.Tensor:
     """Attention of graph rows (q [B, H, S, D]) over their caches, keys j <= each query's
     position (within the window): [B, S, H * D] (graph_attention must hold)."""
-    return _triton_ops().decode_attention(q, k_cache, v_cache, positions, kv_len, slot_start, window or 0)
+    return _graph_kernels(q.dtype, q.device).decode_attention(q, k_cache, v_cache, positions, kv_len, slot_start, window or 0)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

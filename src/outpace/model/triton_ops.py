@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -158,3 +159,26 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _attention_combine_kernel[(B * H * T,)](part, stat, out, splits, H, T=T, D=D,
                                            SPLITS=triton.next_power_of_2(splits), num_warps=1 if D <= 64 else 2)
     return out
+
+
+def self_check(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Run both kernels once on small inputs here: None when they agree with the reference ops,
+    else what went wrong (a card or Triton build they do not compile or run on)."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(40, 300, generator=g).to(device, dtype)
+        x = torch.randn(1, 300, generator=g).to(device, dtype)
+        if not torch.allclose(matvec(x, w).float(), F.linear(x.float(), w.float()), rtol=3e-2, atol=3e-2):
+            return "the one-row product disagrees with F.linear"
+        k_cache, v_cache = (torch.randn(2, 2, 64, 16, generator=g).to(device, dtype) for _ in range(2))
+        q = torch.randn(1, 4, 2, 16, generator=g).to(device, dtype)
+        positions = torch.tensor([[40, 41]], device=device)
+        seen = torch.arange(64, device=device) <= positions[:, None, :, None]
+        want = F.scaled_dot_product_attention(q.float(), *(c[1:2].float().repeat_interleave(2, 1) for c in (k_cache, v_cache)),
+                                              attn_mask=seen)
+        got = decode_attention(q, k_cache, v_cache, positions, 64, slot_start=1)
+        if not torch.allclose(got.float(), want.transpose(1, 2).reshape(1, 2, -1), rtol=3e-2, atol=3e-2):
+            return "decode attention disagrees with masked attention"
+    except Exception as e:      # compile or launch failures: Triton raises many kinds
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
