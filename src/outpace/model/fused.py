@@ -115,7 +115,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      kv_len: int, slot_start: int, window: int | None) -> torch.Tensor:
     """Attention of graph rows (q [B, H, S, D]) over their caches, keys j <= each query's
     position (within the window): [B, S, H * D] (graph_attention must hold)."""
-    return _graph_kernels(q.dtype, q.device).decode_attention(q, k_cache, v_cache, positions, kv_len, slot_start, window or 0)
+    ops = _graph_kernels(q.dtype, q.device)
+    return ops.decode_attention(q, k_cache, v_cache, positions, kv_len, slot_start, window or 0)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

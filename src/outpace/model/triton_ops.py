@@ -174,8 +174,8 @@ def self_check(device: torch.device, dtype: torch.dtype) -> str | None:
         q = torch.randn(1, 4, 2, 16, generator=g).to(device, dtype)
         positions = torch.tensor([[40, 41]], device=device)
         seen = torch.arange(64, device=device) <= positions[:, None, :, None]
-        want = F.scaled_dot_product_attention(q.float(), *(c[1:2].float().repeat_interleave(2, 1) for c in (k_cache, v_cache)),
-                                              attn_mask=seen)
+        keys, values = (c[1:2].float().repeat_interleave(2, 1) for c in (k_cache, v_cache))
+        want = F.scaled_dot_product_attention(q.float(), keys, values, attn_mask=seen)
         got = decode_attention(q, k_cache, v_cache, positions, 64, slot_start=1)
         if not torch.allclose(got.float(), want.transpose(1, 2).reshape(1, 2, -1), rtol=3e-2, atol=3e-2):
             return "decode attention disagrees with masked attention"
