@@ -111,7 +111,8 @@ class CudaGraphRunner(ModelRunner):
         torch.add(self.starts[:b, None], self._arange[:t], out=positions)              # [b, t]
         bias = None
         cfg = self.model.cfg
-        if not fused.graph_attention(self.dtype, cfg.head_dim, self.device, cfg.num_heads // cfg.num_kv_heads * t):
+        kernel = fused.graph_attention(self.dtype, cfg.head_dim, self.device, cfg.num_heads // cfg.num_kv_heads * t)
+        if not kernel:
             mask = self.mask[:b * t * L].view(b, 1, t, L)
             keys = self._arange[:L]
             torch.le(keys, positions[:, None, :, None], out=mask)                      # key <= query position
@@ -123,8 +124,8 @@ class CudaGraphRunner(ModelRunner):
         if self.extension:
             self.extension.before(b, t, input_ids)
         batch = ForwardBatch(input_ids=input_ids, positions=positions,
-                             slots=self.slot_ids[:b], kv_len=L, mask=bias, slot_start=0, positional=True,
-                             window=self.window)
+                             slots=self.slot_ids[:b], kv_len=L, mask=bias, slot_start=0,
+                             positional=kernel, window=self.window)
         out, _ = self.model(batch, self.cache)                                          # [b*t, V]
         self.logits[:b * t].copy_(out)
         if self.extension:

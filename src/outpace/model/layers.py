@@ -75,8 +75,8 @@ class ForwardBatch:
     # other slots are idle rows whose outputs are dropped (mask then has one row per slot of it)
     span_rows: torch.Tensor | None = None
     causal: bool = False           # one row from position 0: mask None, keys j <= query i (faster kernels)
-    # graph steps: the mask is keys j <= the query's position (and > position - window), which
-    # fused.decode_attention applies itself (mask None where it runs)
+    # graph steps whose attention is fused.decode_attention (the runner decides, fused.graph_attention):
+    # keys j <= the query's position (and > position - window), applied by the kernel; mask None
     positional: bool = False
     window: int | None = None
 
@@ -132,7 +132,7 @@ class Attention(nn.Module):
             v_cache[batch.slot_start, :, batch.write_start:batch.write_start + S] = v[0].transpose(0, 1)
         else:
             q = rope_store(qk, v, cos, sin, k_cache, v_cache, batch.slots, self._heads(x.device), batch.positions)
-        if batch.positional and fused.graph_attention(q.dtype, self.head_dim, q.device, H // KVH * S):
+        if batch.positional:
             out = fused.decode_attention(q, k_cache, v_cache, batch.positions, batch.kv_len, batch.slot_start,
                                          batch.window)
         else:
