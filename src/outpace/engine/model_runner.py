@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from outpace.model import cpu_kernels
 from outpace.model.decoder import DecoderLM
 from outpace.model.kv_cache import KVCache
 from outpace.model.layers import ForwardBatch, Packed, PromptChunk
@@ -111,9 +112,13 @@ class ModelRunner:
             span_rows = torch.tensor([s - lowest for s in slots], device=self.device)
             query_positions = torch.full((span, S), kv_len - 1, dtype=torch.long, device=self.device)
             query_positions[span_rows] = positions
+        prompt_tokens = sum(lengths) if logits == "none" else sum(len(c.token_ids) for c in chunks)
+        compute = self.prefill_dtype if prompt_tokens >= FP32_PREFILL_MIN_TOKENS else None
+        # the kernels find each token's keys from its position: no mask
+        kernels = compute is None and not chunks and cpu_kernels.fits(self.model.cfg, self.dtype, self.device, B * S)
         mask = None
         causal = B == 1 and S > 1 and rows[0].start == 0 and not exact and not self.window and not chunks
-        if (S > 1 or B > 1 or exact or self.window) and not causal:
+        if (S > 1 or B > 1 or exact or self.window) and not causal and not kernels:
             mask = self._mask(query_positions, kv_len)                           # [B or span, 1, S, L]
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, device=self.device),
@@ -127,9 +132,8 @@ class ModelRunner:
             packed=self._packing(lengths, S, positions, slots, chunks) if packed else None,
             span_rows=span_rows,
             causal=causal,
+            cpu_kernels=kernels,
         )
-        prompt_tokens = sum(lengths) if logits == "none" else sum(len(c.token_ids) for c in chunks)
-        compute = self.prefill_dtype if prompt_tokens >= FP32_PREFILL_MIN_TOKENS else None
         out, hidden = self.model(batch, self.cache, need_hidden=need_hidden, compute_dtype=compute)
         if packed:      # back to [B, S]: padded entries keep finite stale values, which nobody reads
             index = batch.packed.index

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from outpace.model.config import ModelConfig
-from outpace.model import fused
+from outpace.model import cpu_kernels, fused
 from outpace.model.fused import add_rms_norm, linear, rms_norm, rope, rope_store, silu_mul
 
 
@@ -79,6 +79,9 @@ class ForwardBatch:
     # keys j <= the query's position (and > position - window), applied by the kernel; mask None
     positional: bool = False
     window: int | None = None
+    # a small CPU step whose norms, attention and SwiGLU run as cpu_kernels (the runner decides,
+    # cpu_kernels.fits; never with prompt chunks or a compute dtype other than the caches')
+    cpu_kernels: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -94,8 +97,14 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, self.shape, self.weight.to(x.dtype), self.eps)
         return rms_norm(x, self.weight, self.eps)
 
-    def add_forward(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h + delta, its norm): one kernel inside CUDA graphs."""
+    def add_forward(self, h: torch.Tensor, delta: torch.Tensor | None,
+                    kernels: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, its norm) (delta None: (h, its norm)): one kernel inside CUDA graphs, one
+        call of cpu_kernels with kernels."""
+        if kernels:
+            return cpu_kernels.add_rms_norm(h, delta, self.weight, self.eps)
+        if delta is None:
+            return h, self(h)
         if h.is_cuda:
             return add_rms_norm(h, delta, self.weight, self.eps)
         h = h + delta
@@ -113,6 +122,7 @@ class Attention(nn.Module):
         self.o = nn.Linear(q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.window = cfg.sliding_window
 
     def forward(self, x, cos, sin, batch: ForwardBatch, k_cache, v_cache):
         B, S = batch.positions.shape
@@ -121,6 +131,12 @@ class Attention(nn.Module):
         qk, v = qkv[..., :H + KVH, :], qkv[..., H + KVH:, :]
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[..., :H, :]), self.k_norm(qk[..., H:, :])], dim=-2)
+        if batch.cpu_kernels:
+            pk = batch.packed
+            out = cpu_kernels.rope_attend(qkv, H, cos, sin, k_cache, v_cache, batch.slots if pk is None else pk.slots,
+                                          batch.positions if pk is None else pk.positions, self.window,
+                                          None if self.q_norm is None else qk)
+            return linear(out.view(*x.shape[:-1], -1), self.o)
         if batch.packed is not None:
             return linear(self._packed(qk, v, cos, sin, batch, k_cache, v_cache).flatten(-2), self.o)
         # q and k rotated together; the new keys/values written at their positions (stale entries
@@ -238,8 +254,9 @@ class MLP(nn.Module):
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
-        return linear(silu_mul(linear(x, self.gate_up)), self.down)
+    def forward(self, x, kernels: bool = False):
+        gate_up = linear(x, self.gate_up)
+        return linear(cpu_kernels.silu_mul(gate_up) if kernels else silu_mul(gate_up), self.down)
 
 
 class DecoderLayer(nn.Module):
@@ -253,9 +270,6 @@ class DecoderLayer(nn.Module):
     def forward(self, h, delta, cos, sin, batch, k_cache, v_cache):
         """(h, delta) -> (h', delta'): the residual stream is h + delta, whose add the next norm
         takes into its own kernel on CUDA (delta None: h is the stream)."""
-        if delta is None:
-            x = self.input_norm(h)
-        else:
-            h, x = self.input_norm.add_forward(h, delta)
-        h, x = self.post_norm.add_forward(h, self.attn(x, cos, sin, batch, k_cache, v_cache))
-        return h, self.mlp(x)
+        h, x = self.input_norm.add_forward(h, delta, batch.cpu_kernels)
+        h, x = self.post_norm.add_forward(h, self.attn(x, cos, sin, batch, k_cache, v_cache), batch.cpu_kernels)
+        return h, self.mlp(x, batch.cpu_kernels)

@@ -1,0 +1,148 @@
+"""The small ops of CPU decode and verify steps as compiled C, one call each.
+
+A CPU decode step of the default model is 4 matrix products and about 150 small ATen ops a layer
+(norms, rotation, cache writes, attention, SwiGLU), each a few microseconds of dispatch and
+allocation around almost no arithmetic: a third of a float32 step. Here each of those groups is one
+C function over raw buffers (cpu_kernels.c): a residual add with the next RMSNorm, SwiGLU's product,
+and rotation, cache writes and attention together. The products stay PyTorch's (MKL, oneDNN).
+
+The C file is compiled once per machine with the system's C compiler (`cc -O3 -march=native`,
+about a second) into the outpace cache folder and loaded with ctypes. Without a compiler, or with
+OUTPACE_CPU_KERNELS=0, steps run PyTorch's ops; the first case says so once on stderr.
+
+Every kernel works row by row, so a token's result does not depend on how many tokens the call
+holds (exact mode stays exact). bfloat16 kernels compute in float32 and round after each op where
+PyTorch's bfloat16 ops round; results match PyTorch's ops to rounding (tests/test_cpu_kernels.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from outpace.model.gguf import outpace_home
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCES = (SOURCE, SOURCE.with_name("cpu_kernels_dtype.h"))
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+MAX_HEAD_DIM, MAX_GROUP = 256, 64       # cpu_kernels.c's limits
+
+# Forwards of up to this many tokens use the kernels: decode and verify steps, and small prompt
+# chunks. Longer prompt chunks keep PyTorch's ops, which use both cores (the kernels run on one).
+MAX_TOKENS = 64
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(library: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler found (install gcc, or set CC)")
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+        partial = Path(tmp) / library.name
+        command = [compiler, "-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC",
+                   "-o", str(partial), str(SOURCE), "-lm"]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise OSError(f"{' '.join(command)} failed: {done.stderr.strip()[-500:]}")
+        os.replace(partial, library)
+    for stale in library.parent.glob("cpu_kernels-*.so"):       # builds of earlier sources
+        if stale != library:
+            stale.unlink(missing_ok=True)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first use; None when disabled or when the build fails."""
+    if os.environ.get("OUTPACE_CPU_KERNELS", "1") == "0":
+        return None
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + _cpu_flags().encode()).hexdigest()[:16]
+    library = outpace_home() / "kernels" / f"cpu_kernels-{key}.so"
+    try:
+        if not library.exists():
+            _build(library)
+        lib = ctypes.CDLL(str(library))
+    except OSError as e:
+        print(f"outpace: CPU kernels off ({e}); CPU steps use PyTorch's ops", file=sys.stderr)
+        return None
+    p, i, f = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+    for suffix in SUFFIX.values():
+        getattr(lib, f"add_rms_norm_{suffix}").argtypes = [p, p, p, p, p, i, i, f]
+        getattr(lib, f"silu_mul_{suffix}").argtypes = [p, p, i, i]
+        rope_attend = getattr(lib, f"rope_attend_{suffix}")
+        rope_attend.argtypes = [p, i, p, i, p, p, p, p, p, i, p, i, i, i, i, i, i, f, p]
+        rope_attend.restype = ctypes.c_int
+    return lib
+
+
+def fits(cfg, dtype: torch.dtype, device: torch.device, tokens: int) -> bool:
+    """Whether the kernels run a forward of this many tokens of a model of this config (ModelConfig)
+    with activations and caches in this dtype."""
+    group = cfg.num_heads // cfg.num_kv_heads
+    return (device.type == "cpu" and dtype in SUFFIX and tokens <= MAX_TOKENS and cfg.head_dim <= MAX_HEAD_DIM
+            and cfg.head_dim % 2 == 0 and group * cfg.num_kv_heads == cfg.num_heads and group <= MAX_GROUP
+            and _library() is not None)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(h + delta, rms_norm(h + delta) * weight), or (h, rms_norm(h) * weight) when delta is None."""
+    h_out = h if delta is None else torch.empty_like(h)
+    x = torch.empty_like(h)
+    dim = h.shape[-1]
+    getattr(_library(), f"add_rms_norm_{SUFFIX[h.dtype]}")(
+        h.data_ptr(), None if delta is None else delta.contiguous().data_ptr(), weight.data_ptr(),
+        h_out.data_ptr(), x.data_ptr(), h.numel() // dim, dim, eps)
+    return h_out, x
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    inter = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], inter)
+    getattr(_library(), f"silu_mul_{SUFFIX[gate_up.dtype]}")(gate_up.data_ptr(), out.data_ptr(),
+                                                             gate_up.numel() // (2 * inter), inter)
+    return out
+
+
+def rope_attend(qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, window: int | None,
+                qk: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotation, cache writes and attention of T tokens in one call.
+
+    qkv [..., (NH + 2 KVH) * D], contiguous, T rows of query, key and value heads; qk: the query
+    and key heads [..., (NH + KVH) * D] to use instead of qkv's (normed ones), contiguous. cos,
+    sin: each token's row of rope_tables' cos and signed sin in qkv's dtype [..., D]; caches
+    [slots, KVH, L, D]; slots [T] or [B] (then T = B * S, rows of S tokens), positions: [T] or
+    [B, S] int64. Each token attends to its slot's keys at positions <= its own (within the
+    window). Returns [T, NH * D]."""
+    KVH, L, D = k_cache.shape[1:]
+    width = (num_heads + 2 * KVH) * D
+    T = qkv.numel() // width
+    out = qkv.new_empty(T, num_heads * D)
+    slots, positions = slots.contiguous(), positions.contiguous()
+    v = qkv.data_ptr() + (num_heads + KVH) * D * qkv.element_size()
+    failed = getattr(_library(), f"rope_attend_{SUFFIX[qkv.dtype]}")(
+        qkv.data_ptr() if qk is None else qk.data_ptr(), width if qk is None else width - KVH * D, v, width,
+        cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+        T // slots.numel(), positions.data_ptr(), T, num_heads, KVH, D, L, window or 0, D ** -0.5, out.data_ptr())
+    if failed:
+        raise MemoryError("out of memory for attention scores") if failed == -1 else ValueError(
+            f"CPU attention kernel: unsupported heads ({num_heads} query, {KVH} key/value) or head size {D}")
+    return out

@@ -1,0 +1,181 @@
+"""The compiled CPU kernels (outpace.model.cpu_kernels) against PyTorch's ops and transformers.
+
+They replace the norms, rotation, cache writes, attention and SwiGLU of small CPU steps, so they
+must give the reference's logits in float32, round as PyTorch's ops round in bfloat16, give each
+token the same result whatever else the call holds, attend within a sliding window and the
+token's own slot, and fall back to PyTorch's ops where no compiler builds them."""
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from outpace.engine.model_runner import ModelRunner, Row
+from outpace.model import cpu_kernels
+from outpace.model.fused import _rms_norm
+from outpace.model.loader import load_model
+from tiny import FAMILIES, make_tiny
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler: the kernels cannot build here")
+
+BF16_ULP = 2.0 ** -7      # relative spacing of bfloat16 values
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference in units of b's bfloat16 spacing."""
+    scale = b.float().abs().clamp_min(1e-3) * BF16_ULP
+    return ((a.float() - b.float()).abs() / scale).max().item()
+
+
+def test_kernels_build():
+    assert cpu_kernels._library() is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_and_silu_mul_follow_torch(dtype):
+    g = torch.Generator().manual_seed(0)
+    h, delta = (torch.randn(5, 576, generator=g).to(dtype) for _ in range(2))
+    weight = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    h_out, x = cpu_kernels.add_rms_norm(h, delta, weight, 1e-5)
+    assert torch.equal(h_out, h + delta)
+    expected = _rms_norm(h + delta, weight, 1e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(x, expected, atol=1e-6, rtol=1e-5)
+    else:
+        assert ulps(x, expected) <= 1.01       # the norm's sum may round its last bit otherwise
+    same, x_alone = cpu_kernels.add_rms_norm(h, None, weight, 1e-5)
+    assert same is h and torch.equal(x_alone, cpu_kernels.add_rms_norm(h, None, weight, 1e-5)[1])
+
+    gate_up = (torch.randn(3, 2 * 1536, generator=g) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    got, expected = cpu_kernels.silu_mul(gate_up), F.silu(gate) * up
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+    else:
+        assert ulps(got, expected) <= 1.01
+
+
+def reference_attention(qkv, heads, cos, sin, k_cache, v_cache, slots, positions, window):
+    """rope_attend with PyTorch's ops, on copies of the caches: (output, k_cache, v_cache)."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    KVH, L, D = k_cache.shape[1:]
+    T = positions.numel()
+    qkv = qkv.reshape(T, heads + 2 * KVH, D)
+    rotated = qkv[:, :heads + KVH] * cos + qkv[:, :heads + KVH].roll(D // 2, -1) * sin      # [T, heads+KVH, D]
+    token_slots = slots.repeat_interleave(T // slots.numel())
+    for t in range(T):
+        k_cache[token_slots[t], :, positions[t]] = rotated[t, heads:]
+        v_cache[token_slots[t], :, positions[t]] = qkv[t, heads + KVH:]
+    keys = torch.arange(L)
+    seen = keys[None, :] <= positions[:, None]
+    if window:
+        seen &= keys[None, :] > positions[:, None] - window
+    out = F.scaled_dot_product_attention(rotated[:, None, :heads].transpose(1, 2), k_cache[token_slots],
+                                         v_cache[token_slots], attn_mask=seen[:, None, None, :], enable_gqa=True)
+    return out.reshape(T, heads * D), k_cache, v_cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim,window", [(9, 3, 64, None), (4, 4, 16, None), (8, 2, 128, 5),
+                                                       (6, 2, 24, None)])
+def test_rope_attend_equals_masked_attention(dtype, heads, kv_heads, dim, window):
+    """Rows of several tokens on scattered slots, each token over its own slot's keys up to its
+    position (within the window); stale cache entries past it must not count."""
+    g = torch.Generator().manual_seed(1)
+    slots_n, L = 5, 40
+    k_cache = torch.randn(slots_n, kv_heads, L, dim, generator=g).to(dtype)
+    v_cache = torch.randn(slots_n, kv_heads, L, dim, generator=g).to(dtype)
+    slots = torch.tensor([3, 0, 4])
+    positions = torch.tensor([[10, 11], [0, 1], [30, 31]])
+    qkv = torch.randn(3, 2, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    angles = positions[..., None].float() * torch.linspace(0.1, 1.0, dim // 2)
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)[:, :, None]
+    sin = torch.cat([-angles.sin(), angles.sin()], -1).to(dtype)[:, :, None]
+    expected, k_expected, v_expected = reference_attention(qkv, heads, cos.reshape(6, 1, dim), sin.reshape(6, 1, dim),
+                                                           k_cache, v_cache, slots, positions.flatten(), window)
+    out = cpu_kernels.rope_attend(qkv, heads, cos, sin, k_cache, v_cache, slots, positions, window)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+    tolerance = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1.6e-2, rtol=1.6e-2)
+    torch.testing.assert_close(out.float(), expected.float(), **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_token_computes_alike_in_any_call(dtype):
+    """What exact mode rests on: a token's output does not depend on the other tokens of the call."""
+    g = torch.Generator().manual_seed(2)
+    heads, kv_heads, dim = 6, 2, 32
+    k_cache = torch.randn(1, kv_heads, 64, dim, generator=g).to(dtype)
+    v_cache = torch.randn(1, kv_heads, 64, dim, generator=g).to(dtype)
+    qkv = torch.randn(4, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    cos, sin = (torch.rand(4, 1, dim, generator=g).to(dtype) for _ in range(2))
+    positions, slot = torch.arange(20, 24), torch.tensor([0])
+    together = cpu_kernels.rope_attend(qkv, heads, cos, sin, k_cache, v_cache, slot, positions, None)
+    for t in range(4):
+        alone = cpu_kernels.rope_attend(qkv[t:t + 1], heads, cos[t:t + 1], sin[t:t + 1], k_cache, v_cache, slot,
+                                        positions[t:t + 1], None)
+        assert torch.equal(alone[0], together[t])
+    h = torch.randn(4, 64, generator=g).to(dtype)
+    weight = torch.rand(64, generator=g).to(dtype)
+    rows = cpu_kernels.add_rms_norm(h, h, weight, 1e-6)[1]
+    assert all(torch.equal(cpu_kernels.add_rms_norm(h[t:t + 1], h[t:t + 1], weight, 1e-6)[1][0], rows[t])
+               for t in range(4))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_kernel_steps_match_reference(family, tmp_path):
+    """A float32 prompt, decode steps and verify rows through the kernels give transformers'
+    logits, on every family (attention bias, q/k norms, tied embeddings, rope variants)."""
+    ref = make_tiny(family, tmp_path)
+    ours = load_model(tmp_path, torch.float32, "cpu", max_len=512)
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = ref(ids).logits[0]
+    runner = ModelRunner(ours, num_slots=3, max_len=512, max_step_tokens=64)
+    assert cpu_kernels.fits(ours.cfg, torch.float32, runner.device, 4)
+    tokens = ids[0].tolist()
+    got = [runner.forward([Row(2, tokens[:12], 0)])[0][0]]
+    for start in range(12, 18):
+        got.append(runner.forward([Row(2, [tokens[start]], start)])[0][0])
+    got.append(runner.forward([Row(2, tokens[18:30], 18)])[0][0])
+    torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_batches_equal_torch_steps(dtype, tmp_path, monkeypatch):
+    """Batched rows (one length: a [B, S] batch; ragged: packed) on scattered slots, through the
+    kernels and through PyTorch's ops, give the same logits up to rounding."""
+    make_tiny("qwen2", tmp_path)
+    model = load_model(tmp_path, dtype, "cpu", max_len=512)
+    g = torch.Generator().manual_seed(4)
+    prompts = {s: torch.randint(0, 256, (n,), generator=g).tolist() for s, n in ((0, 20), (3, 9), (5, 33))}
+
+    def run(use_kernels: bool):
+        monkeypatch.setattr(cpu_kernels, "fits", lambda *a, _f=cpu_kernels.fits: use_kernels and _f(*a))
+        runner = ModelRunner(model, num_slots=6, max_len=512, max_step_tokens=64)
+        for s, p in prompts.items():
+            runner.forward([Row(s, p[:-4], 0)], logits="none")
+        same = runner.forward([Row(s, p[-4:-1], len(p) - 4) for s, p in prompts.items()])[0]
+        ragged = runner.forward([Row(s, p[-1:] if s else p[-1:] + [7, 8], len(p) - 1) for s, p in prompts.items()])[0]
+        return same, ragged
+    for a, b in zip(run(True), run(False)):
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        else:
+            torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)
+
+
+def test_without_a_compiler_steps_use_torch(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("OUTPACE_HOME", str(tmp_path / "home"))
+    cpu_kernels._library.cache_clear()
+    try:
+        assert cpu_kernels._library() is None
+        assert "CPU kernels off" in capsys.readouterr().err
+        make_tiny("llama", tmp_path / "model")
+        model = load_model(tmp_path / "model", torch.float32, "cpu", max_len=64)
+        assert not cpu_kernels.fits(model.cfg, torch.float32, torch.device("cpu"), 1)
+        logits, _ = ModelRunner(model, num_slots=1, max_len=64, max_step_tokens=8).forward([Row(0, [1, 2, 3], 0)])
+        assert torch.isfinite(logits).all()
+    finally:
+        cpu_kernels._library.cache_clear()
