@@ -143,8 +143,9 @@ def test_kernel_steps_match_reference(family, tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_batches_equal_torch_steps(dtype, tmp_path, monkeypatch):
-    """Batched rows (one length: a [B, S] batch; ragged: packed) on scattered slots, through the
-    kernels and through PyTorch's ops, give the same logits up to rounding."""
+    """Batched rows (one length: a [B, S] batch, of one token: the attention kernel; ragged:
+    packed) on scattered slots, through the kernels and through PyTorch's ops, give the same
+    logits up to rounding."""
     make_tiny("qwen2", tmp_path)
     model = load_model(tmp_path, dtype, "cpu", max_len=512)
     g = torch.Generator().manual_seed(4)
@@ -155,9 +156,10 @@ def test_kernel_batches_equal_torch_steps(dtype, tmp_path, monkeypatch):
         runner = ModelRunner(model, num_slots=6, max_len=512, max_step_tokens=64)
         for s, p in prompts.items():
             runner.forward([Row(s, p[:-4], 0)], logits="none")
-        same = runner.forward([Row(s, p[-4:-1], len(p) - 4) for s, p in prompts.items()])[0]
+        same = runner.forward([Row(s, p[-4:-2], len(p) - 4) for s, p in prompts.items()])[0]
+        single = runner.forward([Row(s, p[-2:-1], len(p) - 2) for s, p in prompts.items()])[0]
         ragged = runner.forward([Row(s, p[-1:] if s else p[-1:] + [7, 8], len(p) - 1) for s, p in prompts.items()])[0]
-        return same, ragged
+        return same, single, ragged
     for a, b in zip(run(True), run(False)):
         if dtype == torch.float32:
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -114,11 +114,11 @@ class ModelRunner:
             query_positions[span_rows] = positions
         prompt_tokens = sum(lengths) if logits == "none" else sum(len(c.token_ids) for c in chunks)
         compute = self.prefill_dtype if prompt_tokens >= FP32_PREFILL_MIN_TOKENS else None
-        # the kernels find each token's keys from its position: no mask
         kernels = compute is None and not chunks and cpu_kernels.fits(self.model.cfg, self.dtype, self.device, B * S)
         mask = None
         causal = B == 1 and S > 1 and rows[0].start == 0 and not exact and not self.window and not chunks
-        if (S > 1 or B > 1 or exact or self.window) and not causal and not kernels:
+        # the attention kernel (rows of one token) finds each token's keys from its position
+        if (S > 1 or B > 1 or exact or self.window) and not causal and not (kernels and S == 1):
             mask = self._mask(query_positions, kv_len)                           # [B or span, 1, S, L]
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, device=self.device),

@@ -4,7 +4,8 @@ A CPU decode step of the default model is 4 matrix products and about 150 small 
 (norms, rotation, cache writes, attention, SwiGLU), each a few microseconds of dispatch and
 allocation around almost no arithmetic: a third of a float32 step. Here each of those groups is one
 C function over raw buffers (cpu_kernels.c): a residual add with the next RMSNorm, SwiGLU's product,
-and rotation, cache writes and attention together. The products stay PyTorch's (MKL, oneDNN).
+and rotation, cache writes and attention together (rows of one token only: see ForwardBatch). The
+products stay PyTorch's (MKL, oneDNN).
 
 The C file is compiled once per machine with the system's C compiler (`cc -O3 -march=native`,
 about a second) into the outpace cache folder and loaded with ctypes. Without a compiler, or with

@@ -79,8 +79,11 @@ class ForwardBatch:
     # keys j <= the query's position (and > position - window), applied by the kernel; mask None
     positional: bool = False
     window: int | None = None
-    # a small CPU step whose norms, attention and SwiGLU run as cpu_kernels (the runner decides,
-    # cpu_kernels.fits; never with prompt chunks or a compute dtype other than the caches')
+    # a small CPU step whose norms and SwiGLU run as cpu_kernels, and its attention too when every
+    # row holds one token: the kernel computes each query apart, while PyTorch's attention reads
+    # each key once for all of a row's queries, which costs less from a few queries up (the
+    # runner decides, cpu_kernels.fits; never with prompt chunks or a compute dtype other than
+    # the caches'; mask None for one-token rows)
     cpu_kernels: bool = False
 
 
@@ -131,7 +134,7 @@ class Attention(nn.Module):
         qk, v = qkv[..., :H + KVH, :], qkv[..., H + KVH:, :]
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[..., :H, :]), self.k_norm(qk[..., H:, :])], dim=-2)
-        if batch.cpu_kernels:
+        if batch.cpu_kernels and S == 1:
             pk = batch.packed
             out = cpu_kernels.rope_attend(qkv, H, cos, sin, k_cache, v_cache, batch.slots if pk is None else pk.slots,
                                           batch.positions if pk is None else pk.positions, self.window,
