@@ -19,6 +19,9 @@ typedef uint16_t bf16;
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 64        /* query heads per key/value head */
 #define LANES 16            /* partial sums per reduction: one AVX-512 register of floats */
+/* attention runs on several threads from this many keys (summed over tokens and key/value heads):
+ * fewer cost less than waking the threads */
+#define PARALLEL_MIN_KEYS 512
 
 static inline float bf16_to_f32(bf16 x) {
     union { uint32_t u; float f; } v;

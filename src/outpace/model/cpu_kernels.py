@@ -7,8 +7,11 @@ C function over raw buffers (cpu_kernels.c): a residual add with the next RMSNor
 and rotation, cache writes and attention together (rows of one token only: see ForwardBatch). The
 products stay PyTorch's (MKL, oneDNN).
 
-The C file is compiled once per machine with the system's C compiler (`cc -O3 -march=native`,
-about a second) into the outpace cache folder and loaded with ctypes. Without a compiler, or with
+The C file is compiled once per machine with the system's C compiler (`cc -O3 -march=native
+-fopenmp`, about a second) into the outpace cache folder and loaded with ctypes. Attention shares
+its work among OpenMP threads (PyTorch's own libgomp, already loaded) from about 170 tokens of
+context: measured in one-token float32 steps, 31.3 ms against 34.0 on one thread at 1000 tokens
+of context (bf16: 24.6 against 27.9), 27.0 against 27.9 at 300. Without a compiler, or with
 OUTPACE_CPU_KERNELS=0, steps run PyTorch's ops; the first case says so once on stderr.
 
 Every kernel works row by row, so a token's result does not depend on how many tokens the call
@@ -61,7 +64,10 @@ def _build(library: Path) -> None:
         partial = Path(tmp) / library.name
         command = [compiler, "-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC",
                    "-o", str(partial), str(SOURCE), "-lm"]
-        done = subprocess.run(command, capture_output=True, text=True)
+        # with OpenMP (the libgomp PyTorch has loaded), else on one thread
+        done = subprocess.run(command + ["-fopenmp"], capture_output=True, text=True)
+        if done.returncode != 0:
+            done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise OSError(f"{' '.join(command)} failed: {done.stderr.strip()[-500:]}")
         os.replace(partial, library)

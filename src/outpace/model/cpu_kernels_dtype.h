@@ -93,6 +93,39 @@ static inline void NAME(weighted_sum)(float *acc, const float *p, const T *value
     }
 }
 
+/* Attention of one token's `group` query heads (unrotated, at q_heads) over one key/value head's
+ * cache (keys, values: position 0 of [L, D]), keys at positions <= pos (and > pos - window when
+ * window > 0); scratch: [group, pos + 1] scores then [group, D] queries and [group, D] sums. */
+static void NAME(attend_group)(const T *q_heads, const T *cos, const T *sin, const T *keys, const T *values,
+                               long pos, long window, long group, long D, float scale, float *scratch, T *out) {
+    long first = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0, n = pos + 1 - first;
+    float *scores = scratch, *q = scratch + group * (pos + 1), *acc = q + group * D;
+    float top[MAX_GROUP], total[MAX_GROUP];
+    keys += first * D;
+    values += first * D;
+    for (long r = 0; r < group; r++) {
+        NAME(rotate)(q_heads + r * D, cos, sin, D, q + r * D);
+        top[r] = -INFINITY;
+        total[r] = 0.0f;
+    }
+    for (long j = 0; j < n; j++) {
+        for (long r = 0; r < group; r++) {
+            float s = NAME(dot)(q + r * D, keys + j * D, D) * scale;
+            scores[r * n + j] = s;
+            top[r] = s > top[r] ? s : top[r];
+        }
+    }
+    for (long r = 0; r < group; r++) {
+        float *p = scores + r * n;
+        for (long j = 0; j < n; j++) p[j] = exp_f32(p[j] - top[r]);
+        for (long j = 0; j < n; j++) total[r] += p[j];
+    }
+    for (long r = 0; r < group; r++) NAME(weighted_sum)(acc + r * D, scores + r * n, values, n, D);
+    for (long r = 0; r < group; r++) {
+        for (long i = 0; i < D; i++) out[r * D + i] = STORE(acc[r * D + i] / total[r]);
+    }
+}
+
 /* Rotates the T tokens' queries and keys (cos, sin: token t's rows at t * D, the sin signed as
  * rope_tables makes it), writes keys and values into the caches [slots, KVH, L, D] at (slot,
  * position), then attends: each token's query heads over its slot's keys at positions <= its
@@ -100,7 +133,9 @@ static inline void NAME(weighted_sum)(float *acc, const float *p, const T *value
  * which read each of its keys together. qk: token t's NH query heads then KVH key heads at
  * qk + t * qk_stride; v: its KVH value heads at v + t * v_stride; its slot is slots[t / slot_div].
  * Every token is written before any attends, so a row's later tokens see its earlier ones.
- * out [T, NH * D]. Returns 0, -1 when memory for the scores ran out, -2 for unsupported sizes. */
+ * Token and key/value head pairs are shared among OpenMP threads (built with OpenMP) when the
+ * keys read add up to PARALLEL_MIN_KEYS. out [T, NH * D]. Returns 0, -1 when memory for the
+ * scores ran out, -2 for unsupported sizes. */
 int NAME(rope_attend)(const T *qk, long qk_stride, const T *v, long v_stride, const T *cos, const T *sin,
                       T *k_cache, T *v_cache, const int64_t *slots, long slot_div, const int64_t *positions,
                       long tokens, long NH, long KVH, long D, long L, long window, float scale, T *out) {
@@ -120,50 +155,33 @@ int NAME(rope_attend)(const T *qk, long qk_stride, const T *v, long v_stride, co
             }
         }
     }
-    long max_keys = 0;
+    long max_keys = 0, work = 0;
     for (long t = 0; t < tokens; t++) {
         if (positions[t] + 1 > max_keys) max_keys = positions[t] + 1;
+        work += (positions[t] + 1) * KVH;
     }
-    float *scores = malloc(sizeof(float) * (size_t)(group * max_keys));
-    float *q = malloc(sizeof(float) * (size_t)(2 * group * D));
-    if (!scores || !q) {
-        free(scores);
-        free(q);
-        return -1;
-    }
-    float *acc = q + group * D;
-    for (long t = 0; t < tokens; t++) {
-        long pos = positions[t], slot = slots[t / slot_div];
-        long first = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0, n = pos + 1 - first;
-        for (long g = 0; g < KVH; g++) {
-            const T *keys = k_cache + ((slot * KVH + g) * L + first) * D;
-            const T *values = v_cache + ((slot * KVH + g) * L + first) * D;
-            float top[MAX_GROUP], total[MAX_GROUP];
-            for (long r = 0; r < group; r++) {
-                NAME(rotate)(qk + t * qk_stride + (g * group + r) * D, cos + t * D, sin + t * D, D, q + r * D);
-                top[r] = -INFINITY;
-                total[r] = 0.0f;
-            }
-            for (long j = 0; j < n; j++) {
-                for (long r = 0; r < group; r++) {
-                    float s = NAME(dot)(q + r * D, keys + j * D, D) * scale;
-                    scores[r * n + j] = s;
-                    top[r] = s > top[r] ? s : top[r];
+    int failed = 0;
+#pragma omp parallel if (tokens * KVH > 1 && work >= PARALLEL_MIN_KEYS)
+    {
+        /* this thread's scores [group, keys], rotated queries and sums [group, D] */
+        float *scores = malloc(sizeof(float) * (size_t)(group * max_keys + 2 * group * D));
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for collapse(2) schedule(static)
+        for (long t = 0; t < tokens; t++) {
+            for (long g = 0; g < KVH; g++) {
+                if (scores) {
+                    NAME(attend_group)(qk + t * qk_stride + g * group * D, cos + t * D, sin + t * D,
+                                       k_cache + (slots[t / slot_div] * KVH + g) * L * D,
+                                       v_cache + (slots[t / slot_div] * KVH + g) * L * D, positions[t], window,
+                                       group, D, scale, scores, out + (t * NH + g * group) * D);
                 }
             }
-            for (long r = 0; r < group; r++) {
-                float *p = scores + r * n;
-                for (long j = 0; j < n; j++) p[j] = exp_f32(p[j] - top[r]);
-                for (long j = 0; j < n; j++) total[r] += p[j];
-            }
-            for (long r = 0; r < group; r++) NAME(weighted_sum)(acc + r * D, scores + r * n, values, n, D);
-            for (long r = 0; r < group; r++) {
-                T *o = out + (t * NH + g * group + r) * D;
-                for (long i = 0; i < D; i++) o[i] = STORE(acc[r * D + i] / total[r]);
-            }
         }
+        free(scores);
     }
-    free(scores);
-    free(q);
+    if (failed) return -1;
     return 0;
 }
