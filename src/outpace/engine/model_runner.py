@@ -114,26 +114,25 @@ class ModelRunner:
             query_positions[span_rows] = positions
         prompt_tokens = sum(lengths) if logits == "none" else sum(len(c.token_ids) for c in chunks)
         compute = self.prefill_dtype if prompt_tokens >= FP32_PREFILL_MIN_TOKENS else None
-        kernels = compute is None and not chunks and cpu_kernels.fits(self.model.cfg, self.dtype, self.device, B * S)
-        mask = None
         causal = B == 1 and S > 1 and rows[0].start == 0 and not exact and not self.window and not chunks
-        # the attention kernel (rows of one token) finds each token's keys from its position
-        if (S > 1 or B > 1 or exact or self.window) and not causal and not (kernels and S == 1):
-            mask = self._mask(query_positions, kv_len)                           # [B or span, 1, S, L]
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, device=self.device),
             positions=positions,
             slots=torch.tensor(slots, device=self.device),
             kv_len=kv_len,
-            mask=mask,
+            mask=None,
             slot_start=slots[0] if is_contiguous else lowest if span_rows is not None else None,
             write_start=rows[0].start if B == 1 else None,
             logits=logits == "all",
             packed=self._packing(lengths, S, positions, slots, chunks) if packed else None,
             span_rows=span_rows,
             causal=causal,
-            cpu_kernels=kernels,
+            cpu_kernels=(compute is None and not chunks
+                         and cpu_kernels.fits(self.model.cfg, self.dtype, self.device, B * S)),
         )
+        # the attention kernel finds each token's keys from its position
+        if (S > 1 or B > 1 or exact or self.window) and not causal and not batch.cpu_attention:
+            batch.mask = self._mask(query_positions, kv_len)                     # [B or span, 1, S, L]
         out, hidden = self.model(batch, self.cache, need_hidden=need_hidden, compute_dtype=compute)
         if packed:      # back to [B, S]: padded entries keep finite stale values, which nobody reads
             index = batch.packed.index

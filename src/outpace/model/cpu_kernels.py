@@ -4,8 +4,8 @@ A CPU decode step of the default model is 4 matrix products and about 150 small 
 (norms, rotation, cache writes, attention, SwiGLU), each a few microseconds of dispatch and
 allocation around almost no arithmetic: a third of a float32 step. Here each of those groups is one
 C function over raw buffers (cpu_kernels.c): a residual add with the next RMSNorm, SwiGLU's product,
-and rotation, cache writes and attention together (rows of one token only: see ForwardBatch). The
-products stay PyTorch's (MKL, oneDNN).
+and rotation, cache writes and attention together (rows of one token only:
+ForwardBatch.cpu_attention). The products stay PyTorch's (MKL, oneDNN).
 
 The C file is compiled once per machine with the system's C compiler (`cc -O3 -march=native
 -fopenmp`, about a second) into the outpace cache folder and loaded with ctypes. Attention shares
@@ -41,7 +41,8 @@ SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 MAX_HEAD_DIM, MAX_GROUP = 256, 64       # cpu_kernels.c's limits
 
 # Forwards of up to this many tokens use the kernels: decode and verify steps, and small prompt
-# chunks. Longer prompt chunks keep PyTorch's ops, which use both cores (the kernels run on one).
+# chunks. Longer prompt chunks keep PyTorch's ops, which use both cores (the norm and SwiGLU
+# kernels run on one).
 MAX_TOKENS = 64
 
 
