@@ -129,17 +129,48 @@ def test_hidden_states_are_pre_norm_last_layer(pair):
     torch.testing.assert_close(ours.norm(hidden[0]), expected, atol=1e-6, rtol=1e-5)
 
 
-def test_packed_cpu_linear_is_bit_identical():
-    """bf16 linears pre-packed for oneDNN give F.linear's products bit for bit, for any row count."""
-    from outpace.model import cpu_linear
-    if not cpu_linear.is_available():
+def test_packed_cpu_linear_is_bit_identical(monkeypatch):
+    """bf16 linears packed for oneDNN (where cpu_kernels.linear does not build) give F.linear's
+    products bit for bit, for any row count."""
+    from outpace.model import cpu_kernels, cpu_linear
+    if not cpu_linear._onednn_available():
         pytest.skip("this torch has no oneDNN linear ops")
+    monkeypatch.setattr(cpu_kernels, "has_linear", lambda: False)
     g = torch.Generator().manual_seed(5)
     linear = torch.nn.Linear(96, 160, bias=True).to(torch.bfloat16)
     packed = cpu_linear.PackedLinear(linear)
+    assert not packed.kernel
     for rows in (1, 3, 9, 33):
         x = torch.randn(2, rows, 96, generator=g).to(torch.bfloat16)
         assert torch.equal(packed(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
         # a float32 input (a prompt chunk computed in float32) takes the widened weight
         assert torch.equal(packed(x.float()), torch.nn.functional.linear(x.float(), linear.weight.float(),
                                                                         linear.bias.float()))
+
+
+def test_cpu_kernel_linear_sums_in_order():
+    """cpu_kernels.linear: each output is x's products with the weight summed in input order in
+    float32 (products of bf16 values are exact there), plus the bias, rounded once to bf16: bit for
+    bit, whatever the rows beside it. Shapes cover a partial last block of 16 columns and rows split
+    into several tiles; F.linear (oneDNN) agrees to within one bf16 step."""
+    from outpace.model import cpu_kernels, cpu_linear
+    if not cpu_kernels.has_linear():
+        pytest.skip("cpu_kernels.linear needs AVX-512 and a C compiler")
+    g = torch.Generator().manual_seed(5)
+    for n_in, n_out, bias in ((96, 160, True), (576, 1000, False), (64, 37, True)):
+        linear = torch.nn.Linear(n_in, n_out, bias=bias).to(torch.bfloat16)
+        packed = cpu_linear.PackedLinear(linear)
+        assert packed.kernel
+        w = linear.weight.float()
+        for rows in (1, 3, 13, 33):
+            x = torch.randn(rows, n_in, generator=g).to(torch.bfloat16)
+            expected = torch.zeros(rows, n_out)
+            for k in range(n_in):
+                expected += x[:, k:k + 1].float() * w[:, k]
+            if bias:
+                expected += linear.bias.float()
+            got = packed(x)
+            assert torch.equal(got, expected.to(torch.bfloat16))
+            assert torch.equal(packed(x[-1:]), got[-1:])
+            reference = torch.nn.functional.linear(x, linear.weight, linear.bias).float()
+            assert ((got.float() - reference).abs() <= reference.abs() * 2 ** -7).all()

@@ -115,6 +115,8 @@ class ModelRunner:
         prompt_tokens = sum(lengths) if logits == "none" else sum(len(c.token_ids) for c in chunks)
         compute = self.prefill_dtype if prompt_tokens >= FP32_PREFILL_MIN_TOKENS else None
         causal = B == 1 and S > 1 and rows[0].start == 0 and not exact and not self.window and not chunks
+        kernels = (compute is None and not chunks
+                   and cpu_kernels.fits(self.model.cfg, self.dtype, self.device, sum(lengths) if packed else B * S))
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, device=self.device),
             positions=positions,
@@ -124,14 +126,13 @@ class ModelRunner:
             slot_start=slots[0] if is_contiguous else lowest if span_rows is not None else None,
             write_start=rows[0].start if B == 1 else None,
             logits=logits == "all",
-            packed=self._packing(lengths, S, positions, slots, chunks) if packed else None,
+            packed=self._packing(lengths, S, positions, slots, chunks, split=not kernels) if packed else None,
             span_rows=span_rows,
             causal=causal,
-            cpu_kernels=(compute is None and not chunks
-                         and cpu_kernels.fits(self.model.cfg, self.dtype, self.device, B * S)),
+            cpu_kernels=kernels,
         )
         # the attention kernel finds each token's keys from its position
-        if (S > 1 or B > 1 or exact or self.window) and not causal and not batch.cpu_attention:
+        if (S > 1 or B > 1 or exact or self.window) and not causal and not kernels:
             batch.mask = self._mask(query_positions, kv_len)                     # [B or span, 1, S, L]
         out, hidden = self.model(batch, self.cache, need_hidden=need_hidden, compute_dtype=compute)
         if packed:      # back to [B, S]: padded entries keep finite stale values, which nobody reads
@@ -142,9 +143,10 @@ class ModelRunner:
         return (out.view(B, S, -1) if logits == "all" else None), hidden
 
     def _packing(self, lengths: list[int], S: int, positions: torch.Tensor, slots: list[int],
-                 chunks: list[Row]) -> Packed:
+                 chunks: list[Row], split: bool) -> Packed:
         """Where the real tokens of rows of these lengths sit, padded to S; prompt chunks' tokens
-        follow them."""
+        follow them. split: attention may run in two parts (PyTorch's attention, not the CPU
+        kernel's)."""
         device = self.device
         index = torch.tensor([b * S + j for b, n in enumerate(lengths) for j in range(n)], device=device)
         token_slots = torch.tensor(slots, device=device).repeat_interleave(torch.tensor(lengths, device=device))
@@ -155,7 +157,7 @@ class ModelRunner:
                                                                for c in chunks)])
             packed.slots = torch.cat([token_slots, torch.tensor([c.slot for c in chunks for _ in c.token_ids],
                                                                 device=device)])
-        if len(lengths) * S - sum(lengths) >= SPLIT_ATTENTION_PADDING:
+        if split and len(lengths) * S - sum(lengths) >= SPLIT_ATTENTION_PADDING:
             starts = [0, *itertools.accumulate(lengths)][:-1]
             long_rows = [b for b, n in enumerate(lengths) if n > 1]
             later = [(starts[b] + j, r * (S - 1) + j - 1) for r, b in enumerate(long_rows) for j in range(1, lengths[b])]

@@ -88,3 +88,112 @@ static inline float lanes_sum(const float *parts) {
     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #endif
 #include "cpu_kernels_dtype.h"
+
+#ifdef __AVX512F__
+/* bfloat16 products: out [M, N] = x [M, K] @ W^T (+ bias), accumulated in float32 and rounded once.
+ * W is packed by cpu_kernels.pack_weight into blocks of 16 output columns, [N / 16][K / 2][16][2]:
+ * one 64-byte load holds a block's 16 columns for two inputs, widened to two registers of floats
+ * and multiplied with the row's two inputs broadcast (float32 FMAs, which run twice as fast here
+ * as vdpbf16ps). A tile of TILE_BLOCKS blocks and up to TILE_ROWS rows keeps its sums in registers
+ * over all of K, so each weight is read from memory once per call (later row tiles of a call read
+ * it from L2). Each row's sums take one order whatever M is: a row's result never depends on the
+ * rows beside it. */
+#define TILE_BLOCKS 2
+#define TILE_ROWS 12
+
+static inline __m256i round_to_bf16(__m512 v) {       /* f32_to_bf16 on 16 lanes */
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+static inline __attribute__((always_inline)) void linear_tile(const float *x, long K, const bf16 *w, long rows,
+                                                              int blocks, const bf16 *bias, long n_valid,
+                                                              bf16 *out, long N) {
+    long pairs = K / 2;
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 acc[TILE_ROWS][TILE_BLOCKS];
+#pragma GCC unroll 16
+    for (int m = 0; m < TILE_ROWS; m++) {
+#pragma GCC unroll 4
+        for (int b = 0; b < TILE_BLOCKS; b++) acc[m][b] = _mm512_setzero_ps();
+    }
+    for (long p = 0; p < pairs; p++) {
+        __m512 even[TILE_BLOCKS], odd[TILE_BLOCKS];
+#pragma GCC unroll 4
+        for (int b = 0; b < TILE_BLOCKS; b++) {
+            if (b < blocks) {
+                __m512i v = _mm512_loadu_si512(w + (b * pairs + p) * 32);
+                even[b] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                odd[b] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+            }
+        }
+#pragma GCC unroll 16
+        for (int m = 0; m < TILE_ROWS; m++) {
+            if (m < rows) {
+                __m512 x0 = _mm512_set1_ps(x[m * K + 2 * p]), x1 = _mm512_set1_ps(x[m * K + 2 * p + 1]);
+#pragma GCC unroll 4
+                for (int b = 0; b < TILE_BLOCKS; b++) {
+                    if (b < blocks) {
+                        acc[m][b] = _mm512_fmadd_ps(x0, even[b], acc[m][b]);
+                        acc[m][b] = _mm512_fmadd_ps(x1, odd[b], acc[m][b]);
+                    }
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int b = 0; b < TILE_BLOCKS; b++) {
+        if (b >= blocks) continue;
+        long left = n_valid - b * 16;
+        __mmask16 keep = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+        __m512 add = _mm512_setzero_ps();
+        if (bias) add = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                            _mm256_maskz_loadu_epi16(keep, bias + b * 16)), 16));
+#pragma GCC unroll 16
+        for (int m = 0; m < TILE_ROWS; m++) {
+            if (m < rows) _mm256_mask_storeu_epi16(out + m * N + b * 16, keep, round_to_bf16(_mm512_add_ps(acc[m][b], add)));
+        }
+    }
+}
+
+/* rows as a constant, so each tile shape compiles to its own loop with its sums in registers */
+#define TILE_CASE(R) case R: \
+    if (blocks == TILE_BLOCKS) linear_tile(x, K, w, R, TILE_BLOCKS, bias, n_valid, out, N); \
+    else linear_tile(x, K, w, R, blocks, bias, n_valid, out, N); \
+    break;
+
+static void linear_tile_any(const float *x, long K, const bf16 *w, long rows, int blocks, const bf16 *bias,
+                            long n_valid, bf16 *out, long N) {
+    switch (rows) {
+        TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6)
+        TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10) TILE_CASE(11) TILE_CASE(12)
+    }
+}
+
+/* out [M, N] = x [M, K] @ W^T + bias (bias may be NULL); w packed as above, K even. Tiles of
+ * columns are shared among OpenMP threads; a tile's rows run in equal parts of at most TILE_ROWS.
+ * Returns 0, or -1 when memory for x widened to float32 ran out. */
+int linear_bf16(const bf16 *x, long M, long K, const bf16 *w, long N, const bf16 *bias, bf16 *out) {
+    float *x_f32 = malloc(sizeof(float) * (size_t)(M * K));
+    if (!x_f32) return -1;
+    for (long i = 0; i < M * K; i++) x_f32[i] = bf16_to_f32(x[i]);
+    long blocks = (N + 15) / 16, tiles = (blocks + TILE_BLOCKS - 1) / TILE_BLOCKS;
+    long parts = (M + TILE_ROWS - 1) / TILE_ROWS, per_part = (M + parts - 1) / parts;
+#pragma omp parallel for schedule(static) if (tiles > 1)
+    for (long t = 0; t < tiles; t++) {
+        long b0 = t * TILE_BLOCKS;
+        int nb = blocks - b0 < TILE_BLOCKS ? (int)(blocks - b0) : TILE_BLOCKS;
+        for (long m0 = 0; m0 < M; m0 += per_part) {
+            long rows = M - m0 < per_part ? M - m0 : per_part;
+            linear_tile_any(x_f32 + m0 * K, K, w + b0 * 16 * K, rows, nb, bias ? bias + b0 * 16 : NULL,
+                            N - b0 * 16, out + m0 * N + b0 * 16, N);
+        }
+    }
+    free(x_f32);
+    return 0;
+}
+#endif

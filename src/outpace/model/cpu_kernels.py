@@ -4,8 +4,8 @@ A CPU decode step of the default model is 4 matrix products and about 150 small 
 (norms, rotation, cache writes, attention, SwiGLU), each a few microseconds of dispatch and
 allocation around almost no arithmetic: a third of a float32 step. Here each of those groups is one
 C function over raw buffers (cpu_kernels.c): a residual add with the next RMSNorm, SwiGLU's product,
-and rotation, cache writes and attention together (rows of one token only:
-ForwardBatch.cpu_attention). The products stay PyTorch's (MKL, oneDNN).
+and rotation, cache writes and attention together; and bfloat16 matrix products (cpu_linear),
+where oneDNN's were the larger part of a bfloat16 step. Float32 products stay MKL's.
 
 The C file is compiled once per machine with the system's C compiler (`cc -O3 -march=native
 -fopenmp`, about a second) into the outpace cache folder and loaded with ctypes. Attention shares
@@ -98,6 +98,9 @@ def _library() -> ctypes.CDLL | None:
         rope_attend = getattr(lib, f"rope_attend_{suffix}")
         rope_attend.argtypes = [p, i, p, i, p, p, p, p, p, i, p, i, i, i, i, i, i, f, p]
         rope_attend.restype = ctypes.c_int
+    if hasattr(lib, "linear_bf16"):             # built for AVX-512
+        lib.linear_bf16.argtypes = [p, i, i, p, i, p, p]
+        lib.linear_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -108,6 +111,32 @@ def fits(cfg, dtype: torch.dtype, device: torch.device, tokens: int) -> bool:
     return (device.type == "cpu" and dtype in SUFFIX and tokens <= MAX_TOKENS and cfg.head_dim <= MAX_HEAD_DIM
             and cfg.head_dim % 2 == 0 and group * cfg.num_kv_heads == cfg.num_heads and group <= MAX_GROUP
             and _library() is not None)
+
+
+def has_linear() -> bool:
+    """Whether cpu_kernels.linear runs here (the kernels built, on a CPU with AVX-512)."""
+    lib = _library()
+    return lib is not None and hasattr(lib, "linear_bf16")
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 weight [N, K] (K even) laid out for linear: blocks of 16 output columns (the last
+    padded with zeros), each [K / 2, 16, 2]."""
+    N, K = weight.shape
+    padded = weight.new_zeros((N + 15) // 16 * 16, K)
+    padded[:N] = weight
+    return padded.view(-1, 16, K // 2, 2).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [..., K] @ weight.T + bias in bfloat16, weight as pack_weight laid it out."""
+    K = x.shape[-1]
+    x = x.contiguous()
+    out = x.new_empty(*x.shape[:-1], out_features)
+    if _library().linear_bf16(x.data_ptr(), x.numel() // K, K, packed.data_ptr(), out_features,
+                              None if bias is None else bias.data_ptr(), out.data_ptr()):
+        raise MemoryError("out of memory for a product's input")
+    return out
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):

@@ -79,17 +79,10 @@ class ForwardBatch:
     # keys j <= the query's position (and > position - window), applied by the kernel; mask None
     positional: bool = False
     window: int | None = None
-    # a small CPU step whose norms and SwiGLU run as cpu_kernels (the runner decides,
-    # cpu_kernels.fits; never with prompt chunks or a compute dtype other than the caches')
+    # a small CPU step whose norms, attention and SwiGLU run as cpu_kernels (the runner decides,
+    # cpu_kernels.fits; never with prompt chunks or a compute dtype other than the caches'); mask
+    # None then: each token attends over its own slot's keys up to its position
     cpu_kernels: bool = False
-
-    @property
-    def cpu_attention(self) -> bool:
-        """Whether attention runs as cpu_kernels.rope_attend too (mask None): when every row holds
-        one token. The kernel computes each query apart, while PyTorch's attention reads each key
-        once for all of a row's queries, which costs less from a few queries up. Such a batch is
-        never packed (its rows are all of one length)."""
-        return self.cpu_kernels and self.positions.shape[1] == 1
 
 
 class RMSNorm(nn.Module):
@@ -139,8 +132,10 @@ class Attention(nn.Module):
         qk, v = qkv[..., :H + KVH, :], qkv[..., H + KVH:, :]
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[..., :H, :]), self.k_norm(qk[..., H:, :])], dim=-2)
-        if batch.cpu_attention:
-            out = cpu_kernels.rope_attend(qkv, H, cos, sin, k_cache, v_cache, batch.slots, batch.positions, self.window,
+        if batch.cpu_kernels:
+            pk = batch.packed
+            out = cpu_kernels.rope_attend(qkv, H, cos, sin, k_cache, v_cache, batch.slots if pk is None else pk.slots,
+                                          batch.positions if pk is None else pk.positions, self.window,
                                           None if self.q_norm is None else qk)
             return linear(out.view(*x.shape[:-1], -1), self.o)
         if batch.packed is not None:
