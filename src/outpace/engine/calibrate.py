@@ -1,7 +1,8 @@
 """Measure the verify cost curve T(batch, tokens per row) that the draft controller trades off.
 
-The curve depends only on the model's shapes, the dtype, the device and the thread count, so it
-is measured once and kept in `<outpace home>/calibration/`; delete that folder to measure again.
+The curve depends only on the model's shapes, the dtype, the device, the thread count and the
+build of the CPU kernels, so it is measured once and kept in `<outpace home>/calibration/`; delete
+that folder to measure again.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from outpace.engine.model_runner import ModelRunner, Row
+from outpace.model import cpu_kernels
 from outpace.model.gguf import outpace_home
 
 CONTEXT = 128   # positions the timing rows sit at: a typical short context
@@ -34,8 +36,10 @@ def measure_verify_cost(runner: ModelRunner, max_seqs: int, max_tokens: int, rep
     any request is admitted: it writes scratch keys into the slots it uses, which later prefills
     overwrite."""
     shape = dataclasses.asdict(runner.model.cfg)
+    kernels = cpu_kernels.build_key() if runner.device.type == "cpu" and cpu_kernels.has_library() else None
     key = json.dumps([shape, str(runner.dtype), str(runner.device), torch.get_num_threads(), torch.__version__,
-                      type(runner).__name__, runner.packs_rows, max_seqs, max_tokens], sort_keys=True, default=str)
+                      type(runner).__name__, runner.packs_rows, max_seqs, max_tokens, kernels],
+                     sort_keys=True, default=str)
     path = outpace_home() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.exists():
         return {int(b): curve for b, curve in json.loads(path.read_text()).items()}

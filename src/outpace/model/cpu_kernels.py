@@ -78,12 +78,17 @@ def _build(library: Path) -> None:
 
 
 @functools.cache
+def build_key() -> str:
+    """Names this machine's build of these sources; timings taken with the kernels depend on it."""
+    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + _cpu_flags().encode()).hexdigest()[:16]
+
+
+@functools.cache
 def _library() -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; None when disabled or when the build fails."""
     if os.environ.get("OUTPACE_CPU_KERNELS", "1") == "0":
         return None
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + _cpu_flags().encode()).hexdigest()[:16]
-    library = outpace_home() / "kernels" / f"cpu_kernels-{key}.so"
+    library = outpace_home() / "kernels" / f"cpu_kernels-{build_key()}.so"
     try:
         if not library.exists():
             _build(library)
@@ -111,6 +116,11 @@ def fits(cfg, dtype: torch.dtype, device: torch.device, tokens: int) -> bool:
     return (device.type == "cpu" and dtype in SUFFIX and tokens <= MAX_TOKENS and cfg.head_dim <= MAX_HEAD_DIM
             and cfg.head_dim % 2 == 0 and group * cfg.num_kv_heads == cfg.num_heads and group <= MAX_GROUP
             and _library() is not None)
+
+
+def has_library() -> bool:
+    """Whether the kernels are built and on here."""
+    return _library() is not None
 
 
 def has_linear() -> bool:
