@@ -101,20 +101,23 @@ def test_rope_attend_equals_masked_attention(dtype, heads, kv_heads, dim, window
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_token_computes_alike_in_any_call(dtype):
+@pytest.mark.parametrize("heads,kv_heads,dim,window,tokens", [(6, 2, 32, None, 4), (9, 3, 64, 37, 12),
+                                                              (32, 2, 64, None, 3), (6, 2, 24, 20, 5)])
+def test_each_token_computes_alike_in_any_call(dtype, heads, kv_heads, dim, window, tokens):
     """What exact mode rests on: a token's output does not depend on the other tokens of the call
-    (nor on how the call's work was shared among threads: 300 keys make it parallel)."""
+    (a row of several tokens, split into several pieces of work or not; a window; one query head
+    a group or many), nor on how the call's work was shared among threads (300 keys make it
+    parallel)."""
     g = torch.Generator().manual_seed(2)
-    heads, kv_heads, dim = 6, 2, 32
     k_cache = torch.randn(1, kv_heads, 400, dim, generator=g).to(dtype)
     v_cache = torch.randn(1, kv_heads, 400, dim, generator=g).to(dtype)
-    qkv = torch.randn(4, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
-    cos, sin = (torch.rand(4, 1, dim, generator=g).to(dtype) for _ in range(2))
-    positions, slot = torch.arange(300, 304), torch.tensor([0])
-    together = cpu_kernels.rope_attend(qkv, heads, cos, sin, k_cache, v_cache, slot, positions, None)
-    for t in range(4):
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    cos, sin = (torch.rand(tokens, 1, dim, generator=g).to(dtype) for _ in range(2))
+    positions, slot = torch.arange(300, 300 + tokens), torch.tensor([0])
+    together = cpu_kernels.rope_attend(qkv, heads, cos, sin, k_cache, v_cache, slot, positions, window)
+    for t in range(tokens):
         alone = cpu_kernels.rope_attend(qkv[t:t + 1], heads, cos[t:t + 1], sin[t:t + 1], k_cache, v_cache, slot,
-                                        positions[t:t + 1], None)
+                                        positions[t:t + 1], window)
         assert torch.equal(alone[0], together[t])
     h = torch.randn(4, 64, generator=g).to(dtype)
     weight = torch.rand(64, generator=g).to(dtype)

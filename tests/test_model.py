@@ -152,7 +152,8 @@ def test_cpu_kernel_linear_sums_in_order():
     """cpu_kernels.linear: each output is x's products with the weight summed in input order in
     float32 (products of bf16 values are exact there), plus the bias, rounded once to bf16: bit for
     bit, whatever the rows beside it. Shapes cover a partial last block of 16 columns and rows split
-    into several tiles; F.linear (oneDNN) agrees to within one bf16 step."""
+    into several tiles; F.linear (oneDNN, which sums in another order for some row and thread
+    counts) agrees to within a bf16 step."""
     from outpace.model import cpu_kernels, cpu_linear
     if not cpu_kernels.has_linear():
         pytest.skip("cpu_kernels.linear needs AVX-512 and a C compiler")
@@ -173,4 +174,4 @@ def test_cpu_kernel_linear_sums_in_order():
             assert torch.equal(got, expected.to(torch.bfloat16))
             assert torch.equal(packed(x[-1:]), got[-1:])
             reference = torch.nn.functional.linear(x, linear.weight, linear.bias).float()
-            assert ((got.float() - reference).abs() <= reference.abs() * 2 ** -7).all()
+            assert ((got.float() - reference).abs() <= reference.abs() * 2 ** -7 + 2 ** -8).all()

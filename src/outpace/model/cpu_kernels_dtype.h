@@ -126,6 +126,141 @@ static void NAME(attend_group)(const T *q_heads, const T *cos, const T *sin, con
     }
 }
 
+#ifdef LOAD16
+/* Attention of `tokens` tokens of one slot, each at its own position, over one key/value head
+ * (keys, values: position 0 of [L, D]), `group` query heads each (unrotated, token t's at
+ * qk + t * qk_stride); out: token t's heads at out + t * out_stride. Keys go in blocks of 16 at
+ * fixed positions (16b .. 16b + 15), each widened to float32 and transposed once for all the
+ * queries, so a query's 16 scores are one register of FMAs, four queries sharing each load. Two
+ * passes: every score and each query's running maximum (lane by lane), then the exponentials and
+ * the weighted values. A query's arithmetic depends on its own position (and window) alone: blocks
+ * outside its keys are skipped and its masked keys weigh exact zeros, so its result is the same
+ * in any call. scratch: attend_scratch floats. D a multiple of 16. */
+static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, const T *sin, const T *keys,
+                                 const T *values, const int64_t *positions, long tokens, long window, long group,
+                                 long D, float scale, float *scratch, T *out, long out_stride) {
+    long queries = tokens * group, lo = positions[0], hi = 0;
+    long first[BLOCK_QUERIES], last[BLOCK_QUERIES];     /* each query's keys */
+    for (long t = 0; t < tokens; t++) {
+        long pos = positions[t], from = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+        lo = from < lo ? from : lo;
+        hi = pos > hi ? pos : hi;
+        for (long r = 0; r < group; r++) {
+            first[t * group + r] = from;
+            last[t * group + r] = pos;
+        }
+    }
+    long base = lo / 16 * 16, span = hi + 1 - base;
+    /* q [queries, D], acc [queries, D], kt [D, 16], vb [16, D], top and sums [queries, 16],
+     * scores [queries, span rounded up to 16] */
+    float *q = scratch, *acc = q + queries * D, *kt = acc + queries * D, *vb = kt + 16 * D;
+    float *top = vb + 16 * D, *sums = top + queries * 16, *scores = sums + queries * 16;
+    long stride = (span + 15) / 16 * 16;
+    for (long t = 0; t < tokens; t++) {
+        for (long r = 0; r < group; r++) {
+            NAME(rotate)(qk + t * qk_stride + r * D, cos + t * D, sin + t * D, D, q + (t * group + r) * D);
+        }
+    }
+    for (long i = 0; i < queries * D; i++) acc[i] = 0.0f;
+    for (long i = 0; i < queries; i++) {
+        _mm512_storeu_ps(top + i * 16, _mm512_set1_ps(-INFINITY));
+        _mm512_storeu_ps(sums + i * 16, _mm512_setzero_ps());
+    }
+    for (long pass = 0; pass < 2; pass++) {
+        for (long j0 = base; j0 <= hi; j0 += 16) {
+            long valid = hi - j0 + 1 < 16 ? hi - j0 + 1 : 16;     /* keys past hi may be unwritten */
+            for (long d = 0; d < D; d += 16) {
+                __m512 rows[16];
+                for (long j = 0; j < 16; j++) {
+                    rows[j] = j >= valid ? _mm512_setzero_ps() : LOAD16((pass ? values : keys) + (j0 + j) * D + d);
+                }
+                if (pass) {
+                    for (long j = 0; j < 16; j++) _mm512_storeu_ps(vb + j * D + d, rows[j]);
+                } else {
+                    transpose16(rows);
+                    for (long i = 0; i < 16; i++) _mm512_storeu_ps(kt + (d + i) * 16, rows[i]);
+                }
+            }
+            for (long i0 = 0; i0 < queries; i0 += 4) {
+                __mmask16 keep[4];
+                int any = 0;
+                for (int c = 0; c < 4; c++) {
+                    long i = i0 + c;
+                    keep[c] = 0;
+                    if (i < queries && j0 <= last[i] && j0 + 15 >= first[i]) {
+                        long from = first[i] > j0 ? first[i] - j0 : 0, to = last[i] - j0 < 15 ? last[i] - j0 : 15;
+                        keep[c] = (__mmask16)(((1u << (to + 1)) - 1u) & ~((1u << from) - 1u));
+                    }
+                    any |= keep[c] != 0;
+                }
+                if (!any) continue;
+                if (!pass) {        /* scores, and each query's maximum lane by lane */
+                    const float *qc[4];
+                    for (int c = 0; c < 4; c++) qc[c] = q + (i0 + c < queries ? i0 + c : i0) * D;
+                    __m512 even[4], odd[4];
+                    for (int c = 0; c < 4; c++) even[c] = odd[c] = _mm512_setzero_ps();
+                    for (long d = 0; d < D; d += 2) {
+                        __m512 k0 = _mm512_loadu_ps(kt + d * 16), k1 = _mm512_loadu_ps(kt + (d + 1) * 16);
+                        for (int c = 0; c < 4; c++) {
+                            even[c] = _mm512_fmadd_ps(_mm512_set1_ps(qc[c][d]), k0, even[c]);
+                            odd[c] = _mm512_fmadd_ps(_mm512_set1_ps(qc[c][d + 1]), k1, odd[c]);
+                        }
+                    }
+                    for (int c = 0; c < 4; c++) {
+                        if (!keep[c]) continue;
+                        long i = i0 + c;
+                        __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep[c],
+                                                      _mm512_mul_ps(_mm512_add_ps(even[c], odd[c]), _mm512_set1_ps(scale)));
+                        _mm512_storeu_ps(scores + i * stride + (j0 - base), s);
+                        _mm512_storeu_ps(top + i * 16, _mm512_max_ps(_mm512_loadu_ps(top + i * 16), s));
+                    }
+                    continue;
+                }
+                /* weights, then the weighted values; a query outside this block weighs zeros */
+                float weights[4][16];
+                for (int c = 0; c < 4; c++) {
+                    long i = i0 + c;
+                    __m512 e = _mm512_setzero_ps();
+                    if (keep[c]) {
+                        __m512 s = _mm512_loadu_ps(scores + i * stride + (j0 - base));
+                        e = _mm512_maskz_mov_ps(keep[c], exp_f32x16(_mm512_sub_ps(s, _mm512_set1_ps(top[i * 16]))));
+                        _mm512_storeu_ps(sums + i * 16, _mm512_add_ps(_mm512_loadu_ps(sums + i * 16), e));
+                    }
+                    _mm512_storeu_ps(weights[c], e);
+                }
+                for (long d = 0; d < D; d += 16) {
+                    __m512 pe[4], po[4];
+                    for (int c = 0; c < 4; c++) pe[c] = po[c] = _mm512_setzero_ps();
+                    for (long j = 0; j < 16; j += 2) {
+                        __m512 v0 = _mm512_loadu_ps(vb + j * D + d), v1 = _mm512_loadu_ps(vb + (j + 1) * D + d);
+                        for (int c = 0; c < 4; c++) {
+                            pe[c] = _mm512_fmadd_ps(_mm512_set1_ps(weights[c][j]), v0, pe[c]);
+                            po[c] = _mm512_fmadd_ps(_mm512_set1_ps(weights[c][j + 1]), v1, po[c]);
+                        }
+                    }
+                    for (int c = 0; c < 4 && i0 + c < queries; c++) {
+                        float *ai = acc + (i0 + c) * D + d;
+                        _mm512_storeu_ps(ai, _mm512_add_ps(_mm512_loadu_ps(ai), _mm512_add_ps(pe[c], po[c])));
+                    }
+                }
+            }
+        }
+        if (!pass) {                /* each query's maximum over its lanes, in every lane */
+            for (long i = 0; i < queries; i++) {
+                _mm512_storeu_ps(top + i * 16, _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_loadu_ps(top + i * 16))));
+            }
+        }
+    }
+    for (long t = 0; t < tokens; t++) {
+        for (long r = 0; r < group; r++) {
+            long i = t * group + r;
+            float total = _mm512_reduce_add_ps(_mm512_loadu_ps(sums + i * 16));
+            for (long d = 0; d < D; d++) out[t * out_stride + r * D + d] = STORE(acc[i * D + d] / total);
+        }
+    }
+}
+#endif
+
 /* Rotates the T tokens' queries and keys (cos, sin: token t's rows at t * D, the sin signed as
  * rope_tables makes it), writes keys and values into the caches [slots, KVH, L, D] at (slot,
  * position), then attends: each token's query heads over its slot's keys at positions <= its
@@ -161,6 +296,44 @@ int NAME(rope_attend)(const T *qk, long qk_stride, const T *v, long v_stride, co
         work += (positions[t] + 1) * KVH;
     }
     int failed = 0;
+#ifdef LOAD16
+    if (D % 16 == 0) {
+        /* runs of up to `run` consecutive tokens of one slot (a row's tokens share their keys), each
+         * run with each key/value head one piece of work */
+        long run = group >= BLOCK_QUERIES / 4 ? 1 : BLOCK_QUERIES / 4 / group, runs = 0;
+        long *starts = malloc(sizeof(long) * (size_t)(tokens + 1));
+        if (!starts) return -1;
+        for (long t = 0; t < tokens; runs++) {
+            starts[runs] = t;
+            long end = t + 1;
+            while (end < tokens && end - t < run && slots[end / slot_div] == slots[t / slot_div]) end++;
+            t = end;
+        }
+        starts[runs] = tokens;
+#pragma omp parallel if (runs * KVH > 1 && work >= PARALLEL_MIN_KEYS)
+        {
+            float *scratch = malloc(sizeof(float) * (size_t)(run * group * (2 * D + 32 + max_keys + 16) + 32 * D));
+            if (!scratch) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for collapse(2) schedule(static)
+            for (long u = 0; u < runs; u++) {
+                for (long g = 0; g < KVH; g++) {
+                    long t = starts[u], base = (slots[t / slot_div] * KVH + g) * L * D;
+                    if (scratch) {
+                        NAME(attend_blocked)(qk + t * qk_stride + g * group * D, qk_stride, cos + t * D, sin + t * D,
+                                             k_cache + base, v_cache + base, positions + t, starts[u + 1] - t, window,
+                                             group, D, scale, scratch, out + (t * NH + g * group) * D, NH * D);
+                    }
+                }
+            }
+            free(scratch);
+        }
+        free(starts);
+        return failed ? -1 : 0;
+    }
+#endif
 #pragma omp parallel if (tokens * KVH > 1 && work >= PARALLEL_MIN_KEYS)
     {
         /* this thread's scores [group, keys], rotated queries and sums [group, D] */
