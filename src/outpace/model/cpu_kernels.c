@@ -150,6 +150,10 @@ static inline float lanes_sum(const float *parts) {
  * rows beside it. */
 #define TILE_BLOCKS 2
 #define TILE_ROWS 12
+/* each block's weights are prefetched this many pairs of inputs ahead (2 KB): measured over the
+ * default model's products of one step, 12.2 -> 10.1 ms for one row, 14.4 -> 11.0 for 4, 18.5 ->
+ * 13.3 for 9 (8 to 96 tried; past a block's end it prefetches the next block's start) */
+#define PREFETCH_PAIRS 32
 
 static inline __m256i round_to_bf16(__m512 v) {       /* f32_to_bf16 on 16 lanes */
     __m512i u = _mm512_castps_si512(v);
@@ -176,6 +180,7 @@ static inline __attribute__((always_inline)) void linear_tile(const float *x, lo
 #pragma GCC unroll 4
         for (int b = 0; b < TILE_BLOCKS; b++) {
             if (b < blocks) {
+                _mm_prefetch((const char *)(w + (b * pairs + p + PREFETCH_PAIRS) * 32), _MM_HINT_T0);
                 __m512i v = _mm512_loadu_si512(w + (b * pairs + p) * 32);
                 even[b] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
                 odd[b] = _mm512_castsi512_ps(_mm512_and_si512(v, high));

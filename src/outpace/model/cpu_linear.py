@@ -5,10 +5,11 @@ its own layout. Otherwise they run in oneDNN over weights reordered once into it
 (F.linear would reorder them on every call), bit-identical to F.linear (tests/test_model.py).
 
 Measured on this CPU (AVX-512 with bf16, no AMX, 2 threads), all of the default model's products
-of one step (121, weights read from memory as in a step), in one run: oneDNN 14.7 ms for one row,
-25.6 for 9, 35.4 for 16, 113.5 for 64; cpu_kernels.linear 12.0, 17.8, 25.1, 68.5. oneDNN's
-bfloat16 products use vdpbf16ps, which runs at half the rate of float32 FMAs here (about 85
-GFLOP/s a core from cache); cpu_kernels widens the weights and uses FMAs (140-150). A float32 input (a prompt chunk computed in float32, see
+of one step (121, weights read from memory as in a step), in one run: oneDNN 16.2 ms for one row,
+26.5 for 9, 37.0 for 16, 117.3 for 64; cpu_kernels.linear 11.0, 14.6, 21.8, 66.4. oneDNN's
+bfloat16 products use vdpbf16ps, which runs at about half the rate of float32 FMAs here (85
+GFLOP/s a core from cache); cpu_kernels widens the weights and uses FMAs (140-150), and prefetches
+the weights' stream. A float32 input (a prompt chunk computed in float32, see
 ModelRunner) takes a float32 product with the weight widened on the fly.
 """
 from __future__ import annotations
