@@ -149,11 +149,11 @@ def test_packed_cpu_linear_is_bit_identical(monkeypatch):
 
 
 def test_cpu_kernel_linear_sums_in_order():
-    """cpu_kernels.linear: each output is x's products with the weight summed in input order in
-    float32 (products of bf16 values are exact there), plus the bias, rounded once to bf16: bit for
-    bit, whatever the rows beside it. Shapes cover a partial last block of 16 columns and rows split
-    into several tiles; F.linear (oneDNN, which sums in another order for some row and thread
-    counts) agrees to within a bf16 step."""
+    """cpu_kernels.linear, bfloat16: each output is x's products with the weight summed in input
+    order in float32 (products of bf16 values are exact there), plus the bias, rounded once to
+    bf16: bit for bit, whatever the rows beside it. Shapes cover a partial last block of 16 columns
+    and rows split into several tiles; F.linear (oneDNN, which sums in another order for some row
+    and thread counts) agrees to within a bf16 step."""
     from outpace.model import cpu_kernels, cpu_linear
     if not cpu_kernels.has_linear():
         pytest.skip("cpu_kernels.linear needs AVX-512 and a C compiler")
@@ -175,3 +175,26 @@ def test_cpu_kernel_linear_sums_in_order():
             assert torch.equal(packed(x[-1:]), got[-1:])
             reference = torch.nn.functional.linear(x, linear.weight, linear.bias).float()
             assert ((got.float() - reference).abs() <= reference.abs() * 2 ** -7 + 2 ** -8).all()
+
+
+@pytest.mark.parametrize("weights", [torch.bfloat16, torch.float32])
+def test_cpu_kernel_linear_float32_inputs(weights):
+    """cpu_kernels.linear with float32 inputs and outputs, over bfloat16 weights (a bf16 model's
+    prompt chunk computed in float32) or float32 ones (a float32 model): the float64 product to
+    float32 rounding, and each row alike in any call."""
+    from outpace.model import cpu_kernels, cpu_linear
+    if not cpu_kernels.has_linear():
+        pytest.skip("cpu_kernels.linear needs AVX-512 and a C compiler")
+    g = torch.Generator().manual_seed(6)
+    for n_in, n_out, bias in ((96, 160, True), (576, 1000, False), (64, 37, True)):
+        linear = torch.nn.Linear(n_in, n_out, bias=bias).to(weights)
+        packed = cpu_linear.PackedLinear(linear)
+        assert packed.kernel
+        for rows in (1, 13, 33):
+            x = torch.randn(rows, n_in, generator=g)
+            got = packed(x)
+            assert got.dtype == torch.float32
+            expected = torch.nn.functional.linear(x.double(), linear.weight.double(),
+                                                  None if linear.bias is None else linear.bias.double())
+            torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+            assert torch.equal(packed(x[:1]), got[:1])

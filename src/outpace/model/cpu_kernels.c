@@ -140,20 +140,21 @@ static inline float lanes_sum(const float *parts) {
 #include "cpu_kernels_dtype.h"
 
 #ifdef __AVX512F__
-/* bfloat16 products: out [M, N] = x [M, K] @ W^T (+ bias), accumulated in float32 and rounded once.
- * W is packed by cpu_kernels.pack_weight into blocks of 16 output columns, [N / 16][K / 2][16][2]:
- * one 64-byte load holds a block's 16 columns for two inputs, widened to two registers of floats
- * and multiplied with the row's two inputs broadcast (float32 FMAs, which run twice as fast here
- * as vdpbf16ps). A tile of TILE_BLOCKS blocks and up to TILE_ROWS rows keeps its sums in registers
- * over all of K, so each weight is read from memory once per call (later row tiles of a call read
- * it from L2). Each row's sums take one order whatever M is: a row's result never depends on the
- * rows beside it. */
+/* Matrix products for a few rows: out [M, N] = x [M, K] @ W^T (+ bias), summed in float32 and
+ * rounded once. W (bfloat16 or float32) is packed by cpu_kernels.pack_weight into blocks of 16
+ * output columns, [N / 16][K / 2][2][16] float32 or [N / 16][K / 2][16][2] bfloat16: per pair of
+ * inputs, one load (bfloat16, widened to two registers of floats) or two (float32) hold a block's
+ * 16 columns, multiplied with the row's two inputs broadcast (float32 FMAs, which run twice as fast
+ * here as vdpbf16ps). A tile of TILE_BLOCKS blocks and up to TILE_ROWS rows keeps its sums in
+ * registers over all of K, so each weight is read from memory once per call (later row tiles of a
+ * call read it from L2). Each row's sums take one order whatever M is: a row's result never
+ * depends on the rows beside it. */
 #define TILE_BLOCKS 2
 #define TILE_ROWS 12
-/* each block's weights are prefetched this many pairs of inputs ahead (2 KB): measured over the
- * default model's products of one step, 12.2 -> 10.1 ms for one row, 14.4 -> 11.0 for 4, 18.5 ->
- * 13.3 for 9 (8 to 96 tried; past a block's end it prefetches the next block's start) */
-#define PREFETCH_PAIRS 32
+/* each block's weights are prefetched this many bytes ahead: measured over the default model's
+ * bfloat16 products of one step, 12.2 -> 10.1 ms for one row, 14.4 -> 11.0 for 4, 18.5 -> 13.3 for
+ * 9 (0.5 to 6 KB tried; past a block's end it prefetches the next block's start) */
+#define PREFETCH_BYTES 2048
 
 static inline __m256i round_to_bf16(__m512 v) {       /* f32_to_bf16 on 16 lanes */
     __m512i u = _mm512_castps_si512(v);
@@ -164,10 +165,12 @@ static inline __m256i round_to_bf16(__m512 v) {       /* f32_to_bf16 on 16 lanes
     return _mm512_cvtepi32_epi16(r);
 }
 
-static inline __attribute__((always_inline)) void linear_tile(const float *x, long K, const bf16 *w, long rows,
-                                                              int blocks, const bf16 *bias, long n_valid,
-                                                              bf16 *out, long N) {
-    long pairs = K / 2;
+/* wide: float32 weights and bias, else bfloat16; wide_out: float32 out, else bfloat16 */
+static inline __attribute__((always_inline)) void linear_tile(const float *x, long K, const void *w, int wide,
+                                                              long rows, int blocks, const void *bias,
+                                                              long n_valid, void *out, int wide_out, long N) {
+    long pairs = K / 2, pair_bytes = wide ? 128 : 64;
+    const char *wb = w;
     const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
     __m512 acc[TILE_ROWS][TILE_BLOCKS];
 #pragma GCC unroll 16
@@ -180,10 +183,17 @@ static inline __attribute__((always_inline)) void linear_tile(const float *x, lo
 #pragma GCC unroll 4
         for (int b = 0; b < TILE_BLOCKS; b++) {
             if (b < blocks) {
-                _mm_prefetch((const char *)(w + (b * pairs + p + PREFETCH_PAIRS) * 32), _MM_HINT_T0);
-                __m512i v = _mm512_loadu_si512(w + (b * pairs + p) * 32);
-                even[b] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-                odd[b] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+                const char *at = wb + (b * pairs + p) * pair_bytes;
+                _mm_prefetch(at + PREFETCH_BYTES, _MM_HINT_T0);
+                if (wide) {
+                    _mm_prefetch(at + PREFETCH_BYTES + 64, _MM_HINT_T0);
+                    even[b] = _mm512_loadu_ps(at);
+                    odd[b] = _mm512_loadu_ps(at + 64);
+                } else {
+                    __m512i v = _mm512_loadu_si512(at);
+                    even[b] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                    odd[b] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+                }
             }
         }
 #pragma GCC unroll 16
@@ -206,49 +216,61 @@ static inline __attribute__((always_inline)) void linear_tile(const float *x, lo
         long left = n_valid - b * 16;
         __mmask16 keep = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
         __m512 add = _mm512_setzero_ps();
-        if (bias) add = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                            _mm256_maskz_loadu_epi16(keep, bias + b * 16)), 16));
+        if (bias && wide) add = _mm512_maskz_loadu_ps(keep, (const float *)bias + b * 16);
+        if (bias && !wide) add = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                    _mm256_maskz_loadu_epi16(keep, (const bf16 *)bias + b * 16)), 16));
 #pragma GCC unroll 16
         for (int m = 0; m < TILE_ROWS; m++) {
-            if (m < rows) _mm256_mask_storeu_epi16(out + m * N + b * 16, keep, round_to_bf16(_mm512_add_ps(acc[m][b], add)));
+            if (m >= rows) continue;
+            __m512 v = _mm512_add_ps(acc[m][b], add);
+            if (wide_out) _mm512_mask_storeu_ps((float *)out + m * N + b * 16, keep, v);
+            else _mm256_mask_storeu_epi16((bf16 *)out + m * N + b * 16, keep, round_to_bf16(v));
         }
     }
 }
 
-/* rows as a constant, so each tile shape compiles to its own loop with its sums in registers */
-#define TILE_CASE(R) case R: \
-    if (blocks == TILE_BLOCKS) linear_tile(x, K, w, R, TILE_BLOCKS, bias, n_valid, out, N); \
-    else linear_tile(x, K, w, R, blocks, bias, n_valid, out, N); \
-    break;
+/* rows, the weights' type and full tiles as constants, so each tile shape compiles to its own loop
+ * with its sums in registers */
+#define TILE_SHAPE(R, WIDE) \
+    if (blocks == TILE_BLOCKS) linear_tile(x, K, w, WIDE, R, TILE_BLOCKS, bias, n_valid, out, wide_out, N); \
+    else linear_tile(x, K, w, WIDE, R, blocks, bias, n_valid, out, wide_out, N);
+#define TILE_CASE(R) case R: if (wide) { TILE_SHAPE(R, 1) } else { TILE_SHAPE(R, 0) } break;
 
-static void linear_tile_any(const float *x, long K, const bf16 *w, long rows, int blocks, const bf16 *bias,
-                            long n_valid, bf16 *out, long N) {
+static void linear_tile_any(const float *x, long K, const void *w, int wide, long rows, int blocks,
+                            const void *bias, long n_valid, void *out, int wide_out, long N) {
     switch (rows) {
         TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6)
         TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10) TILE_CASE(11) TILE_CASE(12)
     }
 }
 
-/* out [M, N] = x [M, K] @ W^T + bias (bias may be NULL); w packed as above, K even. Tiles of
+/* out [M, N] = x [M, K] @ W^T + bias (bias may be NULL), w packed as above, K even; x and out
+ * float32 when wide_io, else bfloat16; weights and bias float32 when wide_w, else bfloat16. Tiles of
  * columns are shared among OpenMP threads; a tile's rows run in equal parts of at most TILE_ROWS.
  * Returns 0, or -1 when memory for x widened to float32 ran out. */
-int linear_bf16(const bf16 *x, long M, long K, const bf16 *w, long N, const bf16 *bias, bf16 *out) {
-    float *x_f32 = malloc(sizeof(float) * (size_t)(M * K));
-    if (!x_f32) return -1;
-    for (long i = 0; i < M * K; i++) x_f32[i] = bf16_to_f32(x[i]);
+int linear(const void *x, int wide_io, long M, long K, const void *w, int wide_w, long N, const void *bias,
+           void *out) {
+    float *x_f32 = (float *)x;
+    if (!wide_io) {
+        x_f32 = malloc(sizeof(float) * (size_t)(M * K));
+        if (!x_f32) return -1;
+        for (long i = 0; i < M * K; i++) x_f32[i] = bf16_to_f32(((const bf16 *)x)[i]);
+    }
     long blocks = (N + 15) / 16, tiles = (blocks + TILE_BLOCKS - 1) / TILE_BLOCKS;
     long parts = (M + TILE_ROWS - 1) / TILE_ROWS, per_part = (M + parts - 1) / parts;
+    size_t w_size = wide_w ? 4 : 2, out_size = wide_io ? 4 : 2;
 #pragma omp parallel for schedule(static) if (tiles > 1)
     for (long t = 0; t < tiles; t++) {
         long b0 = t * TILE_BLOCKS;
         int nb = blocks - b0 < TILE_BLOCKS ? (int)(blocks - b0) : TILE_BLOCKS;
         for (long m0 = 0; m0 < M; m0 += per_part) {
             long rows = M - m0 < per_part ? M - m0 : per_part;
-            linear_tile_any(x_f32 + m0 * K, K, w + b0 * 16 * K, rows, nb, bias ? bias + b0 * 16 : NULL,
-                            N - b0 * 16, out + m0 * N + b0 * 16, N);
+            linear_tile_any(x_f32 + m0 * K, K, (const char *)w + b0 * 16 * K * w_size, wide_w, rows, nb,
+                            bias ? (const char *)bias + b0 * 16 * w_size : NULL, N - b0 * 16,
+                            (char *)out + (m0 * N + b0 * 16) * out_size, wide_io, N);
         }
     }
-    free(x_f32);
+    if (!wide_io) free(x_f32);
     return 0;
 }
 #endif

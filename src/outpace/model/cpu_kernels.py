@@ -103,9 +103,9 @@ def _library() -> ctypes.CDLL | None:
         rope_attend = getattr(lib, f"rope_attend_{suffix}")
         rope_attend.argtypes = [p, i, p, i, p, p, p, p, p, i, p, i, i, i, i, i, i, f, p]
         rope_attend.restype = ctypes.c_int
-    if hasattr(lib, "linear_bf16"):             # built for AVX-512
-        lib.linear_bf16.argtypes = [p, i, i, p, i, p, p]
-        lib.linear_bf16.restype = ctypes.c_int
+    if hasattr(lib, "linear"):                  # built for AVX-512
+        lib.linear.argtypes = [p, ctypes.c_int, i, i, p, ctypes.c_int, i, p, p]
+        lib.linear.restype = ctypes.c_int
     return lib
 
 
@@ -126,25 +126,29 @@ def has_library() -> bool:
 def has_linear() -> bool:
     """Whether cpu_kernels.linear runs here (the kernels built, on a CPU with AVX-512)."""
     lib = _library()
-    return lib is not None and hasattr(lib, "linear_bf16")
+    return lib is not None and hasattr(lib, "linear")
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A bfloat16 weight [N, K] (K even) laid out for linear: blocks of 16 output columns (the last
-    padded with zeros), each [K / 2, 16, 2]."""
+    """A bfloat16 or float32 weight [N, K] (K even) laid out for linear: blocks of 16 output
+    columns (the last padded with zeros), each [K / 2, 16, 2] (bfloat16) or [K, 16] (float32)."""
     N, K = weight.shape
     padded = weight.new_zeros((N + 15) // 16 * 16, K)
     padded[:N] = weight
+    if weight.dtype == torch.float32:
+        return padded.view(-1, 16, K).transpose(1, 2).contiguous()
     return padded.view(-1, 16, K // 2, 2).transpose(1, 2).contiguous()
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x [..., K] @ weight.T + bias in bfloat16, weight as pack_weight laid it out."""
+    """x [..., K] @ weight.T + bias, weight as pack_weight laid it out (bias in its dtype); x and
+    the result float32 or bfloat16."""
     K = x.shape[-1]
     x = x.contiguous()
     out = x.new_empty(*x.shape[:-1], out_features)
-    if _library().linear_bf16(x.data_ptr(), x.numel() // K, K, packed.data_ptr(), out_features,
-                              None if bias is None else bias.data_ptr(), out.data_ptr()):
+    if _library().linear(x.data_ptr(), x.dtype == torch.float32, x.numel() // K, K, packed.data_ptr(),
+                         packed.dtype == torch.float32, out_features, None if bias is None else bias.data_ptr(),
+                         out.data_ptr()):
         raise MemoryError("out of memory for a product's input")
     return out
 

@@ -58,8 +58,8 @@ def load_model(folder: Path, dtype: torch.dtype, device: str, max_len: int) -> D
         raise CorruptModelError(f"weights missing from {folder}: {', '.join(missing[:5])}"
                                 f"{' ...' if len(missing) > 5 else ''}")
     model.eval().requires_grad_(False)
-    if str(device) == "cpu" and dtype == torch.bfloat16 and cpu_linear.is_available():
-        cpu_linear.pack_linears(model)      # measured: about a fifth faster per bf16 decode step
+    if str(device) == "cpu":
+        cpu_linear.pack_linears(model)
     return model
 
 
