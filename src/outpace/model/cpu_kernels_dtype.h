@@ -268,9 +268,9 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
  * which read each of its keys together. qk: token t's NH query heads then KVH key heads at
  * qk + t * qk_stride; v: its KVH value heads at v + t * v_stride; its slot is slots[t / slot_div].
  * Every token is written before any attends, so a row's later tokens see its earlier ones.
- * Token and key/value head pairs are shared among OpenMP threads (built with OpenMP) when the
- * keys read add up to PARALLEL_MIN_KEYS. out [T, NH * D]. Returns 0, -1 when memory for the
- * scores ran out, -2 for unsupported sizes. */
+ * Pieces of work are shared among OpenMP threads (built with OpenMP) when the keys read add up
+ * to PARALLEL_MIN_KEYS. out [T, NH * D]. Returns 0, -1 when memory for the scores ran out, -2
+ * for unsupported sizes. */
 int NAME(rope_attend)(const T *qk, long qk_stride, const T *v, long v_stride, const T *cos, const T *sin,
                       T *k_cache, T *v_cache, const int64_t *slots, long slot_div, const int64_t *positions,
                       long tokens, long NH, long KVH, long D, long L, long window, float scale, T *out) {
@@ -295,66 +295,54 @@ int NAME(rope_attend)(const T *qk, long qk_stride, const T *v, long v_stride, co
         if (positions[t] + 1 > max_keys) max_keys = positions[t] + 1;
         work += (positions[t] + 1) * KVH;
     }
-    int failed = 0;
+    int blocked = 0;        /* attend_blocked (AVX-512, D a multiple of 16), else attend_group */
 #ifdef LOAD16
-    if (D % 16 == 0) {
-        /* runs of up to `run` consecutive tokens of one slot (a row's tokens share their keys), each
-         * run with each key/value head one piece of work */
-        long run = group >= BLOCK_QUERIES / 4 ? 1 : BLOCK_QUERIES / 4 / group, runs = 0;
-        long *starts = malloc(sizeof(long) * (size_t)(tokens + 1));
-        if (!starts) return -1;
-        for (long t = 0; t < tokens; runs++) {
-            starts[runs] = t;
-            long end = t + 1;
-            while (end < tokens && end - t < run && slots[end / slot_div] == slots[t / slot_div]) end++;
-            t = end;
-        }
-        starts[runs] = tokens;
-#pragma omp parallel if (runs * KVH > 1 && work >= PARALLEL_MIN_KEYS)
-        {
-            float *scratch = malloc(sizeof(float) * (size_t)(run * group * (2 * D + 32 + max_keys + 16) + 32 * D));
-            if (!scratch) {
-#pragma omp atomic write
-                failed = 1;
-            }
-#pragma omp for collapse(2) schedule(static)
-            for (long u = 0; u < runs; u++) {
-                for (long g = 0; g < KVH; g++) {
-                    long t = starts[u], base = (slots[t / slot_div] * KVH + g) * L * D;
-                    if (scratch) {
-                        NAME(attend_blocked)(qk + t * qk_stride + g * group * D, qk_stride, cos + t * D, sin + t * D,
-                                             k_cache + base, v_cache + base, positions + t, starts[u + 1] - t, window,
-                                             group, D, scale, scratch, out + (t * NH + g * group) * D, NH * D);
-                    }
-                }
-            }
-            free(scratch);
-        }
-        free(starts);
-        return failed ? -1 : 0;
-    }
+    blocked = D % 16 == 0;
 #endif
-#pragma omp parallel if (tokens * KVH > 1 && work >= PARALLEL_MIN_KEYS)
+    /* pieces of work: runs of consecutive tokens of one slot (a row's tokens share their keys),
+     * up to `run` of them where attend_blocked serves several at once, each run with each
+     * key/value head */
+    long run = blocked && group < BLOCK_QUERIES / 4 ? BLOCK_QUERIES / 4 / group : 1, runs = 0;
+    long *starts = malloc(sizeof(long) * (size_t)(tokens + 1));
+    if (!starts) return -1;
+    for (long t = 0; t < tokens; runs++) {
+        starts[runs] = t;
+        long end = t + 1;
+        while (end < tokens && end - t < run && slots[end / slot_div] == slots[t / slot_div]) end++;
+        t = end;
+    }
+    starts[runs] = tokens;
+    size_t scratch_floats = blocked ? (size_t)(run * group * (2 * D + 32 + max_keys + 16) + 32 * D)
+                                    : (size_t)(group * max_keys + 2 * group * D);
+    int failed = 0;
+#pragma omp parallel if (runs * KVH > 1 && work >= PARALLEL_MIN_KEYS)
     {
-        /* this thread's scores [group, keys], rotated queries and sums [group, D] */
-        float *scores = malloc(sizeof(float) * (size_t)(group * max_keys + 2 * group * D));
-        if (!scores) {
+        float *scratch = malloc(sizeof(float) * scratch_floats);      /* this thread's */
+        if (!scratch) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for collapse(2) schedule(static)
-        for (long t = 0; t < tokens; t++) {
+        for (long u = 0; u < runs; u++) {
             for (long g = 0; g < KVH; g++) {
-                if (scores) {
-                    NAME(attend_group)(qk + t * qk_stride + g * group * D, cos + t * D, sin + t * D,
-                                       k_cache + (slots[t / slot_div] * KVH + g) * L * D,
-                                       v_cache + (slots[t / slot_div] * KVH + g) * L * D, positions[t], window,
-                                       group, D, scale, scores, out + (t * NH + g * group) * D);
+                long t = starts[u], base = (slots[t / slot_div] * KVH + g) * L * D;
+                const T *q_heads = qk + t * qk_stride + g * group * D;
+                T *o = out + (t * NH + g * group) * D;
+                if (!scratch) continue;
+#ifdef LOAD16
+                if (blocked) {
+                    NAME(attend_blocked)(q_heads, qk_stride, cos + t * D, sin + t * D, k_cache + base, v_cache + base,
+                                         positions + t, starts[u + 1] - t, window, group, D, scale, scratch, o, NH * D);
+                    continue;
                 }
+#endif
+                NAME(attend_group)(q_heads, cos + t * D, sin + t * D, k_cache + base, v_cache + base, positions[t],
+                                   window, group, D, scale, scratch, o);
             }
         }
-        free(scores);
+        free(scratch);
     }
+    free(starts);
     if (failed) return -1;
     return 0;
 }
