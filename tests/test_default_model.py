@@ -63,6 +63,28 @@ def test_exact_mode_speculation_is_bit_identical(default_model_dir, dtype):
     assert spec.engine.stats.num_accepted_tokens > 0, "the prompts were chosen to give accepted drafts"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_forwards_compute_each_token_alike(default_model_dir, dtype):
+    """On the CPU with the kernels (AVX-512), a token's logits do not depend on what else its
+    forward holds: a verify row of several tokens packed beside another sequence's row gives each
+    token the bits of its own one-token step. Fast mode's speculative greedy output is then
+    bit-identical to plain decoding there, as exact mode's is everywhere."""
+    from outpace.model import cpu_kernels
+    if not cpu_kernels.has_linear():
+        pytest.skip("the CPU kernels' products need AVX-512 and a C compiler")
+    model = load_model(default_model_dir, dtype, "cpu", max_len=256)
+    runner = ModelRunner(model, num_slots=2, max_len=256, max_step_tokens=64)
+    prompts, draft = [list(range(1000, 1040)), list(range(2000, 2023))], [5, 17, 300, 42, 7, 9000]
+    for slot, prompt in enumerate(prompts):
+        runner.forward([Row(slot, prompt, 0)], logits="none")
+    alone = [runner.forward([Row(0, [t], len(prompts[0]) + i)])[0][0, 0].clone() for i, t in enumerate(draft)]
+    other = runner.forward([Row(1, [11], len(prompts[1]))])[0][0, 0].clone()
+    together, _ = runner.forward([Row(0, draft, len(prompts[0])), Row(1, [11], len(prompts[1]))])
+    for i in range(len(draft)):
+        assert torch.equal(together[0, i], alone[i]), i
+    assert torch.equal(together[1, 0], other)
+
+
 def test_bf16_prompt_chunks_compute_in_float32(default_model_dir):
     """On the CPU a long bf16 prompt chunk runs in float32 (weights and cache stay bf16): the
     decode step after it sees the float32 model's logits about as closely as after a bf16 prefill."""
