@@ -104,25 +104,28 @@ class ModelRunner:
             kv_len = self.cache.max_len
         is_contiguous = slots == list(range(slots[0], slots[0] + B))
         lowest, span = min(slots), max(slots) - min(slots) + 1
+        prompt_tokens = sum(lengths) if logits == "none" else sum(len(c.token_ids) for c in chunks)
+        compute = self.prefill_dtype if prompt_tokens >= FP32_PREFILL_MIN_TOKENS else None
+        causal = B == 1 and S > 1 and rows[0].start == 0 and not exact and not self.window and not chunks
+        # the CPU kernels' attention finds each token's keys from its slot and position: no mask,
+        # no slot span
+        kernels = (compute is None and not chunks
+                   and cpu_kernels.fits(self.model.cfg, self.dtype, self.device, sum(lengths) if packed else B * S))
         span_rows = None
         query_positions = positions
-        if not is_contiguous and span <= SPAN_LIMIT * B:
+        if not kernels and not is_contiguous and span <= SPAN_LIMIT * B:
             # attention reads slots lowest..lowest+span-1 as one view; idle slots' rows attend to
             # every key (never an empty softmax) and are dropped
             span_rows = torch.tensor([s - lowest for s in slots], device=self.device)
             query_positions = torch.full((span, S), kv_len - 1, dtype=torch.long, device=self.device)
             query_positions[span_rows] = positions
-        prompt_tokens = sum(lengths) if logits == "none" else sum(len(c.token_ids) for c in chunks)
-        compute = self.prefill_dtype if prompt_tokens >= FP32_PREFILL_MIN_TOKENS else None
-        causal = B == 1 and S > 1 and rows[0].start == 0 and not exact and not self.window and not chunks
-        kernels = (compute is None and not chunks
-                   and cpu_kernels.fits(self.model.cfg, self.dtype, self.device, sum(lengths) if packed else B * S))
+        masked = (S > 1 or B > 1 or exact or self.window) and not causal and not kernels
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, device=self.device),
             positions=positions,
             slots=torch.tensor(slots, device=self.device),
             kv_len=kv_len,
-            mask=None,
+            mask=self._mask(query_positions, kv_len) if masked else None,       # [B or span, 1, S, L]
             slot_start=slots[0] if is_contiguous else lowest if span_rows is not None else None,
             write_start=rows[0].start if B == 1 else None,
             logits=logits == "all",
@@ -131,9 +134,6 @@ class ModelRunner:
             causal=causal,
             cpu_kernels=kernels,
         )
-        # the attention kernel finds each token's keys from its position
-        if (S > 1 or B > 1 or exact or self.window) and not causal and not kernels:
-            batch.mask = self._mask(query_positions, kv_len)                     # [B or span, 1, S, L]
         out, hidden = self.model(batch, self.cache, need_hidden=need_hidden, compute_dtype=compute)
         if packed:      # back to [B, S]: padded entries keep finite stale values, which nobody reads
             index = batch.packed.index

@@ -115,7 +115,7 @@ def fits(cfg, dtype: torch.dtype, device: torch.device, tokens: int) -> bool:
     group = cfg.num_heads // cfg.num_kv_heads
     return (device.type == "cpu" and dtype in SUFFIX and tokens <= MAX_TOKENS and cfg.head_dim <= MAX_HEAD_DIM
             and cfg.head_dim % 2 == 0 and group * cfg.num_kv_heads == cfg.num_heads and group <= MAX_GROUP
-            and _library() is not None)
+            and has_library())
 
 
 def has_library() -> bool:
