@@ -135,7 +135,8 @@ static void NAME(attend_group)(const T *q_heads, const T *cos, const T *sin, con
  * passes: every score and each query's running maximum (lane by lane), then the exponentials and
  * the weighted values. A query's arithmetic depends on its own position (and window) alone: blocks
  * outside its keys are skipped and its masked keys weigh exact zeros, so its result is the same
- * in any call. scratch: attend_scratch floats. D a multiple of 16. */
+ * in any call. scratch: tokens * group * (2 D + 32 + keys + 16) + 32 D floats (rope_attend sizes it).
+ * D a multiple of 16. */
 static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, const T *sin, const T *keys,
                                  const T *values, const int64_t *positions, long tokens, long window, long group,
                                  long D, float scale, float *scratch, T *out, long out_stride) {
