@@ -133,6 +133,7 @@ class ModelRunner:
             span_rows=span_rows,
             causal=causal,
             cpu_kernels=kernels,
+            cpu_pointwise=kernels or cpu_kernels.pointwise_fits(compute or self.dtype, self.device),
         )
         out, hidden = self.model(batch, self.cache, need_hidden=need_hidden, compute_dtype=compute)
         if packed:      # back to [B, S]: padded entries keep finite stale values, which nobody reads

@@ -23,6 +23,9 @@ typedef uint16_t bf16;
 /* attention runs on several threads from this many keys (summed over tokens and key/value heads):
  * fewer cost less than waking the threads */
 #define PARALLEL_MIN_KEYS 512
+/* the norm and SwiGLU kernels share their rows among threads from this many values (prompt chunks):
+ * a decode step's few rows cost less than waking the threads */
+#define PARALLEL_MIN_VALUES 65536
 
 static inline float bf16_to_f32(bf16 x) {
     union { uint32_t u; float f; } v;

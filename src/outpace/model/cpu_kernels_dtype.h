@@ -6,6 +6,7 @@
  * normalised in float32, rounded to the dtype, then scaled (the reference's order) */
 void NAME(add_rms_norm)(const T *h, const T *delta, const T *weight, T *h_out, T *x_out, long rows, long dim,
                         float eps) {
+#pragma omp parallel for if (rows * dim >= PARALLEL_MIN_VALUES) schedule(static)
     for (long r = 0; r < rows; r++) {
         const T *hr = h + r * dim;
         T *xo = x_out + r * dim;
@@ -28,6 +29,7 @@ void NAME(add_rms_norm)(const T *h, const T *delta, const T *weight, T *h_out, T
 
 /* out [rows, inter] = silu(gate) * up from gate_up [rows, 2 * inter] */
 void NAME(silu_mul)(const T *gate_up, T *out, long rows, long inter) {
+#pragma omp parallel for if (rows * inter >= PARALLEL_MIN_VALUES) schedule(static)
     for (long r = 0; r < rows; r++) {
         const T *g = gate_up + r * 2 * inter, *u = g + inter;
         T *o = out + r * inter;

@@ -68,7 +68,7 @@ class DecoderLM(nn.Module):
             h, delta = h[:rows], delta[:rows]
         if not batch.logits:
             return None, ((h + delta).to(hidden_dtype) if need_hidden else None)
-        h, normed = self.norm.add_forward(h, delta, batch.cpu_kernels)
+        h, normed = self.norm.add_forward(h, delta, batch.cpu_pointwise)
         # the LM head in the weights' dtype (a float32 forward's rows would widen its whole matrix)
         logits = linear(normed.reshape(-1, normed.shape[-1]).to(hidden_dtype), self.lm_head).float()
         return logits, (h.to(hidden_dtype) if need_hidden else None)

@@ -83,6 +83,9 @@ class ForwardBatch:
     # cpu_kernels.fits; never with prompt chunks or a compute dtype other than the caches'); mask
     # None then: each token attends over its own slot's keys up to its position
     cpu_kernels: bool = False
+    # a CPU forward whose norms and SwiGLU run as cpu_kernels, attention or not (every CPU forward
+    # whose activations' dtype the kernels serve: prompt chunks too)
+    cpu_pointwise: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -102,8 +105,8 @@ class RMSNorm(nn.Module):
                     kernels: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(h + delta, its norm) (delta None: (h, its norm)): one kernel inside CUDA graphs, one
         call of cpu_kernels with kernels."""
-        if kernels:
-            return cpu_kernels.add_rms_norm(h, delta, self.weight, self.eps)
+        if kernels:     # the weight in the activations' dtype (a bfloat16 model's float32 prompt chunks)
+            return cpu_kernels.add_rms_norm(h, delta, self.weight.to(h.dtype), self.eps)
         if delta is None:
             return h, self(h)
         if h.is_cuda:
@@ -271,6 +274,6 @@ class DecoderLayer(nn.Module):
     def forward(self, h, delta, cos, sin, batch, k_cache, v_cache):
         """(h, delta) -> (h', delta'): the residual stream is h + delta, whose add the next norm
         takes into its own kernel on CUDA (delta None: h is the stream)."""
-        h, x = self.input_norm.add_forward(h, delta, batch.cpu_kernels)
-        h, x = self.post_norm.add_forward(h, self.attn(x, cos, sin, batch, k_cache, v_cache), batch.cpu_kernels)
-        return h, self.mlp(x, batch.cpu_kernels)
+        h, x = self.input_norm.add_forward(h, delta, batch.cpu_pointwise)
+        h, x = self.post_norm.add_forward(h, self.attn(x, cos, sin, batch, k_cache, v_cache), batch.cpu_pointwise)
+        return h, self.mlp(x, batch.cpu_pointwise)
