@@ -18,9 +18,13 @@ Reported per level and mode: output tokens/s (all output tokens / wall time of t
 tokens/s while every client had a request in flight (the server's generated-token counter, read
 when the level starts and when the first client finds no request left: the level's end, where
 fewer requests remain, is left out), time to first token and time per output token after the
-first (median and p99). The first figure mixes in the level's drain, which depends on how far
-apart the requests end (with one length for every request, plain requests all end in the same
-step, speculative ones do not); the second is the throughput at the level's concurrency.
+first (median and p99). The first figure is the issue's: all the level's work over its wall time.
+The second is shown, not checked, because the two modes' busy phases hold different shares of
+the work: with one length for every request, plain requests end in the same step, so a plain
+level's busy phase runs to its end, while speculative requests end apart and the busy phase stops
+when the last request is taken, holding every prompt's prefill but only part of the decoding
+(at 16 clients in the tenth session, 62% of the speculative level's tokens against 99% of the
+plain level's), so it reads low for speculation wherever prefill is a large part of the work.
 """
 from __future__ import annotations
 
@@ -120,7 +124,7 @@ def summarize(results: list[dict], times: dict) -> dict:
     tpot = [r["tpot_s"] for r in results]
     tokens = sum(r["tokens"] for r in results)
     return {"requests": len(results), "output_tokens": tokens, **times, "tokens_per_s": tokens / times["wall_s"],
-            "busy_tokens_per_s": times["busy_tokens"] / times["busy_s"],
+            "busy_tokens_per_s": times["busy_tokens"] / times["busy_s"], "busy_share": times["busy_tokens"] / tokens,
             "ttft_median_s": statistics.median(ttft), "ttft_p99_s": percentile(ttft, 0.99),
             "tpot_median_s": statistics.median(tpot), "tpot_p99_s": percentile(tpot, 0.99)}
 
@@ -210,20 +214,21 @@ def main() -> None:
 def report(args, levels: list[dict]) -> None:
     ms = 1000
     lines = ["| concurrency | mode | requests | output tok/s | speedup | tok/s, all clients busy | speedup "
-             "| TTFT median / p99 (ms) | TPOT median / p99 (ms) |", "|---|---|---|---|---|---|---|---|---|"]
+             "| tokens in that phase | TTFT median / p99 (ms) | TPOT median / p99 (ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for level in levels:
         for mode in ("plain", "spec"):
             r = level[mode]
             speedups = [f"{level[key]:.2f}x" if mode == "spec" else "" for key in ("speedup", "busy_speedup")]
             lines.append(f"| {level['concurrency']} | {'speculative' if mode == 'spec' else 'plain'} | {r['requests']} | "
                          f"{r['tokens_per_s']:.1f} | {speedups[0]} | {r['busy_tokens_per_s']:.1f} | {speedups[1]} | "
+                         f"{r['busy_share']:.0%} | "
                          f"{r['ttft_median_s'] * ms:.0f} / {r['ttft_p99_s'] * ms:.0f} | "
                          f"{r['tpot_median_s'] * ms:.1f} / {r['tpot_p99_s'] * ms:.1f} |")
     by_c = {level["concurrency"]: level for level in levels}
     checks = {}
     for c in by_c:
         checks[f"speculative >= plain at concurrency {c}"] = by_c[c]["speedup"] >= 1.0
-        checks[f"speculative >= plain at concurrency {c}, all clients busy"] = by_c[c]["busy_speedup"] >= 1.0
     if 1 in by_c:
         checks["speculative >= 1.3x plain at concurrency 1"] = by_c[1]["speedup"] >= 1.3
         if 16 in by_c:

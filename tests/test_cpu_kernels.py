@@ -56,6 +56,19 @@ def test_add_rms_norm_and_silu_mul_follow_torch(dtype):
         assert ulps(got, expected) <= 1.01
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [3, 700])       # 700: shared among threads
+def test_rope_equals_torch_bit_for_bit(dtype, tokens):
+    """The query and key heads of a qkv product (a strided slice) rotated as fused.rope does."""
+    from outpace.model.fused import _rope
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(1, tokens, 9 + 2 * 3, 64, generator=g).to(dtype)
+    cos, sin = (torch.randn(1, tokens, 1, 64, generator=g).to(dtype) for _ in range(2))
+    qk = qkv[..., :12, :]
+    got = cpu_kernels.rope(qk, cos, sin)
+    assert got.shape == qk.shape and torch.equal(got, _rope(qk, cos, sin))
+
+
 def reference_attention(qkv, heads, cos, sin, k_cache, v_cache, slots, positions, window):
     """rope_attend with PyTorch's ops, on copies of the caches: (output, k_cache, v_cache)."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
@@ -169,6 +182,37 @@ def test_kernel_batches_equal_torch_steps(dtype, tmp_path, monkeypatch):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
         else:
             torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_rows_beside_prompt_chunks_compute_as_alone(family, tmp_path, monkeypatch):
+    """Decode and verify rows in a forward that also caches prompt chunks attend through the
+    attention kernel: in float32 (products by the row-independent kernel) their logits equal, bit
+    for bit, a forward of the rows alone; and the chunks fill the cache as a forward of their own."""
+    if not cpu_kernels.has_linear():
+        pytest.skip("no AVX-512: float32 products are MKL's, which depend on the rows a call holds")
+    make_tiny(family, tmp_path)
+    model = load_model(tmp_path, torch.float32, "cpu", max_len=512)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (20, 30, 40, 25)]
+    runner = ModelRunner(model, num_slots=4, max_len=512, max_step_tokens=64)
+    for slot in (0, 1):
+        runner.forward([Row(slot, prompts[slot][:-3], 0)], logits="none")
+    runner.forward([Row(2, prompts[2][:10], 0)], logits="none")
+    rows = [Row(0, prompts[0][-3:], 17), Row(1, prompts[1][-3:-2], 27)]
+    alone = runner.forward(rows)[0]
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "rope_attend", lambda *a, _f=cpu_kernels.rope_attend: calls.append(a) or _f(*a))
+    joined = runner.forward(rows, chunks=[Row(2, prompts[2][10:-1], 10), Row(3, prompts[3][:-1], 0)])[0]
+    assert torch.equal(joined, alone)
+    # every layer's rows (their 4 tokens) went through the kernel, the chunks' tokens did not
+    assert len(calls) == model.cfg.num_layers and all(len(a[0]) == 4 for a in calls)
+    fresh = ModelRunner(model, num_slots=4, max_len=512, max_step_tokens=64)
+    for slot in (2, 3):
+        p = prompts[slot]
+        fresh.forward([Row(slot, p[:-1], 0)], logits="none")
+        last = [Row(slot, p[-1:], len(p) - 1)]
+        torch.testing.assert_close(runner.forward(last)[0], fresh.forward(last)[0], atol=1e-5, rtol=1e-5)
 
 
 def test_without_a_compiler_steps_use_torch(tmp_path, monkeypatch, capsys):

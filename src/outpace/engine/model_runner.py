@@ -111,15 +111,17 @@ class ModelRunner:
         # no slot span
         kernels = (compute is None and not chunks
                    and cpu_kernels.fits(self.model.cfg, self.dtype, self.device, sum(lengths) if packed else B * S))
+        # with prompt chunks, the rows alone attend through the kernel (the chunks through PyTorch)
+        row_kernels = bool(chunks) and cpu_kernels.attention_fits(self.model.cfg, self.dtype, self.device)
         span_rows = None
         query_positions = positions
-        if not kernels and not is_contiguous and span <= SPAN_LIMIT * B:
+        if not kernels and not row_kernels and not is_contiguous and span <= SPAN_LIMIT * B:
             # attention reads slots lowest..lowest+span-1 as one view; idle slots' rows attend to
             # every key (never an empty softmax) and are dropped
             span_rows = torch.tensor([s - lowest for s in slots], device=self.device)
             query_positions = torch.full((span, S), kv_len - 1, dtype=torch.long, device=self.device)
             query_positions[span_rows] = positions
-        masked = (S > 1 or B > 1 or exact or self.window) and not causal and not kernels
+        masked = (S > 1 or B > 1 or exact or self.window) and not causal and not kernels and not row_kernels
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, device=self.device),
             positions=positions,
@@ -129,11 +131,12 @@ class ModelRunner:
             slot_start=slots[0] if is_contiguous else lowest if span_rows is not None else None,
             write_start=rows[0].start if B == 1 else None,
             logits=logits == "all",
-            packed=self._packing(lengths, S, positions, slots, chunks, split=not kernels) if packed else None,
+            packed=self._packing(lengths, S, positions, slots, chunks, split=not (kernels or row_kernels)) if packed else None,
             span_rows=span_rows,
             causal=causal,
             cpu_kernels=kernels,
             cpu_pointwise=kernels or cpu_kernels.pointwise_fits(compute or self.dtype, self.device),
+            cpu_row_attention=row_kernels,
         )
         out, hidden = self.model(batch, self.cache, need_hidden=need_hidden, compute_dtype=compute)
         if packed:      # back to [B, S]: padded entries keep finite stale values, which nobody reads

@@ -102,6 +102,7 @@ def _library() -> ctypes.CDLL | None:
     for suffix in SUFFIX.values():
         getattr(lib, f"add_rms_norm_{suffix}").argtypes = [p, p, p, p, p, i, i, f]
         getattr(lib, f"silu_mul_{suffix}").argtypes = [p, p, i, i]
+        getattr(lib, f"rope_{suffix}").argtypes = [p, i, i, p, p, i, i, p]
         rope_attend = getattr(lib, f"rope_attend_{suffix}")
         rope_attend.argtypes = [p, i, p, i, p, p, p, p, p, i, p, i, i, i, i, i, i, f, p]
         rope_attend.restype = ctypes.c_int
@@ -114,10 +115,14 @@ def _library() -> ctypes.CDLL | None:
 def fits(cfg, dtype: torch.dtype, device: torch.device, tokens: int) -> bool:
     """Whether the kernels run a forward of this many tokens of a model of this config (ModelConfig)
     with activations and caches in this dtype."""
+    return tokens <= MAX_TOKENS and attention_fits(cfg, dtype, device)
+
+
+def attention_fits(cfg, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether rope_attend serves a model of this config with caches in this dtype."""
     group = cfg.num_heads // cfg.num_kv_heads
-    return (device.type == "cpu" and dtype in SUFFIX and tokens <= MAX_TOKENS and cfg.head_dim <= MAX_HEAD_DIM
-            and cfg.head_dim % 2 == 0 and group * cfg.num_kv_heads == cfg.num_heads and group <= MAX_GROUP
-            and has_library())
+    return (device.type == "cpu" and dtype in SUFFIX and cfg.head_dim <= MAX_HEAD_DIM and cfg.head_dim % 2 == 0
+            and group * cfg.num_kv_heads == cfg.num_heads and group <= MAX_GROUP and has_library())
 
 
 def pointwise_fits(dtype: torch.dtype, device: torch.device) -> bool:
@@ -176,6 +181,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(*gate_up.shape[:-1], inter)
     getattr(_library(), f"silu_mul_{SUFFIX[gate_up.dtype]}")(gate_up.data_ptr(), out.data_ptr(),
                                                              gate_up.numel() // (2 * inter), inter)
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., heads, D] rotated as fused.rope rotates it, bit for bit; cos, sin: each token's row
+    [..., 1, D] in x's dtype. x's heads may be a slice of wider rows (qkv's query and key heads).
+    Returns a contiguous [..., heads, D]."""
+    *lead, heads, D = x.shape
+    rows = x.reshape(-1, heads, D)
+    if rows.stride(2) != 1 or rows.stride(1) != D:
+        rows = rows.contiguous()
+    out = x.new_empty(x.shape)
+    getattr(_library(), f"rope_{SUFFIX[x.dtype]}")(rows.data_ptr(), rows.stride(0), heads, cos.contiguous().data_ptr(),
+                                                  sin.contiguous().data_ptr(), rows.shape[0], D, out.data_ptr())
     return out
 
 

@@ -51,6 +51,19 @@ static inline void NAME(rotate)(const T *x, const T *cos, const T *sin, long D, 
     }
 }
 
+/* out [tokens, heads, D] = each head rotated (token t's heads at x + t * x_stride, its cos and sin
+ * rows at t * D): rotate's arithmetic, so bit for bit PyTorch's ops of dtype T (fused.rope) */
+void NAME(rope)(const T *x, long x_stride, long heads, const T *cos, const T *sin, long tokens, long D, T *out) {
+#pragma omp parallel for if (tokens * heads * D >= PARALLEL_MIN_VALUES) schedule(static)
+    for (long t = 0; t < tokens; t++) {
+        float rot[MAX_HEAD_DIM];
+        for (long h = 0; h < heads; h++) {
+            NAME(rotate)(x + t * x_stride + h * D, cos + t * D, sin + t * D, D, rot);
+            for (long i = 0; i < D; i++) out[(t * heads + h) * D + i] = STORE(rot[i]);
+        }
+    }
+}
+
 /* q . k over D values */
 static inline float NAME(dot)(const float *q, const T *k, long D) {
     long i = 0;

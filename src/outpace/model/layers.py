@@ -83,9 +83,13 @@ class ForwardBatch:
     # cpu_kernels.fits; never with prompt chunks or a compute dtype other than the caches'); mask
     # None then: each token attends over its own slot's keys up to its position
     cpu_kernels: bool = False
-    # a CPU forward whose norms and SwiGLU run as cpu_kernels, attention or not (every CPU forward
-    # whose activations' dtype the kernels serve: prompt chunks too)
+    # a CPU forward whose norms, SwiGLU and (outside cpu_kernels' attention) rotation run as
+    # cpu_kernels (every CPU forward whose activations' dtype the kernels serve: prompt chunks too)
     cpu_pointwise: bool = False
+    # a CPU forward of packed rows and prompt chunks whose rows (the first len(packed.index) tokens)
+    # attend through cpu_kernels.rope_attend in the caches' dtype, the chunks through PyTorch's
+    # attention; the rows need no mask then
+    cpu_row_attention: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -142,11 +146,11 @@ class Attention(nn.Module):
                                           None if self.q_norm is None else qk)
             return linear(out.view(*x.shape[:-1], -1), self.o)
         if batch.packed is not None:
-            return linear(self._packed(qk, v, cos, sin, batch, k_cache, v_cache).flatten(-2), self.o)
+            return linear(self._packed(qkv, qk, v, cos, sin, batch, k_cache, v_cache).flatten(-2), self.o)
         # q and k rotated together; the new keys/values written at their positions (stale entries
         # past a sequence's length are never attended (mask) and get overwritten by later writes)
         if batch.write_start is not None:                 # one row at known positions: plain copies
-            qk = rope(qk, cos, sin)                       # [B, S, H+KVH, D]
+            qk = cpu_kernels.rope(qk, cos, sin) if batch.cpu_pointwise else rope(qk, cos, sin)   # [B, S, H+KVH, D]
             q = qk[:, :, :H].transpose(1, 2)              # [B, H, S, D]
             k_cache[batch.slot_start, :, batch.write_start:batch.write_start + S] = qk[0, :, H:].transpose(0, 1)
             v_cache[batch.slot_start, :, batch.write_start:batch.write_start + S] = v[0].transpose(0, 1)
@@ -176,12 +180,20 @@ class Attention(nn.Module):
         """Copies of the caches of `slots`, positions [0, kv_len)."""
         return k_cache[:, :, :kv_len].index_select(0, slots), v_cache[:, :, :kv_len].index_select(0, slots)
 
-    def _packed(self, qk, v, cos, sin, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
-        """Attention over packed rows (qk [T, H+KVH, D], v [T, KVH, D], cos/sin [T, 1, D]):
-        rotation and cache writes per real token; returns [T, H, D]."""
+    def _packed(self, qkv, qk, v, cos, sin, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
+        """Attention over packed rows (qkv [T, H+2KVH, D], its q and k heads qk (normed where the
+        family norms them), v [T, KVH, D], cos/sin [T, 1, D]): rotation and cache writes per real
+        token; returns [T, H, D]."""
         H, pk = self.num_heads, batch.packed
-        qk = rope(qk, cos, sin)
-        index = (pk.slots[:, None], self._heads(qk.device).view(-1), pk.positions[:, None])     # [T, KVH]
+        rows = None
+        if batch.cpu_row_attention:     # the rows (the first T tokens) in one kernel call, then the chunks'
+            T = len(pk.index)
+            rows = self._kernel_rows(qkv[:T], None if self.q_norm is None else qk[:T], cos[:T], sin[:T],
+                                     pk.slots[:T], pk.positions[:T], k_cache, v_cache)
+            qk, v, cos, sin = qk[T:], v[T:], cos[T:], sin[T:]
+        tokens = slice(len(pk.positions) - len(qk), None)       # the tokens rotated and written here
+        qk = cpu_kernels.rope(qk, cos, sin) if batch.cpu_pointwise else rope(qk, cos, sin)
+        index = (pk.slots[tokens, None], self._heads(qk.device).view(-1), pk.positions[tokens, None])   # [T, KVH]
         k_cache.index_put_(index, qk[:, H:].to(k_cache.dtype))
         v_cache.index_put_(index, v.to(v_cache.dtype))
         q = qk[:, :H]
@@ -190,9 +202,11 @@ class Attention(nn.Module):
         # prompt chunks after the rows: each attends over its own slot's cache. The rows attend in
         # the cache's dtype even when a long chunk makes the forward float32: widening every row's
         # cache to float32 cost more than the rows' share of the products
-        T = len(pk.index)
-        rows = self._packed_rows(q[:T].to(k_cache.dtype), batch, k_cache, v_cache).to(q.dtype)
-        outs, offset = [rows], T
+        if rows is None:
+            T = len(pk.index)
+            rows = self._packed_rows(q[:T].to(k_cache.dtype), batch, k_cache, v_cache).to(q.dtype)
+            q = q[T:]
+        outs, offset = [rows], 0
         for c in pk.chunks:
             chunk_q = q[offset:offset + c.n].transpose(0, 1)[None]                 # [1, H, n, D]
             out = self._attend(chunk_q, k_cache[c.slot:c.slot + 1, :, :c.end], v_cache[c.slot:c.slot + 1, :, :c.end],
@@ -200,6 +214,15 @@ class Attention(nn.Module):
             outs.append(out[0].transpose(0, 1))
             offset += c.n
         return torch.cat(outs)
+
+    def _kernel_rows(self, qkv, qk, cos, sin, slots, positions, k_cache, v_cache) -> torch.Tensor:
+        """Rotation, cache writes and attention of rows' tokens (qkv [T, H+2KVH, D]; qk their normed
+        q and k heads or None) as cpu_kernels.rope_attend, in the caches' dtype; [T, H, D] in qkv's."""
+        dtype = k_cache.dtype
+        out = cpu_kernels.rope_attend(qkv.to(dtype).contiguous(), self.num_heads, cos.to(dtype), sin.to(dtype),
+                                      k_cache, v_cache, slots, positions, self.window,
+                                      None if qk is None else qk.to(dtype).contiguous())
+        return out.view(len(qkv), self.num_heads, -1).to(qkv.dtype)
 
     def _packed_rows(self, q, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
         """Attention of the packed rows' queries q [T, H, D] (written to the cache already)."""
