@@ -141,10 +141,9 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(qk[..., :H, :]), self.k_norm(qk[..., H:, :])], dim=-2)
         if batch.cpu_kernels:
             pk = batch.packed
-            out = cpu_kernels.rope_attend(qkv, H, cos, sin, k_cache, v_cache, batch.slots if pk is None else pk.slots,
-                                          batch.positions if pk is None else pk.positions, self.window,
-                                          None if self.q_norm is None else qk)
-            return linear(out.view(*x.shape[:-1], -1), self.o)
+            out = self._kernel_rows(qkv, qk, cos, sin, batch.slots if pk is None else pk.slots,
+                                    batch.positions if pk is None else pk.positions, k_cache, v_cache)
+            return linear(out, self.o)
         if batch.packed is not None:
             return linear(self._packed(qkv, qk, v, cos, sin, batch, k_cache, v_cache).flatten(-2), self.o)
         # q and k rotated together; the new keys/values written at their positions (stale entries
@@ -185,15 +184,14 @@ class Attention(nn.Module):
         family norms them), v [T, KVH, D], cos/sin [T, 1, D]): rotation and cache writes per real
         token; returns [T, H, D]."""
         H, pk = self.num_heads, batch.packed
-        rows = None
+        rows, first = None, 0       # first: the first token rotated and written below
         if batch.cpu_row_attention:     # the rows (the first T tokens) in one kernel call, then the chunks'
-            T = len(pk.index)
-            rows = self._kernel_rows(qkv[:T], None if self.q_norm is None else qk[:T], cos[:T], sin[:T],
-                                     pk.slots[:T], pk.positions[:T], k_cache, v_cache)
+            first = T = len(pk.index)
+            rows = self._kernel_rows(qkv[:T], qk[:T], cos[:T], sin[:T], pk.slots[:T], pk.positions[:T],
+                                     k_cache, v_cache).unflatten(-1, (H, -1))
             qk, v, cos, sin = qk[T:], v[T:], cos[T:], sin[T:]
-        tokens = slice(len(pk.positions) - len(qk), None)       # the tokens rotated and written here
         qk = cpu_kernels.rope(qk, cos, sin) if batch.cpu_pointwise else rope(qk, cos, sin)
-        index = (pk.slots[tokens, None], self._heads(qk.device).view(-1), pk.positions[tokens, None])   # [T, KVH]
+        index = (pk.slots[first:, None], self._heads(qk.device).view(-1), pk.positions[first:, None])   # [T, KVH]
         k_cache.index_put_(index, qk[:, H:].to(k_cache.dtype))
         v_cache.index_put_(index, v.to(v_cache.dtype))
         q = qk[:, :H]
@@ -216,13 +214,14 @@ class Attention(nn.Module):
         return torch.cat(outs)
 
     def _kernel_rows(self, qkv, qk, cos, sin, slots, positions, k_cache, v_cache) -> torch.Tensor:
-        """Rotation, cache writes and attention of rows' tokens (qkv [T, H+2KVH, D]; qk their normed
-        q and k heads or None) as cpu_kernels.rope_attend, in the caches' dtype; [T, H, D] in qkv's."""
+        """Rotation, cache writes and attention of rows' tokens as cpu_kernels.rope_attend, in the
+        caches' dtype (qkv [..., H+2KVH, D]; qk its q and k heads, used where the family norms
+        them). Returns [..., H * D] in qkv's dtype."""
         dtype = k_cache.dtype
         out = cpu_kernels.rope_attend(qkv.to(dtype).contiguous(), self.num_heads, cos.to(dtype), sin.to(dtype),
                                       k_cache, v_cache, slots, positions, self.window,
-                                      None if qk is None else qk.to(dtype).contiguous())
-        return out.view(len(qkv), self.num_heads, -1).to(qkv.dtype)
+                                      None if self.q_norm is None else qk.to(dtype).contiguous())
+        return out.view(*qkv.shape[:-2], -1).to(qkv.dtype)
 
     def _packed_rows(self, q, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
         """Attention of the packed rows' queries q [T, H, D] (written to the cache already)."""
