@@ -85,10 +85,13 @@ def test_cpu_kernel_forwards_compute_each_token_alike(default_model_dir, dtype):
     assert torch.equal(together[1, 0], other)
 
 
-def test_bf16_prompt_chunks_compute_in_float32(default_model_dir):
-    """On the CPU a long bf16 prompt chunk runs in float32 (weights and cache stay bf16): the
-    decode step after it sees the float32 model's logits about as closely as after a bf16 prefill."""
+def test_bf16_prompt_chunks_compute_in_float32(default_model_dir, monkeypatch):
+    """On a CPU without bfloat16 dot products a long bf16 prompt chunk runs in float32 (weights and
+    cache stay bf16): the decode step after it sees the float32 model's logits about as closely as
+    after a bf16 prefill."""
     from outpace.engine.model_runner import FP32_PREFILL_MIN_TOKENS
+    from outpace.model import cpu_kernels
+    monkeypatch.setattr(cpu_kernels, "has_bf16_dot", lambda: False)
     ids = list(range(1000, 1000 + 3 * FP32_PREFILL_MIN_TOKENS // 2))
     last = [ids.pop()]
     logits = {}

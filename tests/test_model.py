@@ -96,9 +96,16 @@ def test_prompt_chunks_cache_inside_a_decode_forward(pair):
         torch.testing.assert_close(got, expected, atol=1e-9, rtol=1e-9)
 
 
-def test_long_chunk_beside_bf16_rows(tmp_path):
-    """A chunk long enough to make the forward float32 (bf16 weights on the CPU) leaves the decode
-    rows beside it computing as bf16 rows do, up to the rounding of their float32 products."""
+@pytest.mark.parametrize("bf16_dot", [False, True])
+def test_long_chunk_beside_bf16_rows(tmp_path, monkeypatch, bf16_dot):
+    """A chunk long enough to make the forward float32 (bf16 weights on a CPU without bf16 dot
+    products) leaves the decode rows beside it computing as bf16 rows do, up to the rounding of
+    their float32 products; where the chunk stays bf16 (cpu_kernels' products on vdpbf16ps), the
+    rows beside it compute bit for bit as alone."""
+    from outpace.model import cpu_kernels
+    if bf16_dot and not cpu_kernels.has_bf16_dot():
+        pytest.skip("cpu_kernels.linear has no bf16 dot products here")
+    monkeypatch.setattr(cpu_kernels, "has_bf16_dot", lambda: bf16_dot)
     make_tiny("llama", tmp_path, dtype=torch.bfloat16)
     model = load_model(tmp_path, torch.bfloat16, "cpu", max_len=512)
     g = torch.Generator().manual_seed(6)
@@ -109,9 +116,13 @@ def test_long_chunk_beside_bf16_rows(tmp_path):
     rows = [Row(slot, p[-3:], len(p) - 3) for slot, p in enumerate(prompts[:2])]
     alone, _ = runner.forward(rows)
     joined, _ = runner.forward(rows, chunks=[Row(2, prompts[2][:-1], 0)])
-    assert runner.prefill_dtype is torch.float32 and len(prompts[2]) - 1 >= FP32_PREFILL_MIN_TOKENS
-    torch.testing.assert_close(joined, alone, atol=0.1, rtol=0.05)
-    assert (joined.argmax(-1) == alone.argmax(-1)).float().mean() > 0.8
+    assert len(prompts[2]) - 1 >= FP32_PREFILL_MIN_TOKENS
+    if bf16_dot:
+        assert runner.prefill_dtype is None and torch.equal(joined, alone)
+    else:
+        assert runner.prefill_dtype is torch.float32
+        torch.testing.assert_close(joined, alone, atol=0.1, rtol=0.05)
+        assert (joined.argmax(-1) == alone.argmax(-1)).float().mean() > 0.8
     fresh = ModelRunner(model, num_slots=3, max_len=512, max_step_tokens=256)
     fresh.forward([Row(2, prompts[2][:-1], 0)], logits="none")
     last = [Row(2, prompts[2][-1:], len(prompts[2]) - 1)]
@@ -150,10 +161,11 @@ def test_packed_cpu_linear_is_bit_identical(monkeypatch):
 
 def test_cpu_kernel_linear_sums_in_order():
     """cpu_kernels.linear, bfloat16: each output is x's products with the weight summed in input
-    order in float32 (products of bf16 values are exact there), plus the bias, rounded once to
-    bf16: bit for bit, whatever the rows beside it. Shapes cover a partial last block of 16 columns
-    and rows split into several tiles; F.linear (oneDNN, which sums in another order for some row
-    and thread counts) agrees to within a bf16 step."""
+    order in float32 (products of bf16 values are exact there; with vdpbf16ps each pair of inputs
+    adds its odd input's product first), plus the bias, rounded once to bf16: bit for bit, whatever
+    the rows beside it. Shapes cover a partial last block of 16 columns and rows split into several
+    tiles; F.linear (oneDNN, which sums in another order for some row and thread counts) agrees to
+    within a bf16 step."""
     from outpace.model import cpu_kernels, cpu_linear
     if not cpu_kernels.has_linear():
         pytest.skip("cpu_kernels.linear needs AVX-512 and a C compiler")
@@ -166,7 +178,8 @@ def test_cpu_kernel_linear_sums_in_order():
         for rows in (1, 3, 13, 33):
             x = torch.randn(rows, n_in, generator=g).to(torch.bfloat16)
             expected = torch.zeros(rows, n_out)
-            for k in range(n_in):
+            order = [k ^ 1 if cpu_kernels.has_bf16_dot() else k for k in range(n_in)]
+            for k in order:
                 expected += x[:, k:k + 1].float() * w[:, k]
             if bias:
                 expected += linear.bias.float()

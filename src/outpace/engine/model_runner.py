@@ -41,10 +41,13 @@ SPAN_LIMIT = 2
 # the padded queries cost what the second attention call and its gathers cost.
 SPLIT_ATTENTION_PADDING = 16
 
-# A bfloat16 prompt chunk of at least this many tokens runs in float32 on the CPU: oneDNN's float32
-# products are about 1.6x its bfloat16 ones from 128 rows up there (benchmarks in cpu_linear.py's
-# notes), and float32 attention is faster too. Only prompt chunks: a decode or verify forward keeps
-# the weights' dtype, so plain and speculative steps compute alike.
+# A bfloat16 prompt chunk of at least this many tokens runs in float32 on a CPU whose bfloat16
+# products widen to float32 FMAs (no AVX512_BF16): there oneDNN's float32 products were about 1.6x
+# its bfloat16 ones from 128 rows up (cpu_linear.py's notes), and float32 attention was faster too.
+# Where cpu_kernels.linear runs on vdpbf16ps the chunk stays bfloat16: four 660-790-token rag
+# prompts took 3.14 s to prefill against 6.07 in float32 (products 1.70 s against 4.18). Only
+# prompt chunks: a decode or verify forward keeps the weights' dtype, so plain and speculative
+# steps compute alike.
 FP32_PREFILL_MIN_TOKENS = 128
 
 
@@ -62,7 +65,8 @@ class ModelRunner:
                              cfg.head_dim, self.dtype, self.device)
         self.exact_tokens = exact_tokens
         self.window = cfg.sliding_window
-        self.prefill_dtype = torch.float32 if self.device.type == "cpu" and self.dtype == torch.bfloat16 else None
+        self.prefill_dtype = (torch.float32 if self.device.type == "cpu" and self.dtype == torch.bfloat16
+                              and not cpu_kernels.has_bf16_dot() else None)
         self._arange = torch.arange(max_len + max_step_tokens, device=self.device)
         self._padded_logits: torch.Tensor | None = None
         # whether rows of different lengths cost their own tokens (packed) or the longest row's

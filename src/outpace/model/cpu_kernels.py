@@ -109,6 +109,7 @@ def _library() -> ctypes.CDLL | None:
     if hasattr(lib, "linear"):                  # built for AVX-512
         lib.linear.argtypes = [p, ctypes.c_int, i, i, p, ctypes.c_int, i, p, p]
         lib.linear.restype = ctypes.c_int
+        lib.linear_bf16_dot.restype = ctypes.c_int
     return lib
 
 
@@ -139,6 +140,11 @@ def has_linear() -> bool:
     """Whether cpu_kernels.linear runs here (the kernels built, on a CPU with AVX-512)."""
     lib = _library()
     return lib is not None and hasattr(lib, "linear")
+
+
+def has_bf16_dot() -> bool:
+    """Whether linear's bfloat16 products run on vdpbf16ps here (a CPU with AVX512_BF16)."""
+    return has_linear() and _library().linear_bf16_dot() == 1
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

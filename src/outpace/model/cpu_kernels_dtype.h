@@ -44,11 +44,10 @@ void NAME(silu_mul)(const T *gate_up, T *out, long rows, long inter) {
  * PyTorch's ops of dtype T round */
 static inline void NAME(rotate)(const T *x, const T *cos, const T *sin, long D, float *out) {
     long half = D / 2;
-    for (long i = 0; i < D; i++) {
-        float a = ROUND(LOAD(x[i]) * LOAD(cos[i]));
-        float b = ROUND(LOAD(x[(i + half) % D]) * LOAD(sin[i]));
-        out[i] = ROUND(a + b);
-    }
+    for (long i = 0; i < half; i++)         /* two loops rather than an index mod D: they vectorise */
+        out[i] = ROUND(ROUND(LOAD(x[i]) * LOAD(cos[i])) + ROUND(LOAD(x[i + half]) * LOAD(sin[i])));
+    for (long i = half; i < D; i++)
+        out[i] = ROUND(ROUND(LOAD(x[i]) * LOAD(cos[i])) + ROUND(LOAD(x[i - half]) * LOAD(sin[i])));
 }
 
 /* out [tokens, heads, D] = each head rotated (token t's heads at x + t * x_stride, its cos and sin
