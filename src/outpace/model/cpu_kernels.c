@@ -141,6 +141,9 @@ static inline float lanes_sum(const float *parts) {
 #define LOAD16(p) _mm512_castsi512_ps(_mm512_slli_epi32( \
     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #endif
+#ifdef __AVX512BF16__
+#define DOT_PAIRS       /* attention scores as vdpbf16ps over pairs of bfloat16 values */
+#endif
 #include "cpu_kernels_dtype.h"
 
 #ifdef __AVX512F__

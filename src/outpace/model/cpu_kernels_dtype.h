@@ -149,7 +149,9 @@ static void NAME(attend_group)(const T *q_heads, const T *cos, const T *sin, con
  * passes: every score and each query's running maximum (lane by lane), then the exponentials and
  * the weighted values. A query's arithmetic depends on its own position (and window) alone: blocks
  * outside its keys are skipped and its masked keys weigh exact zeros, so its result is the same
- * in any call. scratch: tokens * group * (2 D + 32 + keys + 16) + 32 D floats (rope_attend sizes it).
+ * in any call. scratch: tokens * group * (2 D + D / 2 + 32 + keys + 16) + 32 D floats (rope_attend
+ * sizes it). Where DOT_PAIRS (bfloat16 with AVX512_BF16) and D is a multiple of 32, the scores are
+ * vdpbf16ps sums over pairs of values, the keys moved as pairs without widening.
  * D a multiple of 16. */
 static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, const T *sin, const T *keys,
                                  const T *values, const int64_t *positions, long tokens, long window, long group,
@@ -176,6 +178,15 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
             NAME(rotate)(qk + t * qk_stride + r * D, cos + t * D, sin + t * D, D, q + (t * group + r) * D);
         }
     }
+#ifdef DOT_PAIRS
+    /* the queries (rounded to bfloat16 by rotate, so exactly) as pairs of bfloat16 values, one
+     * 32-bit word a pair, after the scores: kt then holds the keys' pairs transposed, [D / 2][16] */
+    int pairs = D % 32 == 0;
+    uint32_t *qp = (uint32_t *)(scores + queries * stride);
+    for (long i = 0; pairs && i < queries * D / 2; i++) {
+        qp[i] = (uint32_t)f32_to_bf16(q[2 * i]) | (uint32_t)f32_to_bf16(q[2 * i + 1]) << 16;
+    }
+#endif
     for (long i = 0; i < queries * D; i++) acc[i] = 0.0f;
     for (long i = 0; i < queries; i++) {
         _mm512_storeu_ps(top + i * 16, _mm512_set1_ps(-INFINITY));
@@ -184,7 +195,19 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
     for (long pass = 0; pass < 2; pass++) {
         for (long j0 = base; j0 <= hi; j0 += 16) {
             long valid = hi - j0 + 1 < 16 ? hi - j0 + 1 : 16;     /* keys past hi may be unwritten */
+#ifdef DOT_PAIRS
+            for (long d = 0; pairs && !pass && d < D; d += 32) {    /* 16 pairs of 16 keys, transposed */
+                __m512 rows[16];
+                for (long j = 0; j < 16; j++) {
+                    rows[j] = j >= valid ? _mm512_setzero_ps() : _mm512_loadu_ps((const void *)(keys + (j0 + j) * D + d));
+                }
+                transpose16(rows);
+                for (long i = 0; i < 16; i++) _mm512_storeu_ps(kt + (d / 2 + i) * 16, rows[i]);
+            }
+            for (long d = 0; !(pairs && !pass) && d < D; d += 16) {
+#else
             for (long d = 0; d < D; d += 16) {
+#endif
                 __m512 rows[16];
                 for (long j = 0; j < 16; j++) {
                     rows[j] = j >= valid ? _mm512_setzero_ps() : LOAD16((pass ? values : keys) + (j0 + j) * D + d);
@@ -214,7 +237,22 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
                     for (int c = 0; c < 4; c++) qc[c] = q + (i0 + c < queries ? i0 + c : i0) * D;
                     __m512 even[4], odd[4];
                     for (int c = 0; c < 4; c++) even[c] = odd[c] = _mm512_setzero_ps();
+#ifdef DOT_PAIRS
+                    /* each score a sum over the pairs (odd value's product first), even pairs
+                     * in even, odd ones in odd */
+                    for (long p = 0; pairs && p < D / 2; p += 2) {
+                        __m512bh k0 = (__m512bh)_mm512_castps_si512(_mm512_loadu_ps(kt + p * 16));
+                        __m512bh k1 = (__m512bh)_mm512_castps_si512(_mm512_loadu_ps(kt + (p + 1) * 16));
+                        for (int c = 0; c < 4; c++) {
+                            const uint32_t *qc2 = qp + (i0 + c < queries ? i0 + c : i0) * D / 2;
+                            even[c] = _mm512_dpbf16_ps(even[c], (__m512bh)_mm512_set1_epi32((int)qc2[p]), k0);
+                            odd[c] = _mm512_dpbf16_ps(odd[c], (__m512bh)_mm512_set1_epi32((int)qc2[p + 1]), k1);
+                        }
+                    }
+                    for (long d = 0; !pairs && d < D; d += 2) {
+#else
                     for (long d = 0; d < D; d += 2) {
+#endif
                         __m512 k0 = _mm512_loadu_ps(kt + d * 16), k1 = _mm512_loadu_ps(kt + (d + 1) * 16);
                         for (int c = 0; c < 4; c++) {
                             even[c] = _mm512_fmadd_ps(_mm512_set1_ps(qc[c][d]), k0, even[c]);
@@ -243,19 +281,28 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
                     }
                     _mm512_storeu_ps(weights[c], e);
                 }
-                for (long d = 0; d < D; d += 16) {
-                    __m512 pe[4], po[4];
-                    for (int c = 0; c < 4; c++) pe[c] = po[c] = _mm512_setzero_ps();
-                    for (long j = 0; j < 16; j += 2) {
-                        __m512 v0 = _mm512_loadu_ps(vb + j * D + d), v1 = _mm512_loadu_ps(vb + (j + 1) * D + d);
-                        for (int c = 0; c < 4; c++) {
-                            pe[c] = _mm512_fmadd_ps(_mm512_set1_ps(weights[c][j]), v0, pe[c]);
-                            po[c] = _mm512_fmadd_ps(_mm512_set1_ps(weights[c][j + 1]), v1, po[c]);
+                /* up to 64 values at a time: the four queries' 16 sums stay in registers over
+                 * the block's keys, each key's weights broadcast once */
+                for (long d0 = 0; d0 < D; d0 += 64) {
+                    long chunks = D - d0 < 64 ? (D - d0) / 16 : 4;
+                    __m512 part[4][4];
+                    for (int c = 0; c < 4; c++) {
+                        for (int k = 0; k < 4; k++) part[c][k] = _mm512_setzero_ps();
+                    }
+                    for (long j = 0; j < 16; j++) {
+                        __m512 w[4];
+                        for (int c = 0; c < 4; c++) w[c] = _mm512_set1_ps(weights[c][j]);
+                        for (int k = 0; k < 4; k++) {
+                            if (k >= chunks) continue;
+                            __m512 v = _mm512_loadu_ps(vb + j * D + d0 + 16 * k);
+                            for (int c = 0; c < 4; c++) part[c][k] = _mm512_fmadd_ps(w[c], v, part[c][k]);
                         }
                     }
                     for (int c = 0; c < 4 && i0 + c < queries; c++) {
-                        float *ai = acc + (i0 + c) * D + d;
-                        _mm512_storeu_ps(ai, _mm512_add_ps(_mm512_loadu_ps(ai), _mm512_add_ps(pe[c], po[c])));
+                        for (int k = 0; k < chunks; k++) {
+                            float *ai = acc + (i0 + c) * D + d0 + 16 * k;
+                            _mm512_storeu_ps(ai, _mm512_add_ps(_mm512_loadu_ps(ai), part[c][k]));
+                        }
                     }
                 }
             }
@@ -327,7 +374,7 @@ int NAME(rope_attend)(const T *qk, long qk_stride, const T *v, long v_stride, co
         t = end;
     }
     starts[runs] = tokens;
-    size_t scratch_floats = blocked ? (size_t)(run * group * (2 * D + 32 + max_keys + 16) + 32 * D)
+    size_t scratch_floats = blocked ? (size_t)(run * group * (2 * D + D / 2 + 32 + max_keys + 16) + 32 * D)
                                     : (size_t)(group * max_keys + 2 * group * D);
     int failed = 0;
 #pragma omp parallel if (runs * KVH > 1 && work >= PARALLEL_MIN_KEYS)
