@@ -169,7 +169,7 @@ def test_kernel_batches_equal_torch_steps(dtype, tmp_path, monkeypatch):
     prompts = {s: torch.randint(0, 256, (n,), generator=g).tolist() for s, n in ((0, 20), (3, 9), (5, 33))}
 
     def run(use_kernels: bool):
-        monkeypatch.setattr(cpu_kernels, "fits", lambda *a, _f=cpu_kernels.fits: use_kernels and _f(*a))
+        monkeypatch.setattr(cpu_kernels, "fits", lambda *a, _f=cpu_kernels.fits, **k: use_kernels and _f(*a, **k))
         runner = ModelRunner(model, num_slots=6, max_len=512, max_step_tokens=64)
         for s, p in prompts.items():
             runner.forward([Row(s, p[:-4], 0)], logits="none")
@@ -182,6 +182,28 @@ def test_kernel_batches_equal_torch_steps(dtype, tmp_path, monkeypatch):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
         else:
             torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)
+
+
+def test_many_rows_verify_through_the_kernels(tmp_path, monkeypatch):
+    """A verify forward of more tokens than MAX_TOKENS (many rows of a few tokens, as at 32
+    clients) runs on the kernels, which a prompt forward of as many tokens does not, and each row's
+    logits equal the row's forward alone bit for bit (float32)."""
+    make_tiny("llama", tmp_path)
+    model = load_model(tmp_path, torch.float32, "cpu", max_len=256)
+    rows_n = cpu_kernels.MAX_TOKENS // 4 + 1
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(10, 60, (rows_n,), generator=g)]
+    runner = ModelRunner(model, num_slots=rows_n, max_len=256, max_step_tokens=256)
+    for s, p in enumerate(prompts):
+        runner.forward([Row(s, p[:-5], 0)], logits="none")
+    rows = [Row(s, p[-5:], len(p) - 5) for s, p in enumerate(prompts)]
+    assert not cpu_kernels.fits(model.cfg, torch.float32, runner.device, 5 * rows_n, prompt=True)
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "rope_attend", lambda *a, _f=cpu_kernels.rope_attend, **k: calls.append(1) or _f(*a, **k))
+    together = runner.forward(rows)[0]
+    assert len(calls) == model.cfg.num_layers
+    for b, row in enumerate(rows):
+        assert torch.equal(runner.forward([row])[0][0], together[b])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -114,7 +114,8 @@ class ModelRunner:
         # the CPU kernels' attention finds each token's keys from its slot and position: no mask,
         # no slot span
         kernels = (compute is None and not chunks
-                   and cpu_kernels.fits(self.model.cfg, self.dtype, self.device, sum(lengths) if packed else B * S))
+                   and cpu_kernels.fits(self.model.cfg, self.dtype, self.device, sum(lengths) if packed else B * S,
+                                        prompt=logits == "none"))
         # with prompt chunks, the rows alone attend through the kernel (the chunks through PyTorch)
         row_kernels = bool(chunks) and cpu_kernels.attention_fits(self.model.cfg, self.dtype, self.device)
         span_rows = None

@@ -40,9 +40,9 @@ SOURCES = (SOURCE, SOURCE.with_name("cpu_kernels_dtype.h"))
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 MAX_HEAD_DIM, MAX_GROUP = 256, 64       # cpu_kernels.c's limits
 
-# Forwards of up to this many tokens use the kernels: decode and verify steps, and small prompt
-# chunks. Longer prompt chunks keep PyTorch's rotation and attention (flash attention, faster than
-# attend_blocked there) and use the norm and SwiGLU kernels, which share rows among the threads
+# Decode and verify forwards use the kernels whatever their tokens, and prompt chunks up to this
+# many tokens. Longer prompt chunks keep PyTorch's rotation and attention (flash attention, faster
+# than attend_blocked there when this was set) and use the norm and SwiGLU kernels, which share rows among the threads
 # from PARALLEL_MIN_VALUES values: a 660-token prompt's prefill took 695 ms against 719 ms with
 # PyTorch's norms and SwiGLU (bf16 model, float32 chunks, best of 5, alternating in one process).
 MAX_TOKENS = 64
@@ -113,10 +113,11 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def fits(cfg, dtype: torch.dtype, device: torch.device, tokens: int) -> bool:
-    """Whether the kernels run a forward of this many tokens of a model of this config (ModelConfig)
-    with activations and caches in this dtype."""
-    return tokens <= MAX_TOKENS and attention_fits(cfg, dtype, device)
+def fits(cfg, dtype: torch.dtype, device: torch.device, tokens: int, prompt: bool = False) -> bool:
+    """Whether the kernels run a forward of a model of this config (ModelConfig) with activations
+    and caches in this dtype: any decode or verify forward, a prompt forward (prompt) of up to
+    MAX_TOKENS tokens."""
+    return (not prompt or tokens <= MAX_TOKENS) and attention_fits(cfg, dtype, device)
 
 
 def attention_fits(cfg, dtype: torch.dtype, device: torch.device) -> bool:

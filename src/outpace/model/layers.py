@@ -79,8 +79,9 @@ class ForwardBatch:
     # keys j <= the query's position (and > position - window), applied by the kernel; mask None
     positional: bool = False
     window: int | None = None
-    # a small CPU step whose norms, attention and SwiGLU run as cpu_kernels (the runner decides,
-    # cpu_kernels.fits; never with prompt chunks or a compute dtype other than the caches'); mask
+    # a CPU decode or verify step, or a short prompt forward, whose norms, attention and SwiGLU run
+    # as cpu_kernels (the runner decides, cpu_kernels.fits; never with prompt chunks or a compute
+    # dtype other than the caches'); mask
     # None then: each token attends over its own slot's keys up to its position
     cpu_kernels: bool = False
     # a CPU forward whose norms, SwiGLU and (outside cpu_kernels' attention) rotation run as
