@@ -19,6 +19,9 @@ from outpace.model import cpu_kernels
 from outpace.model.gguf import outpace_home
 
 CONTEXT = 128   # positions the timing rows sit at: a typical short context
+# part of the key a measurement is kept under: raised when what a forward runs changes outside the
+# CPU kernels' source (2: decode and verify forwards of more than 64 tokens moved onto the kernels)
+VERSION = 2
 
 
 def batch_buckets(max_seqs: int) -> list[int]:
@@ -38,7 +41,7 @@ def measure_verify_cost(runner: ModelRunner, max_seqs: int, max_tokens: int, rep
     shape = dataclasses.asdict(runner.model.cfg)
     kernels = cpu_kernels.build_key() if runner.device.type == "cpu" and cpu_kernels.has_library() else None
     key = json.dumps([shape, str(runner.dtype), str(runner.device), torch.get_num_threads(), torch.__version__,
-                      type(runner).__name__, runner.packs_rows, max_seqs, max_tokens, kernels],
+                      type(runner).__name__, runner.packs_rows, max_seqs, max_tokens, kernels, VERSION],
                      sort_keys=True, default=str)
     path = outpace_home() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.exists():
