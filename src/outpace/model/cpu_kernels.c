@@ -176,6 +176,31 @@ static inline __m256i round_to_bf16(__m512 v) {       /* f32_to_bf16 on 16 lanes
     return _mm512_cvtepi32_epi16(r);
 }
 
+/* A tile's sums plus the bias (NULL: none; float32 when wide_bias, else bfloat16) into out
+ * [rows, N] at its blocks' columns, float32 when wide_out, else rounded to bfloat16; columns from
+ * n_valid on are not stored. */
+static inline __attribute__((always_inline)) void store_tile(__m512 acc[TILE_ROWS][TILE_BLOCKS], long rows,
+                                                             int blocks, const void *bias, int wide_bias,
+                                                             long n_valid, void *out, int wide_out, long N) {
+#pragma GCC unroll 4
+    for (int b = 0; b < TILE_BLOCKS; b++) {
+        if (b >= blocks) continue;
+        long left = n_valid - b * 16;
+        __mmask16 keep = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+        __m512 add = _mm512_setzero_ps();
+        if (bias && wide_bias) add = _mm512_maskz_loadu_ps(keep, (const float *)bias + b * 16);
+        if (bias && !wide_bias) add = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                    _mm256_maskz_loadu_epi16(keep, (const bf16 *)bias + b * 16)), 16));
+#pragma GCC unroll 16
+        for (int m = 0; m < TILE_ROWS; m++) {
+            if (m >= rows) continue;
+            __m512 v = _mm512_add_ps(acc[m][b], add);
+            if (wide_out) _mm512_mask_storeu_ps((float *)out + m * N + b * 16, keep, v);
+            else _mm256_mask_storeu_epi16((bf16 *)out + m * N + b * 16, keep, round_to_bf16(v));
+        }
+    }
+}
+
 /* wide: float32 weights and bias, else bfloat16; wide_out: float32 out, else bfloat16 */
 static inline __attribute__((always_inline)) void linear_tile(const float *x, long K, const void *w, int wide,
                                                               long rows, int blocks, const void *bias,
@@ -221,23 +246,7 @@ static inline __attribute__((always_inline)) void linear_tile(const float *x, lo
             }
         }
     }
-#pragma GCC unroll 4
-    for (int b = 0; b < TILE_BLOCKS; b++) {
-        if (b >= blocks) continue;
-        long left = n_valid - b * 16;
-        __mmask16 keep = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-        __m512 add = _mm512_setzero_ps();
-        if (bias && wide) add = _mm512_maskz_loadu_ps(keep, (const float *)bias + b * 16);
-        if (bias && !wide) add = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                    _mm256_maskz_loadu_epi16(keep, (const bf16 *)bias + b * 16)), 16));
-#pragma GCC unroll 16
-        for (int m = 0; m < TILE_ROWS; m++) {
-            if (m >= rows) continue;
-            __m512 v = _mm512_add_ps(acc[m][b], add);
-            if (wide_out) _mm512_mask_storeu_ps((float *)out + m * N + b * 16, keep, v);
-            else _mm256_mask_storeu_epi16((bf16 *)out + m * N + b * 16, keep, round_to_bf16(v));
-        }
-    }
+    store_tile(acc, rows, blocks, bias, wide, n_valid, out, wide_out, N);
 }
 
 #ifdef __AVX512BF16__
@@ -279,19 +288,7 @@ static inline __attribute__((always_inline)) void linear_tile_dp(const bf16 *x, 
             }
         }
     }
-#pragma GCC unroll 4
-    for (int b = 0; b < TILE_BLOCKS; b++) {
-        if (b >= blocks) continue;
-        long left = n_valid - b * 16;
-        __mmask16 keep = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-        __m512 add = _mm512_setzero_ps();
-        if (bias) add = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                            _mm256_maskz_loadu_epi16(keep, bias + b * 16)), 16));
-#pragma GCC unroll 16
-        for (int m = 0; m < TILE_ROWS; m++) {
-            if (m < rows) _mm256_mask_storeu_epi16(out + m * N + b * 16, keep, round_to_bf16(_mm512_add_ps(acc[m][b], add)));
-        }
-    }
+    store_tile(acc, rows, blocks, bias, 0, n_valid, out, 0, N);
 }
 
 #define TILE_DP_SHAPE(R) \
