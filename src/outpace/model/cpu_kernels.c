@@ -337,24 +337,12 @@ int linear(const void *x, int wide_io, long M, long K, const void *w, int wide_w
            void *out) {
     long blocks = (N + 15) / 16, tiles = (blocks + TILE_BLOCKS - 1) / TILE_BLOCKS;
     long parts = (M + TILE_ROWS - 1) / TILE_ROWS, per_part = (M + parts - 1) / parts;
+    int dot = 0;        /* vdpbf16ps over the bfloat16 inputs themselves */
 #ifdef __AVX512BF16__
-    if (!wide_io && !wide_w) {
-#pragma omp parallel for schedule(static) if (tiles > 1)
-        for (long t = 0; t < tiles; t++) {
-            long b0 = t * TILE_BLOCKS;
-            int nb = blocks - b0 < TILE_BLOCKS ? (int)(blocks - b0) : TILE_BLOCKS;
-            for (long m0 = 0; m0 < M; m0 += per_part) {
-                long rows = M - m0 < per_part ? M - m0 : per_part;
-                linear_tile_dp_any((const bf16 *)x + m0 * K, K, (const bf16 *)w + b0 * 16 * K, rows, nb,
-                                   bias ? (const bf16 *)bias + b0 * 16 : NULL, N - b0 * 16,
-                                   (bf16 *)out + m0 * N + b0 * 16, N);
-            }
-        }
-        return 0;
-    }
+    dot = !wide_io && !wide_w;
 #endif
     float *x_f32 = (float *)x;
-    if (!wide_io) {
+    if (!wide_io && !dot) {
         x_f32 = malloc(sizeof(float) * (size_t)(M * K));
         if (!x_f32) return -1;
         for (long i = 0; i < M * K; i++) x_f32[i] = bf16_to_f32(((const bf16 *)x)[i]);
@@ -366,12 +354,20 @@ int linear(const void *x, int wide_io, long M, long K, const void *w, int wide_w
         int nb = blocks - b0 < TILE_BLOCKS ? (int)(blocks - b0) : TILE_BLOCKS;
         for (long m0 = 0; m0 < M; m0 += per_part) {
             long rows = M - m0 < per_part ? M - m0 : per_part;
-            linear_tile_any(x_f32 + m0 * K, K, (const char *)w + b0 * 16 * K * w_size, wide_w, rows, nb,
-                            bias ? (const char *)bias + b0 * 16 * w_size : NULL, N - b0 * 16,
-                            (char *)out + (m0 * N + b0 * 16) * out_size, wide_io, N);
+            const void *bias_t = bias ? (const char *)bias + b0 * 16 * w_size : NULL;
+            void *out_t = (char *)out + (m0 * N + b0 * 16) * out_size;
+#ifdef __AVX512BF16__
+            if (dot) {
+                linear_tile_dp_any((const bf16 *)x + m0 * K, K, (const bf16 *)w + b0 * 16 * K, rows, nb, bias_t,
+                                   N - b0 * 16, out_t, N);
+                continue;
+            }
+#endif
+            linear_tile_any(x_f32 + m0 * K, K, (const char *)w + b0 * 16 * K * w_size, wide_w, rows, nb, bias_t,
+                            N - b0 * 16, out_t, wide_io, N);
         }
     }
-    if (!wide_io) free(x_f32);
+    if (!wide_io && !dot) free(x_f32);
     return 0;
 }
 #endif
