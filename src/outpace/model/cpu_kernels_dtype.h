@@ -186,6 +186,8 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
     for (long i = 0; pairs && i < queries * D / 2; i++) {
         qp[i] = (uint32_t)f32_to_bf16(q[2 * i]) | (uint32_t)f32_to_bf16(q[2 * i + 1]) << 16;
     }
+#else
+    const int pairs = 0;
 #endif
     for (long i = 0; i < queries * D; i++) acc[i] = 0.0f;
     for (long i = 0; i < queries; i++) {
@@ -204,10 +206,8 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
                 transpose16(rows);
                 for (long i = 0; i < 16; i++) _mm512_storeu_ps(kt + (d / 2 + i) * 16, rows[i]);
             }
-            for (long d = 0; !(pairs && !pass) && d < D; d += 16) {
-#else
-            for (long d = 0; d < D; d += 16) {
 #endif
+            for (long d = 0; !(pairs && !pass) && d < D; d += 16) {
                 __m512 rows[16];
                 for (long j = 0; j < 16; j++) {
                     rows[j] = j >= valid ? _mm512_setzero_ps() : LOAD16((pass ? values : keys) + (j0 + j) * D + d);
@@ -249,10 +249,8 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
                             odd[c] = _mm512_dpbf16_ps(odd[c], (__m512bh)_mm512_set1_epi32((int)qc2[p + 1]), k1);
                         }
                     }
-                    for (long d = 0; !pairs && d < D; d += 2) {
-#else
-                    for (long d = 0; d < D; d += 2) {
 #endif
+                    for (long d = 0; !pairs && d < D; d += 2) {
                         __m512 k0 = _mm512_loadu_ps(kt + d * 16), k1 = _mm512_loadu_ps(kt + (d + 1) * 16);
                         for (int c = 0; c < 4; c++) {
                             even[c] = _mm512_fmadd_ps(_mm512_set1_ps(qc[c][d]), k0, even[c]);
