@@ -192,14 +192,16 @@ def test_many_rows_verify_through_the_kernels(tmp_path, monkeypatch):
     model = load_model(tmp_path, torch.float32, "cpu", max_len=256)
     rows_n = cpu_kernels.MAX_TOKENS // 4 + 1
     g = torch.Generator().manual_seed(8)
-    prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(10, 60, (rows_n,), generator=g)]
+    lengths = torch.randint(10, 60, (rows_n,), generator=g).tolist()
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
     runner = ModelRunner(model, num_slots=rows_n, max_len=256, max_step_tokens=256)
     for s, p in enumerate(prompts):
         runner.forward([Row(s, p[:-5], 0)], logits="none")
     rows = [Row(s, p[-5:], len(p) - 5) for s, p in enumerate(prompts)]
     assert not cpu_kernels.fits(model.cfg, torch.float32, runner.device, 5 * rows_n, prompt=True)
     calls = []
-    monkeypatch.setattr(cpu_kernels, "rope_attend", lambda *a, _f=cpu_kernels.rope_attend, **k: calls.append(1) or _f(*a, **k))
+    monkeypatch.setattr(cpu_kernels, "rope_attend",
+                        lambda *a, _f=cpu_kernels.rope_attend, **k: calls.append(1) or _f(*a, **k))
     together = runner.forward(rows)[0]
     assert len(calls) == model.cfg.num_layers
     for b, row in enumerate(rows):

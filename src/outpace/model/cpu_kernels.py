@@ -42,8 +42,8 @@ MAX_HEAD_DIM, MAX_GROUP = 256, 64       # cpu_kernels.c's limits
 
 # Decode and verify forwards use the kernels whatever their tokens, and prompt chunks up to this
 # many tokens. Longer prompt chunks keep PyTorch's rotation and attention (flash attention, faster
-# than attend_blocked there when this was set) and use the norm and SwiGLU kernels, which share rows among the threads
-# from PARALLEL_MIN_VALUES values: a 660-token prompt's prefill took 695 ms against 719 ms with
+# than attend_blocked there when this was set) and use the norm and SwiGLU kernels, which share
+# rows among the threads from PARALLEL_MIN_VALUES values: a 660-token prompt's prefill took 695 ms against 719 ms with
 # PyTorch's norms and SwiGLU (bf16 model, float32 chunks, best of 5, alternating in one process).
 MAX_TOKENS = 64
 

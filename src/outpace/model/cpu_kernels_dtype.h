@@ -201,7 +201,8 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
             for (long d = 0; pairs && !pass && d < D; d += 32) {    /* 16 pairs of 16 keys, transposed */
                 __m512 rows[16];
                 for (long j = 0; j < 16; j++) {
-                    rows[j] = j >= valid ? _mm512_setzero_ps() : _mm512_loadu_ps((const void *)(keys + (j0 + j) * D + d));
+                    rows[j] = j >= valid ? _mm512_setzero_ps()
+                                         : _mm512_loadu_ps((const void *)(keys + (j0 + j) * D + d));
                 }
                 transpose16(rows);
                 for (long i = 0; i < 16; i++) _mm512_storeu_ps(kt + (d / 2 + i) * 16, rows[i]);
@@ -244,9 +245,9 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
                         __m512bh k0 = (__m512bh)_mm512_castps_si512(_mm512_loadu_ps(kt + p * 16));
                         __m512bh k1 = (__m512bh)_mm512_castps_si512(_mm512_loadu_ps(kt + (p + 1) * 16));
                         for (int c = 0; c < 4; c++) {
-                            const uint32_t *qc2 = qp + (i0 + c < queries ? i0 + c : i0) * D / 2;
-                            even[c] = _mm512_dpbf16_ps(even[c], (__m512bh)_mm512_set1_epi32((int)qc2[p]), k0);
-                            odd[c] = _mm512_dpbf16_ps(odd[c], (__m512bh)_mm512_set1_epi32((int)qc2[p + 1]), k1);
+                            const uint32_t *pc = qp + (qc[c] - q) / 2;     /* query c's pairs */
+                            even[c] = _mm512_dpbf16_ps(even[c], (__m512bh)_mm512_set1_epi32((int)pc[p]), k0);
+                            odd[c] = _mm512_dpbf16_ps(odd[c], (__m512bh)_mm512_set1_epi32((int)pc[p + 1]), k1);
                         }
                     }
 #endif

@@ -81,8 +81,8 @@ class ForwardBatch:
     window: int | None = None
     # a CPU decode or verify step, or a short prompt forward, whose norms, attention and SwiGLU run
     # as cpu_kernels (the runner decides, cpu_kernels.fits; never with prompt chunks or a compute
-    # dtype other than the caches'); mask
-    # None then: each token attends over its own slot's keys up to its position
+    # dtype other than the caches'); mask None then: each token attends over its own slot's keys up
+    # to its position
     cpu_kernels: bool = False
     # a CPU forward whose norms, SwiGLU and (outside cpu_kernels' attention) rotation run as
     # cpu_kernels (every CPU forward whose activations' dtype the kernels serve: prompt chunks too)
