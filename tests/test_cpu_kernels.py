@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from outpace.engine import model_runner
 from outpace.engine.model_runner import ModelRunner, Row
 from outpace.model import cpu_kernels
 from outpace.model.fused import _rms_norm
@@ -149,7 +150,7 @@ def test_kernel_steps_match_reference(family, tmp_path):
     with torch.no_grad():
         expected = ref(ids).logits[0]
     runner = ModelRunner(ours, num_slots=3, max_len=512, max_step_tokens=64)
-    assert cpu_kernels.fits(ours.cfg, torch.float32, runner.device, 4)
+    assert cpu_kernels.attention_fits(ours.cfg, torch.float32, runner.device)
     tokens = ids[0].tolist()
     got = [runner.forward([Row(2, tokens[:12], 0)])[0][0]]
     for start in range(12, 18):
@@ -169,7 +170,8 @@ def test_kernel_batches_equal_torch_steps(dtype, tmp_path, monkeypatch):
     prompts = {s: torch.randint(0, 256, (n,), generator=g).tolist() for s, n in ((0, 20), (3, 9), (5, 33))}
 
     def run(use_kernels: bool):
-        monkeypatch.setattr(cpu_kernels, "fits", lambda *a, _f=cpu_kernels.fits, **k: use_kernels and _f(*a, **k))
+        monkeypatch.setattr(cpu_kernels, "attention_fits",
+                            lambda *a, _f=cpu_kernels.attention_fits: use_kernels and _f(*a))
         runner = ModelRunner(model, num_slots=6, max_len=512, max_step_tokens=64)
         for s, p in prompts.items():
             runner.forward([Row(s, p[:-4], 0)], logits="none")
@@ -185,12 +187,11 @@ def test_kernel_batches_equal_torch_steps(dtype, tmp_path, monkeypatch):
 
 
 def test_many_rows_verify_through_the_kernels(tmp_path, monkeypatch):
-    """A verify forward of more tokens than MAX_TOKENS (many rows of a few tokens, as at 32
-    clients) runs on the kernels, which a prompt forward of as many tokens does not, and each row's
-    logits equal the row's forward alone bit for bit (float32)."""
+    """A verify forward of many rows of a few tokens (as at 32 clients) runs in one kernel call a
+    layer, and each row's logits equal the row's forward alone bit for bit (float32)."""
     make_tiny("llama", tmp_path)
     model = load_model(tmp_path, torch.float32, "cpu", max_len=256)
-    rows_n = cpu_kernels.MAX_TOKENS // 4 + 1
+    rows_n = 17
     g = torch.Generator().manual_seed(8)
     lengths = torch.randint(10, 60, (rows_n,), generator=g).tolist()
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
@@ -198,7 +199,6 @@ def test_many_rows_verify_through_the_kernels(tmp_path, monkeypatch):
     for s, p in enumerate(prompts):
         runner.forward([Row(s, p[:-5], 0)], logits="none")
     rows = [Row(s, p[-5:], len(p) - 5) for s, p in enumerate(prompts)]
-    assert not cpu_kernels.fits(model.cfg, torch.float32, runner.device, 5 * rows_n, prompt=True)
     calls = []
     monkeypatch.setattr(cpu_kernels, "rope_attend",
                         lambda *a, _f=cpu_kernels.rope_attend, **k: calls.append(1) or _f(*a, **k))
@@ -211,8 +211,9 @@ def test_many_rows_verify_through_the_kernels(tmp_path, monkeypatch):
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_rows_beside_prompt_chunks_compute_as_alone(family, tmp_path, monkeypatch):
     """Decode and verify rows in a forward that also caches prompt chunks attend through the
-    attention kernel: in float32 (products by the row-independent kernel) their logits equal, bit
-    for bit, a forward of the rows alone; and the chunks fill the cache as a forward of their own."""
+    attention kernel, the chunks' tokens in the same call: in float32 (products by the
+    row-independent kernel) the rows' logits equal, bit for bit, a forward of the rows alone, and
+    the chunks fill the cache as a forward of their own."""
     if not cpu_kernels.has_linear():
         pytest.skip("no AVX-512: float32 products are MKL's, which depend on the rows a call holds")
     make_tiny(family, tmp_path)
@@ -229,14 +230,36 @@ def test_rows_beside_prompt_chunks_compute_as_alone(family, tmp_path, monkeypatc
     monkeypatch.setattr(cpu_kernels, "rope_attend", lambda *a, _f=cpu_kernels.rope_attend: calls.append(a) or _f(*a))
     joined = runner.forward(rows, chunks=[Row(2, prompts[2][10:-1], 10), Row(3, prompts[3][:-1], 0)])[0]
     assert torch.equal(joined, alone)
-    # every layer's rows (their 4 tokens) went through the kernel, the chunks' tokens did not
-    assert len(calls) == model.cfg.num_layers and all(len(a[0]) == 4 for a in calls)
+    # every layer's rows (their 4 tokens) and chunks (29 and 24) in one kernel call
+    assert len(calls) == model.cfg.num_layers and all(len(a[0]) == 4 + 29 + 24 for a in calls)
     fresh = ModelRunner(model, num_slots=4, max_len=512, max_step_tokens=64)
     for slot in (2, 3):
         p = prompts[slot]
         fresh.forward([Row(slot, p[:-1], 0)], logits="none")
         last = [Row(slot, p[-1:], len(p) - 1)]
-        torch.testing.assert_close(runner.forward(last)[0], fresh.forward(last)[0], atol=1e-5, rtol=1e-5)
+        assert torch.equal(runner.forward(last)[0], fresh.forward(last)[0])
+
+
+def test_rows_beside_float32_prompt_chunks(tmp_path, monkeypatch):
+    """Where a bfloat16 model's long prompt chunks compute in float32 (a CPU without AVX512_BF16),
+    the rows beside them still attend through the kernel, in the caches' dtype, and the chunks
+    through PyTorch; the rows' logits stay those of a forward of the rows alone up to rounding."""
+    make_tiny("llama", tmp_path)
+    model = load_model(tmp_path, torch.bfloat16, "cpu", max_len=512)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (20, 30, 40)]
+    runner = ModelRunner(model, num_slots=3, max_len=512, max_step_tokens=64)
+    runner.prefill_dtype = torch.float32
+    monkeypatch.setattr(model_runner, "FP32_PREFILL_MIN_TOKENS", 16)
+    for slot in (0, 1):
+        runner.forward([Row(slot, prompts[slot][:-3], 0)], logits="none")
+    rows = [Row(0, prompts[0][-3:], 17), Row(1, prompts[1][-3:-2], 27)]
+    alone = runner.forward(rows)[0]
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "rope_attend", lambda *a, _f=cpu_kernels.rope_attend: calls.append(a) or _f(*a))
+    joined = runner.forward(rows, chunks=[Row(2, prompts[2], 0)])[0]
+    assert len(calls) == model.cfg.num_layers and all(len(a[0]) == 4 for a in calls)
+    torch.testing.assert_close(joined, alone, atol=0.1, rtol=0.05)
 
 
 def test_without_a_compiler_steps_use_torch(tmp_path, monkeypatch, capsys):
@@ -248,7 +271,7 @@ def test_without_a_compiler_steps_use_torch(tmp_path, monkeypatch, capsys):
         assert "CPU kernels off" in capsys.readouterr().err
         make_tiny("llama", tmp_path / "model")
         model = load_model(tmp_path / "model", torch.float32, "cpu", max_len=64)
-        assert not cpu_kernels.fits(model.cfg, torch.float32, torch.device("cpu"), 1)
+        assert not cpu_kernels.attention_fits(model.cfg, torch.float32, torch.device("cpu"))
         logits, _ = ModelRunner(model, num_slots=1, max_len=64, max_step_tokens=8).forward([Row(0, [1, 2, 3], 0)])
         assert torch.isfinite(logits).all()
     finally:

@@ -112,12 +112,12 @@ class ModelRunner:
         compute = self.prefill_dtype if prompt_tokens >= FP32_PREFILL_MIN_TOKENS else None
         causal = B == 1 and S > 1 and rows[0].start == 0 and not exact and not self.window and not chunks
         # the CPU kernels' attention finds each token's keys from its slot and position: no mask,
-        # no slot span
-        kernels = (compute is None and not chunks
-                   and cpu_kernels.fits(self.model.cfg, self.dtype, self.device, sum(lengths) if packed else B * S,
-                                        prompt=logits == "none"))
-        # with prompt chunks, the rows alone attend through the kernel (the chunks through PyTorch)
-        row_kernels = bool(chunks) and cpu_kernels.attention_fits(self.model.cfg, self.dtype, self.device)
+        # no slot span. Prompt chunks too, whether alone or beside rows
+        kernels = compute is None and cpu_kernels.attention_fits(self.model.cfg, self.dtype, self.device)
+        # float32 prompt chunks beside rows: the rows alone attend through the kernel (the chunks
+        # through PyTorch)
+        row_kernels = bool(chunks) and not kernels and cpu_kernels.attention_fits(self.model.cfg, self.dtype,
+                                                                                   self.device)
         span_rows = None
         query_positions = positions
         if not kernels and not row_kernels and not is_contiguous and span <= SPAN_LIMIT * B:

@@ -40,13 +40,6 @@ SOURCES = (SOURCE, SOURCE.with_name("cpu_kernels_dtype.h"))
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 MAX_HEAD_DIM, MAX_GROUP = 256, 64       # cpu_kernels.c's limits
 
-# Decode and verify forwards use the kernels whatever their tokens, and prompt chunks up to this
-# many tokens. Longer prompt chunks keep PyTorch's rotation and attention (flash attention, faster
-# than attend_blocked there when this was set) and use the norm and SwiGLU kernels, which share
-# rows among the threads from PARALLEL_MIN_VALUES values: a 660-token prompt's prefill took 695 ms against 719 ms with
-# PyTorch's norms and SwiGLU (bf16 model, float32 chunks, best of 5, alternating in one process).
-MAX_TOKENS = 64
-
 
 def _cpu_flags() -> str:
     try:
@@ -111,13 +104,6 @@ def _library() -> ctypes.CDLL | None:
         lib.linear.restype = ctypes.c_int
         lib.linear_bf16_dot.restype = ctypes.c_int
     return lib
-
-
-def fits(cfg, dtype: torch.dtype, device: torch.device, tokens: int, prompt: bool = False) -> bool:
-    """Whether the kernels run a forward of a model of this config (ModelConfig) with activations
-    and caches in this dtype: any decode or verify forward, a prompt forward (prompt) of up to
-    MAX_TOKENS tokens."""
-    return (not prompt or tokens <= MAX_TOKENS) and attention_fits(cfg, dtype, device)
 
 
 def attention_fits(cfg, dtype: torch.dtype, device: torch.device) -> bool:

@@ -79,17 +79,18 @@ class ForwardBatch:
     # keys j <= the query's position (and > position - window), applied by the kernel; mask None
     positional: bool = False
     window: int | None = None
-    # a CPU decode or verify step, or a short prompt forward, whose norms, attention and SwiGLU run
-    # as cpu_kernels (the runner decides, cpu_kernels.fits; never with prompt chunks or a compute
-    # dtype other than the caches'); mask None then: each token attends over its own slot's keys up
-    # to its position
+    # a CPU forward (decode, verify, prompt chunks, or rows beside chunks) whose norms, attention
+    # and SwiGLU run as cpu_kernels (the runner decides, cpu_kernels.attention_fits; never with a
+    # compute dtype other than the caches'); mask None then: each token attends over its own slot's
+    # keys up to its position
     cpu_kernels: bool = False
     # a CPU forward whose norms, SwiGLU and (outside cpu_kernels' attention) rotation run as
     # cpu_kernels (every CPU forward whose activations' dtype the kernels serve: prompt chunks too)
     cpu_pointwise: bool = False
-    # a CPU forward of packed rows and prompt chunks whose rows (the first len(packed.index) tokens)
-    # attend through cpu_kernels.rope_attend in the caches' dtype, the chunks through PyTorch's
-    # attention; the rows need no mask then
+    # a CPU forward of packed rows and float32 prompt chunks (a bfloat16 model's, see
+    # FP32_PREFILL_MIN_TOKENS) whose rows (the first len(packed.index) tokens) attend through
+    # cpu_kernels.rope_attend in the caches' dtype, the chunks through PyTorch's attention; the
+    # rows need no mask then
     cpu_row_attention: bool = False
 
 
