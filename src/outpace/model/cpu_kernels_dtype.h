@@ -197,6 +197,10 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
     for (long pass = 0; pass < 2; pass++) {
         for (long j0 = base; j0 <= hi; j0 += 16) {
             long valid = hi - j0 + 1 < 16 ? hi - j0 + 1 : 16;     /* keys past hi may be unwritten */
+            if (j0 + 16 * BLOCKS_AHEAD <= hi) {
+                const char *ahead = (const char *)((pass ? values : keys) + (j0 + 16 * BLOCKS_AHEAD) * D);
+                for (long b = 0; b < 16 * D * (long)sizeof(T); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
+            }
 #ifdef DOT_PAIRS
             for (long d = 0; pairs && !pass && d < D; d += 32) {    /* 16 pairs of 16 keys, transposed */
                 __m512 rows[16];
