@@ -395,7 +395,10 @@ int NAME(rope_attend)(const T *qk, long qk_stride, const T *v, long v_stride, co
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for collapse(2) schedule(static)
+        /* pieces dealt round-robin: a prompt chunk's later runs read more keys (causal), and
+         * contiguous halves gave the second thread about three times the first's work (prefill of
+         * 700 tokens 0.63 -> 0.56 s, 1000 tokens 0.93 -> 0.87) */
+#pragma omp for collapse(2) schedule(static, 1)
         for (long u = 0; u < runs; u++) {
             for (long g = 0; g < KVH; g++) {
                 long t = starts[u], base = (slots[t / slot_div] * KVH + g) * L * D;
