@@ -116,12 +116,13 @@ def test_rope_attend_equals_masked_attention(dtype, heads, kv_heads, dim, window
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,dim,window,tokens", [(6, 2, 32, None, 4), (9, 3, 64, 37, 12),
-                                                              (32, 2, 64, None, 3), (6, 2, 24, 20, 5)])
+                                                              (32, 2, 64, None, 3), (6, 2, 24, 20, 5),
+                                                              (9, 3, 64, None, 70)])
 def test_each_token_computes_alike_in_any_call(dtype, heads, kv_heads, dim, window, tokens):
     """What exact mode rests on: a token's output does not depend on the other tokens of the call
-    (a row of several tokens, split into several pieces of work or not; a window; one query head
-    a group or many), nor on how the call's work was shared among threads (300 keys make it
-    parallel)."""
+    (a row of several tokens, split into several pieces of work or not, in the longer runs of a
+    call of more than 64 tokens; a window; one query head a group or many), nor on how the call's
+    work was shared among threads (300 keys make it parallel)."""
     g = torch.Generator().manual_seed(2)
     k_cache = torch.randn(1, kv_heads, 400, dim, generator=g).to(dtype)
     v_cache = torch.randn(1, kv_heads, 400, dim, generator=g).to(dtype)

@@ -374,8 +374,12 @@ int NAME(rope_attend)(const T *qk, long qk_stride, const T *v, long v_stride, co
 #endif
     /* pieces of work: runs of consecutive tokens of one slot (a row's tokens share their keys),
      * up to `run` of them where attend_blocked serves several at once, each run with each
-     * key/value head */
-    long run = blocked && group < BLOCK_QUERIES / 4 ? BLOCK_QUERIES / 4 / group : 1, runs = 0;
+     * key/value head. A run holds up to a quarter of BLOCK_QUERIES queries, so that a step's few
+     * tokens still spread over the threads, and up to BLOCK_QUERIES in calls of more tokens than
+     * that (prompt chunks), where more queries share each block's transposed keys: prefill of
+     * 660, 750 and 862 tokens 5-7% faster. A token's result does not depend on its run */
+    long most = tokens > BLOCK_QUERIES ? BLOCK_QUERIES : BLOCK_QUERIES / 4;
+    long run = blocked && group < BLOCK_QUERIES / 4 ? most / group : 1, runs = 0;
     long *starts = malloc(sizeof(long) * (size_t)(tokens + 1));
     if (!starts) return -1;
     for (long t = 0; t < tokens; runs++) {
