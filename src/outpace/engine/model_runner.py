@@ -113,11 +113,11 @@ class ModelRunner:
         causal = B == 1 and S > 1 and rows[0].start == 0 and not exact and not self.window and not chunks
         # the CPU kernels' attention finds each token's keys from its slot and position: no mask,
         # no slot span. Prompt chunks too, whether alone or beside rows
-        kernels = compute is None and cpu_kernels.attention_fits(self.model.cfg, self.dtype, self.device)
+        fits = cpu_kernels.attention_fits(self.model.cfg, self.dtype, self.device)
+        kernels = compute is None and fits
         # float32 prompt chunks beside rows: the rows alone attend through the kernel (the chunks
         # through PyTorch)
-        row_kernels = bool(chunks) and not kernels and cpu_kernels.attention_fits(self.model.cfg, self.dtype,
-                                                                                   self.device)
+        row_kernels = bool(chunks) and not kernels and fits
         span_rows = None
         query_positions = positions
         if not kernels and not row_kernels and not is_contiguous and span <= SPAN_LIMIT * B:
