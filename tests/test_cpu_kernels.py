@@ -33,6 +33,26 @@ def test_kernels_build():
     assert cpu_kernels._library() is not None
 
 
+@pytest.mark.parametrize("cols", [5, 16, 49, 49152])
+def test_argmax_picks_as_torch_does(cols):
+    """The greedy token of each row: ties go to the first maximum, a row with NaNs to its first
+    NaN, a row of -inf to 0, in rows shorter and longer than a vector and not a multiple of it."""
+    g = torch.Generator().manual_seed(cols)
+    rows = [torch.randn(cols, generator=g), torch.randint(0, 3, (cols,), generator=g).float(),
+            torch.full((cols,), -float("inf")), torch.zeros(cols)]
+    for at in {0, cols // 2, cols - 1}:
+        nan = torch.randint(0, 3, (cols,), generator=g).float()
+        nan[at] = float("nan")
+        nan[-1] = float("nan")
+        tied = torch.randn(cols, generator=g)
+        tied[at] = tied[-1] = tied.max() + 1
+        rows += [nan, tied]
+    x = torch.stack(rows)
+    assert cpu_kernels.argmax(x).tolist() == x.argmax(-1).tolist()
+    many = torch.randn(40, cols, generator=g)        # enough values to share rows among threads
+    assert torch.equal(cpu_kernels.argmax(many), many.argmax(-1))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm_and_silu_mul_follow_torch(dtype):
     g = torch.Generator().manual_seed(0)

@@ -46,6 +46,8 @@ from outpace.model.layers import ForwardBatch
 
 
 class CudaGraphRunner(ModelRunner):
+    greedy_logits = "all"       # a graph step's argmax is taken in the graph (step_result)
+
     def __init__(self, model: DecoderLM, num_slots: int, max_len: int, max_step_tokens: int,
                  exact_tokens: int | None = None, max_decode_tokens: int = 1, use_graphs: bool = True,
                  batch_sizes: list[int] | None = None, kv_lens: list[int] | None = None, progress: bool = True,

@@ -270,9 +270,11 @@ class LLMEngine:
             rows = [Row(s.slot, s.token_ids[-1:] + (d.tokens if d else []), len(s.token_ids) - 1)
                     for s, d in zip(seqs, drafts)]
             with_chunks = {"chunks": self._chunk_rows(chunks)} if chunks else {}    # a packing runner's only
-            logits, _ = self.runner.forward(rows, **with_chunks)                        # [B, S, V]
+            greedy = all(s.params.is_greedy for s in seqs)
+            # [B, S, V], or for greedy rows on the CPU their argmax [B, S]
+            logits, _ = self.runner.forward(rows, self.runner.greedy_logits if greedy else "all", **with_chunks)
             K = logits.shape[1] - 1
-            if K == 0 and all(s.params.is_greedy for s in seqs):
+            if K == 0 and greedy:
                 # a plain greedy step: each row's argmax is its one token, nothing to check
                 return self._plain_greedy(seqs, logits, t0)
             draft_tokens = to_device([(d.tokens if d else []) + [0] * (K - n) for d, n in zip(drafts, num_draft)],
@@ -350,15 +352,15 @@ class LLMEngine:
         return [h[2:2 + h[0]] for h in host], [h[0] for h in host], [h[1] for h in host]
 
     def _plain_greedy(self, seqs: list[Sequence], logits: torch.Tensor, t0: float):
-        """verify()'s result for a step without drafts whose rows are all greedy (logits [B, 1, V]):
-        each row's argmax (a graph step's read from the device, its successor launched first where
-        it may be)."""
+        """verify()'s result for a step without drafts whose rows are all greedy (logits [B, 1, V],
+        or their argmax [B, 1]): each row's argmax (a graph step's read from the device, its
+        successor launched first where it may be)."""
         on_device = isinstance(self.drafter, DeviceNgramDrafter)
         runner = self.runner
         if isinstance(runner, CudaGraphRunner) and runner.last_shape is not None and not (
                 on_device and any(s.seq_id in self.drafter.rows for s in seqs)):
             return self._read_back(seqs, [0] * len(seqs), runner.last_shape, t0)
-        tokens = logits.argmax(-1)
+        tokens = logits.argmax(-1) if logits.dim() == 3 else logits
         if on_device:
             self.drafter.append([s.seq_id for s in seqs], tokens, torch.ones_like(tokens[:, 0]))
         host = tokens.tolist()                          # the step's one host synchronisation

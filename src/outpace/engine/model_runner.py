@@ -52,6 +52,10 @@ FP32_PREFILL_MIN_TOKENS = 128
 
 
 class ModelRunner:
+    # what a greedy step asks forward for: the argmax of its real tokens' logits, taken before rows
+    # are padded (PyTorch's argmax over a 16-row step's padded logits took up to a fifth of the step)
+    greedy_logits = "tokens"
+
     def __init__(self, model: DecoderLM, num_slots: int, max_len: int, max_step_tokens: int,
                  exact_tokens: int | None = None):
         """exact_tokens: in exact mode, every decode forward is padded to this many tokens per row
@@ -84,12 +88,14 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, rows: list[Row], logits: str = "all", need_hidden: bool = False,
                 chunks: list[Row] = ()):
-        """logits: 'all' -> [B, S, V] (a decode/verify step); 'none' -> None (a prompt chunk).
-        chunks: prompt chunks cached in the same forward (a packing runner only), after `rows`;
-        nothing of theirs is returned. Returns (logits, hidden [B, S, H] or None) of `rows`."""
+        """logits: 'all' -> [B, S, V] (a decode/verify step); 'tokens' -> their argmax [B, S] int64
+        (a greedy step: taken over the real tokens only, before rows are padded); 'none' -> None (a
+        prompt chunk). chunks: prompt chunks cached in the same forward (a packing runner only),
+        after `rows`; nothing of theirs is returned. Returns (logits or tokens, hidden [B, S, H] or
+        None) of `rows`."""
         B = len(rows)
         S = max(len(r.token_ids) for r in rows)
-        exact = self.exact_tokens is not None and logits == "all"
+        exact = self.exact_tokens is not None and logits != "none"
         if exact:
             S = max(S, self.exact_tokens)
         lengths = [len(r.token_ids) for r in rows]
@@ -135,7 +141,7 @@ class ModelRunner:
             mask=self._mask(query_positions, kv_len) if masked else None,       # [B or span, 1, S, L]
             slot_start=slots[0] if is_contiguous else lowest if span_rows is not None else None,
             write_start=rows[0].start if B == 1 else None,
-            logits=logits == "all",
+            logits=logits != "none",
             packed=self._packing(lengths, S, positions, slots, chunks, split=not (kernels or row_kernels)) if packed else None,
             span_rows=span_rows,
             causal=causal,
@@ -144,12 +150,19 @@ class ModelRunner:
             cpu_row_attention=row_kernels,
         )
         out, hidden = self.model(batch, self.cache, need_hidden=need_hidden, compute_dtype=compute)
+        if logits == "tokens":
+            on_kernel = self.device.type == "cpu" and cpu_kernels.has_library()
+            out = cpu_kernels.argmax(out) if on_kernel else out.argmax(-1)
         if packed:      # back to [B, S]: padded entries keep finite stale values, which nobody reads
             index = batch.packed.index
-            out = None if out is None else self._unpacked(out, index, B * S)
+            if out is not None:
+                out = out.new_zeros(B * S).index_copy_(0, index, out) if logits == "tokens" else \
+                    self._unpacked(out, index, B * S)
             if hidden is not None:
                 hidden = hidden.new_zeros(B * S, hidden.shape[-1]).index_copy_(0, index, hidden).view(B, S, -1)
-        return (out.view(B, S, -1) if logits == "all" else None), hidden
+        if out is None:
+            return None, hidden
+        return out.view(B, S, -1) if logits == "all" else out.view(B, S), hidden
 
     def _packing(self, lengths: list[int], S: int, positions: torch.Tensor, slots: list[int],
                  chunks: list[Row], split: bool) -> Packed:

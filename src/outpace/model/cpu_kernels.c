@@ -379,3 +379,45 @@ int linear(const void *x, int wide_io, long M, long K, const void *w, int wide_w
     return 0;
 }
 #endif
+
+/* out[r] = the index of row r's largest value in x [rows, cols] float32, as torch.argmax picks it:
+ * the first of equal values, and the first NaN where a row has one. Rows are shared among OpenMP
+ * threads. PyTorch's own took about 40 us a row of the default model's 49152 logits on this
+ * file's first machine: 3 ms of a 16-row step whose drafts pad its logits to 80 rows. */
+void argmax_f32(const float *x, long rows, long cols, int64_t *out) {
+#pragma omp parallel for if (rows * cols >= PARALLEL_MIN_VALUES) schedule(static)
+    for (long r = 0; r < rows; r++) {
+        const float *row = x + r * cols;
+        long best = 0, i = 0;
+        int has_nan = 0;
+#ifdef __AVX512F__
+        if (cols >= 16) {
+            /* each lane keeps its own first maximum; lanes' indices rise, so the first of equal
+             * maxima across lanes is the smallest index among them */
+            __m512 top = _mm512_loadu_ps(row);
+            __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            __m512i index = at;
+            const __m512i step = _mm512_set1_epi32(16);
+            __mmask16 nan = _mm512_cmp_ps_mask(top, top, _CMP_UNORD_Q);
+            for (i = 16; i + 16 <= cols; i += 16) {
+                __m512 v = _mm512_loadu_ps(row + i);
+                index = _mm512_add_epi32(index, step);
+                __mmask16 higher = _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ);
+                nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+                top = _mm512_mask_mov_ps(top, higher, v);
+                at = _mm512_mask_mov_epi32(at, higher, index);
+            }
+            has_nan = nan != 0;
+            float peak = _mm512_reduce_max_ps(top);
+            __mmask16 peaks = _mm512_cmp_ps_mask(top, _mm512_set1_ps(peak), _CMP_EQ_OQ);
+            best = _mm512_mask_reduce_min_epi32(peaks, at);
+        }
+#endif
+        if (has_nan) i = 0, best = 0;       /* find the first NaN one value at a time */
+        for (; i < cols; i++) {
+            float v = row[i], b = row[best];
+            if (v > b || (isnan(v) && !isnan(b))) best = i;
+        }
+        out[r] = best;
+    }
+}

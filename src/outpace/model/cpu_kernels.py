@@ -99,6 +99,7 @@ def _library() -> ctypes.CDLL | None:
         rope_attend = getattr(lib, f"rope_attend_{suffix}")
         rope_attend.argtypes = [p, i, p, i, p, p, p, p, p, i, p, i, i, i, i, i, i, f, p]
         rope_attend.restype = ctypes.c_int
+    lib.argmax_f32.argtypes = [p, i, i, p]
     if hasattr(lib, "linear"):                  # built for AVX-512
         lib.linear.argtypes = [p, ctypes.c_int, i, i, p, ctypes.c_int, i, p, p]
         lib.linear.restype = ctypes.c_int
@@ -155,6 +156,14 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
                          packed.dtype == torch.float32, out_features, None if bias is None else bias.data_ptr(),
                          out.data_ptr()):
         raise MemoryError("out of memory for a product's input")
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [N, V] float32 -> [N] int64: torch.argmax(x, -1), ties and NaNs alike."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _library().argmax_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
     return out
 
 

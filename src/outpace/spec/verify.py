@@ -22,11 +22,12 @@ from outpace.engine.sampler import MAX_NUM_DRAFT, SamplingState, draw_uniforms, 
 
 
 def verify_greedy(
-    target_logits: torch.Tensor, draft_tokens: torch.Tensor, num_draft: torch.Tensor
+    target: torch.Tensor, draft_tokens: torch.Tensor, num_draft: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accept drafts while each equals the target's argmax, then append the target's argmax."""
+    """Accept drafts while each equals the target's argmax, then append the target's argmax.
+    target: the target's logits [B, K+1, V], or their argmax [B, K+1] already taken."""
     num_positions = draft_tokens.shape[1]
-    target_tokens = target_logits.argmax(-1)  # [B, K+1]
+    target_tokens = target.argmax(-1) if target.dim() == 3 else target  # [B, K+1]
     is_draft = torch.arange(num_positions, device=draft_tokens.device) < num_draft[:, None]  # [B, K]
     # Draft i is accepted iff drafts 0..i are all real and equal the target's argmax at their position.
     is_match = (draft_tokens == target_tokens[:, :num_positions]) & is_draft
