@@ -195,6 +195,14 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
         _mm512_storeu_ps(sums + i * 16, _mm512_setzero_ps());
     }
     for (long pass = 0; pass < 2; pass++) {
+        /* the first blocks, which the loop's prefetches never reach: keys and values alike before
+         * the scores, the values' further blocks before the weighted values */
+        for (long b = pass ? 16 * BLOCKS_AHEAD : 0; b < 16 * BLOCKS_AHEAD * (pass + 1) && base + b <= hi; b += 16) {
+            for (long k = 0; k < 16 * D * (long)sizeof(T) && k < (hi + 1 - base - b) * D * (long)sizeof(T); k += 64) {
+                if (!pass) _mm_prefetch((const char *)(keys + (base + b) * D) + k, _MM_HINT_T1);
+                _mm_prefetch((const char *)(values + (base + b) * D) + k, _MM_HINT_T1);
+            }
+        }
         for (long j0 = base; j0 <= hi; j0 += 16) {
             long valid = hi - j0 + 1 < 16 ? hi - j0 + 1 : 16;     /* keys past hi may be unwritten */
             if (j0 + 16 * BLOCKS_AHEAD <= hi) {
