@@ -220,7 +220,23 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
                 for (long i = 0; i < 16; i++) _mm512_storeu_ps(kt + (d / 2 + i) * 16, rows[i]);
             }
 #endif
-            for (long d = 0; !(pairs && !pass) && d < D; d += 16) {
+#ifdef DOT_PAIRS
+            /* the values of keys 2p and 2p + 1 interleaved, one pair a 32-bit word, for vdpbf16ps:
+             * [8 pairs][D / 32 slices of 32 values][2], each of the two 16 words: unpacklo and
+             * unpackhi of the two rows' slice, which hold its values 0-3, 8-11, 16-19, 24-27 and
+             * 4-7, 12-15, 20-23, 28-31 (the weighted sums put them back in order) */
+            uint32_t *vp = (uint32_t *)vb;
+            for (long p = 0; pairs && pass && p < 8; p++) {
+                for (long d = 0; d < D; d += 32) {
+                    __m512i a = 2 * p < valid ? _mm512_loadu_si512(values + (j0 + 2 * p) * D + d) : _mm512_setzero_si512();
+                    __m512i b = 2 * p + 1 < valid ? _mm512_loadu_si512(values + (j0 + 2 * p + 1) * D + d)
+                                                  : _mm512_setzero_si512();
+                    _mm512_storeu_si512(vp + ((p * (D / 32) + d / 32) * 2) * 16, _mm512_unpacklo_epi16(a, b));
+                    _mm512_storeu_si512(vp + ((p * (D / 32) + d / 32) * 2 + 1) * 16, _mm512_unpackhi_epi16(a, b));
+                }
+            }
+#endif
+            for (long d = 0; !pairs && d < D; d += 16) {
                 __m512 rows[16];
                 for (long j = 0; j < 16; j++) {
                     rows[j] = j >= valid ? _mm512_setzero_ps() : LOAD16((pass ? values : keys) + (j0 + j) * D + d);
@@ -292,6 +308,53 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
                     }
                     _mm512_storeu_ps(weights[c], e);
                 }
+#ifdef DOT_PAIRS
+                if (pairs) {
+                    /* the weights rounded to bfloat16, as PyTorch's flash attention rounds them
+                     * for its second product: 8 pairs a query, then vdpbf16ps over the value pairs,
+                     * 64 values at a time; the weights are read through a pointer the compiler
+                     * cannot follow and the value pairs pinned to registers (see below) */
+                    uint32_t wp[4][8];
+                    for (int c = 0; c < 4; c++) {
+                        _mm256_storeu_si256((__m256i *)wp[c], (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(weights[c])));
+                    }
+                    const uint32_t *wq = wp[0];
+                    __asm__("" : "+r"(wq));
+                    for (long d0 = 0; d0 < D; d0 += 64) {
+                        long slices = D - d0 < 64 ? 1 : 2;
+                        __m512 part[4][4];
+                        for (int c = 0; c < 4; c++) {
+                            for (int k = 0; k < 4; k++) part[c][k] = _mm512_setzero_ps();
+                        }
+                        for (long p = 0; p < 8; p++) {
+                            __m512i v[4];
+                            for (int k = 0; k < 4; k++) {
+                                v[k] = k < 2 * slices ? _mm512_loadu_si512(vp + ((p * (D / 32) + d0 / 32) * 2 + k) * 16)
+                                                      : _mm512_setzero_si512();
+                                __asm__("" : "+v"(v[k]));
+                            }
+                            for (int c = 0; c < 4; c++) {
+                                __m512bh w = (__m512bh)_mm512_set1_epi32((int)wq[c * 8 + p]);
+                                for (int k = 0; k < 4; k++) part[c][k] = _mm512_dpbf16_ps(part[c][k], w, (__m512bh)v[k]);
+                            }
+                        }
+                        /* back in order: lane 4L + m of a slice's first (second) sums holds value
+                         * 8L + m (8L + 4 + m) */
+                        const __m512i low = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+                        const __m512i high = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+                        for (int c = 0; c < 4 && i0 + c < queries; c++) {
+                            for (int k = 0; k < slices; k++) {
+                                float *ai = acc + (i0 + c) * D + d0 + 32 * k;
+                                __m512 first = _mm512_permutex2var_ps(part[c][2 * k], low, part[c][2 * k + 1]);
+                                __m512 second = _mm512_permutex2var_ps(part[c][2 * k], high, part[c][2 * k + 1]);
+                                _mm512_storeu_ps(ai, _mm512_add_ps(_mm512_loadu_ps(ai), first));
+                                _mm512_storeu_ps(ai + 16, _mm512_add_ps(_mm512_loadu_ps(ai + 16), second));
+                            }
+                        }
+                    }
+                    continue;
+                }
+#endif
                 /* up to 64 values at a time: the four queries' 16 sums stay in registers over
                  * the block's keys, a key's values loaded once for the four queries. The weights
                  * are read through a pointer the compiler cannot follow and the values pinned to
