@@ -229,6 +229,27 @@ def test_many_rows_verify_through_the_kernels(tmp_path, monkeypatch):
         assert torch.equal(runner.forward([row])[0][0], together[b])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_are_the_logits_argmax(dtype, tmp_path):
+    """forward(logits='tokens'), which greedy steps take, gives each real token the argmax of
+    its logits, for packed rows of unequal lengths and for a [B, 1] batch."""
+    make_tiny("llama", tmp_path)
+    model = load_model(tmp_path, dtype, "cpu", max_len=256)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (30, 12, 45)]
+    runner = ModelRunner(model, num_slots=3, max_len=256, max_step_tokens=64)
+    for s, p in enumerate(prompts):
+        runner.forward([Row(s, p[:-4], 0)], logits="none")
+    for rows in ([Row(s, p[-4:-4 + n], len(p) - 4) for (s, p), n in zip(enumerate(prompts), (1, 4, 2))],
+                 [Row(s, p[-4:-3], len(p) - 4) for s, p in enumerate(prompts)]):
+        logits = runner.forward(rows)[0]
+        tokens = runner.forward(rows, logits="tokens")[0]
+        assert tokens.shape == logits.shape[:2] and tokens.dtype == torch.int64
+        for b, row in enumerate(rows):
+            n = len(row.token_ids)
+            assert torch.equal(tokens[b, :n], logits[b, :n].argmax(-1))
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_rows_beside_prompt_chunks_compute_as_alone(family, tmp_path, monkeypatch):
     """Decode and verify rows in a forward that also caches prompt chunks attend through the
