@@ -239,13 +239,29 @@ def test_match_rates_shrink_toward_the_pool_on_little_evidence():
 
 
 def test_packed_drafting_overhead_is_charged_per_drafted_token():
-    """Packed rows: drafting steps measured 0.02 per drafted token above the calibration (attention
+    """Packed rows: steps measured 0.1 above the calibration, plus 0.02 per drafted token (attention
     over longer contexts than the calibration's), so a step of 40 drafted tokens is charged 0.8
     more and one of a single token 0.02, not the 0.2 a step of 10 showed."""
     c = DraftController(8, {8: [[0, 1.0], [64, 1.64]]}, packed=True)
-    for _ in range(100):
-        c.observe_step(8, 8, 1.1)                       # plain steps: 0.1 above the calibration
-    for _ in range(100):
-        c.observe_step(8, 8 + 10, 1.1 + 0.1 + 0.2)
-    assert abs(c.step_cost(8, 8 + 40) - (1.4 + 0.1 + 0.8)) < 0.01
+    for i in range(200):
+        drafted = (0, 5, 10, 20)[i % 4]
+        c.observe_step(8, 8 + drafted, 1.0 + 0.01 * drafted + 0.1 + 0.02 * drafted)
+    assert abs(c.step_cost(8, 8 + 40) - (1.4 + 0.1 + 0.8)) < 0.02
     assert abs(c.step_cost(8, 8 + 1) - (1.01 + 0.1 + 0.02)) < 0.01
+
+
+def test_drafted_tokens_cost_what_they_cost_when_every_step_drafts():
+    """Regression: plain steps' overhead was a mean of plain steps and the drafting overhead one of
+    drafting steps beyond it. Where every step drafted (16 rows) the plain mean went stale (here:
+    a slower phase before), the drafting one came out negative to make up, and drafted tokens
+    looked far cheaper than they were. One fit of all steps gets each drafted token's cost."""
+    c = DraftController(8, {8: [[0, 1.0], [64, 1.64]]}, packed=True)
+    for _ in range(100):
+        c.observe_step(8, 8, 1.0 + 0.5)                  # plain steps in a slow phase
+    for i in range(200):
+        drafted = 4 + i % 17
+        c.observe_step(8, 8 + drafted, 1.0 + 0.01 * drafted + 0.1 + 0.02 * drafted)
+    per_token = (c.step_cost(8, 8 + 20) - c.step_cost(8, 8 + 10)) / 10
+    assert abs(per_token - 0.03) < 0.003
+    assert abs(c.step_cost(8, 8 + 12) - (1.12 + 0.1 + 0.24)) < 0.02
+

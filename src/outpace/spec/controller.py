@@ -25,6 +25,11 @@ import itertools
 from collections.abc import Iterable
 
 OUTLIER_FORWARDS = 4.0    # a step's measured overhead counts as at most this many of its forwards
+# weight, in steps drafting a whole draft (max_draft tokens where rows are packed), of the prior
+# that drafting costs what the calibration says: where drafting steps are few (drafting stopped),
+# the fitted slope shrinks toward it, so a bad estimate is probed again rather than ending
+# speculation for good
+SLOPE_PRIOR = 0.5
 MIN_GAIN = 1.03           # drafting must promise this much over a plain step: estimates are noisy
 MATCH_PRIOR = 4.0         # drafts' weight of the pooled rate in a match length's rate (shrinkage)
 
@@ -32,7 +37,7 @@ MATCH_PRIOR = 4.0         # drafts' weight of the pooled rate in a match length'
 class DraftController:
     def __init__(self, max_draft: int, cost: dict[int, list] | None = None, packed: bool = False,
                  prior_accepted: float = 1.0, prior_drafted: float = 2.0, decay: float = 0.9,
-                 step_decay: float = 0.9, probe_decay: float = 0.98, prior_follow: tuple[float, float] = (1.4, 2.0),
+                 step_decay: float = 0.9, fit_decay: float = 0.97, prior_follow: tuple[float, float] = (1.4, 2.0),
                  match_decay: float = 0.995):
         """cost: forward seconds by batch-size bucket b, as calibrate.measure_verify_cost gives them:
         cost[b][s-1] for b rows of s tokens (packed False: rows padded to the longest), or
@@ -47,16 +52,16 @@ class DraftController:
         self.prior = (prior_accepted, prior_drafted, *prior_follow)
         self.decay = decay
         self.step_decay = step_decay
-        self.probe_decay = probe_decay
+        self.fit_decay = fit_decay
         # seq_id -> decayed counts [accepted, trials] at position 1, [accepted, trials] at later
         # positions reached, [hits, asks] of the drafter
         self.counts: dict[int, list[float]] = {}
-        # bucket -> running mean of a plain step's seconds beyond the calibrated forward
-        self.overhead: dict[int, float] = {}
-        # bucket -> what a drafting step took beyond that: per drafted token where rows are packed
-        # (their cost follows their tokens: attention over each drafting row's own cache), per step
-        # where rows are padded to a captured shape
-        self.draft_overhead: dict[int, float] = {}
+        # bucket -> what a step takes beyond the calibrated forward, alpha + beta * x, x its drafting
+        # (drafted tokens where rows are packed, whose attention over each row's own cache follows
+        # its tokens; 1 for a drafting step where rows are padded to a captured shape; 0 for a
+        # plain step): decayed sums [weight, x, x^2, y, x * y] of the measured steps, and the fit
+        self.sums: dict[int, list[float]] = {}
+        self.fit: dict[int, tuple[float, float]] = {}
         self.token_cost = 0.0       # running mean of host seconds per token a step yields
         # verified drafts of every sequence, pooled and by the drafter's match length: per draft
         # position j, decayed [accepted, reached] (reached: drafted with every earlier token accepted)
@@ -96,17 +101,18 @@ class DraftController:
         if not self.buckets:
             return 1.0
         b = self._bucket(batch_size)
-        return self._forward(b, batch_size, tokens) + self.overhead.get(b, 0.0) + self._draft_extra(b, batch_size, tokens)
+        alpha, beta = self.fit.get(b, (0.0, 0.0))
+        return self._forward(b, batch_size, tokens) + alpha + beta * self._drafting(batch_size, tokens)
 
     def _forward(self, bucket: int, batch_size: int, tokens: int) -> float:
         x = tokens - batch_size if self.packed else tokens / batch_size
         return _interpolate(self.curves[bucket], x)
 
-    def _draft_extra(self, bucket: int, batch_size: int, tokens: int) -> float:
+    def _drafting(self, batch_size: int, tokens: int) -> int:
+        """A step's x in the fit of its cost beyond the calibration: drafted tokens (packed rows),
+        or whether it drafts (padded rows)."""
         drafted = tokens - batch_size
-        if not drafted:
-            return 0.0
-        return self.draft_overhead.get(bucket, 0.0) * (drafted if self.packed else 1)
+        return drafted if self.packed else int(drafted > 0)
 
     def cost_ratio(self, batch_size: int, num_draft: int) -> float:
         """A step drafting num_draft tokens in every row against a plain step."""
@@ -234,25 +240,30 @@ class DraftController:
 
     def observe_step(self, batch_size: int, tokens: int, seconds: float) -> None:
         """A decode step of batch_size rows holding `tokens` tokens in all took `seconds` (propose
-        through the host sync). What a plain step took beyond the calibrated forward is the overhead
-        that start-up timing cannot see (launches, the host's work, longer contexts than the
-        calibration's); what a drafting step took beyond that as well is the drafting overhead
-        (drafting, acceptance math, and where rows are packed each drafted token's attention over
-        its row's whole context, which grows with the context: charged per drafted token there).
-        One slow step (a first call, a collection pause) counts as at most a few forwards, and
-        plain steps pull the drafting overhead toward none, so a bad estimate is probed again
-        rather than ending speculation for good."""
+        through the host sync). What it took beyond the calibrated forward (launches, the host's
+        work, drafting and acceptance math, contexts longer than the calibration's, whose attention
+        grows with each drafted token where rows are packed) is fitted per bucket as alpha + beta *
+        x over the recent steps, plain and drafting alike (a decayed least-squares line, its slope
+        shrunk toward none by SLOPE_PRIOR). One fit rather than a plain steps' mean and a drafting
+        steps' mean beside it: where nearly every step drafted, the plain mean went stale, the
+        drafting one came out negative to make up for it, and drafted tokens looked a third
+        cheaper than they were (16 rows: the controller drafted 17 tokens a step, 53% accepted,
+        and lost to plain steps). One slow step (a first call, a collection pause) counts as at
+        most a few forwards."""
         if not self.buckets:
             return
-        b, drafted = self._bucket(batch_size), tokens - batch_size
+        b = self._bucket(batch_size)
         forward = self._forward(b, batch_size, tokens)
-        if not drafted:
-            self._update(self.overhead, b, min(seconds - forward, OUTLIER_FORWARDS * forward), self.step_decay)
-            if b in self.draft_overhead:
-                self.draft_overhead[b] *= self.probe_decay
-            return
-        extra = min(seconds - forward - self.overhead.get(b, 0.0), OUTLIER_FORWARDS * forward)
-        self._update(self.draft_overhead, b, extra / drafted if self.packed else extra, self.step_decay)
+        x, y = self._drafting(batch_size, tokens), min(seconds - forward, OUTLIER_FORWARDS * forward)
+        d = self.fit_decay
+        sums = [v * d for v in self.sums.get(b, [0.0] * 5)]
+        for i, value in enumerate((1.0, x, x * x, y, x * y)):
+            sums[i] += value
+        self.sums[b] = sums
+        weight, sx, sxx, sy, sxy = sums
+        prior = SLOPE_PRIOR * (self.max_draft ** 2 if self.packed else 1)
+        beta = (sxy - sx * sy / weight) / (sxx - sx * sx / weight + prior)
+        self.fit[b] = ((sy - beta * sx) / weight, beta)
 
     def observe_tokens(self, num_tokens: int, seconds: float) -> None:
         """A step's host work on its num_tokens new tokens took `seconds`. It grows with the
@@ -260,11 +271,6 @@ class DraftController:
         if self.buckets and num_tokens:
             d = self.step_decay
             self.token_cost = d * self.token_cost + (1 - d) * seconds / num_tokens
-
-    @staticmethod
-    def _update(means: dict[int, float], key: int, value: float, decay: float) -> None:
-        old = means.get(key)
-        means[key] = value if old is None else decay * old + (1 - decay) * value
 
     def end(self, seq_id: int) -> None:
         self.counts.pop(seq_id, None)
