@@ -25,7 +25,7 @@ from outpace.spec.controller import DraftController
 from outpace.spec.drafter import Draft, Drafter
 from outpace.spec.factory import make_drafter
 from outpace.spec.ngram_device import DeviceDrafts, DeviceNgramDrafter, GraphDrafts
-from outpace.spec.verify import verify_greedy, verify_sampling
+from outpace.spec.verify import greedy_tokens, verify_greedy, verify_sampling
 
 
 def resolve_device(device: str) -> str:
@@ -360,7 +360,7 @@ class LLMEngine:
         if isinstance(runner, CudaGraphRunner) and runner.last_shape is not None and not (
                 on_device and any(s.seq_id in self.drafter.rows for s in seqs)):
             return self._read_back(seqs, [0] * len(seqs), runner.last_shape, t0)
-        tokens = logits.argmax(-1) if logits.dim() == 3 else logits
+        tokens = greedy_tokens(logits)
         if on_device:
             self.drafter.append([s.seq_id for s in seqs], tokens, torch.ones_like(tokens[:, 0]))
         host = tokens.tolist()                          # the step's one host synchronisation

@@ -21,13 +21,19 @@ import torch
 from outpace.engine.sampler import MAX_NUM_DRAFT, SamplingState, draw_uniforms, exponential_race, logits_to_probs
 
 
+def greedy_tokens(target: torch.Tensor) -> torch.Tensor:
+    """The target's tokens [B, S]: the argmax of its logits [B, S, V], or that argmax already taken
+    (a CPU runner takes it over the real tokens before padding rows)."""
+    return target.argmax(-1) if target.dim() == 3 else target
+
+
 def verify_greedy(
     target: torch.Tensor, draft_tokens: torch.Tensor, num_draft: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept drafts while each equals the target's argmax, then append the target's argmax.
-    target: the target's logits [B, K+1, V], or their argmax [B, K+1] already taken."""
+    target: the target's logits [B, K+1, V] or their tokens (greedy_tokens)."""
     num_positions = draft_tokens.shape[1]
-    target_tokens = target.argmax(-1) if target.dim() == 3 else target  # [B, K+1]
+    target_tokens = greedy_tokens(target)  # [B, K+1]
     is_draft = torch.arange(num_positions, device=draft_tokens.device) < num_draft[:, None]  # [B, K]
     # Draft i is accepted iff drafts 0..i are all real and equal the target's argmax at their position.
     is_match = (draft_tokens == target_tokens[:, :num_positions]) & is_draft
