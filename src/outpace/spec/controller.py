@@ -12,10 +12,10 @@ P_i(>= j) tokens (accepted prefix plus the target's own). A step's cost is its f
 at start-up (for b rows of 1 + k tokens where rows are padded to the longest; for b rows holding
 e drafted tokens in all where rows are packed), plus what the step spends around the forward
 (the host's work, longer contexts, and for drafting steps drafting and acceptance math), fitted
-on the steps as they run as one line in the step's drafted tokens, plus the host's work per token
-it yields (detokenising, stop checks), also measured. Where rows are packed a step costs the tokens it holds, and the controller takes
-the most promising drafted tokens of any rows; where they are padded it drafts one k for the
-batch (cut to what each row has). Either maximises the batch's expected tokens per second, and
+on the steps as they run as one line in the step's drafted tokens, plus the host's work per
+token it yields (detokenising, stop checks), also measured. Where rows are packed a step costs
+the tokens it holds, and the controller takes the most promising drafted tokens of any rows;
+where they are padded it drafts one k for the batch (cut to what each row has). Either maximises the batch's expected tokens per second, and
 no draft is a plain step, so speculation that does not pay does not run.
 """
 from __future__ import annotations
