@@ -47,41 +47,46 @@ static inline bf16 f32_to_bf16(float f) {     /* round to nearest even, NaN stay
     return (bf16)(v.u >> 16);
 }
 
-/* exp(x) in float32 to about 1 ulp, written so the compiler vectorises loops over it (glibc's
- * expf is a call per element): 2^n * e^r with |r| <= ln2/2, e^r by its Taylor polynomial. */
+/* exp(x) in float32 to about 1 ulp (glibc's expf is a call per element and rounds otherwise):
+ * 2^n * e^r with |r| <= ln2/2, e^r by its Taylor polynomial in fused multiply-adds. */
 static inline float exp_f32(float x) {
     x = x < -87.3f ? -87.3f : x > 88.7f ? 88.7f : x;
     float n = rintf(x * 1.44269504f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float r = fmaf(n, 2.12194440e-4f, fmaf(-n, 0.693359375f, x));
     float p = 1.98756912e-4f;
-    p = p * r + 1.39819994e-3f;
-    p = p * r + 8.33345205e-3f;
-    p = p * r + 4.16657962e-2f;
-    p = p * r + 1.66666657e-1f;
-    p = p * r + 5.0e-1f;
-    p = p * r * r + r + 1.0f;
-    union { uint32_t u; float f; } scale;
-    scale.u = (uint32_t)((int32_t)n + 127) << 23;
-    return p * scale.f;
+    p = fmaf(p, r, 1.39819994e-3f);
+    p = fmaf(p, r, 8.33345205e-3f);
+    p = fmaf(p, r, 4.16657962e-2f);
+    p = fmaf(p, r, 1.66666657e-1f);
+    p = fmaf(p, r, 5.0e-1f);
+    p = fmaf(p * r, r, r) + 1.0f;
+    return ldexpf(p, (int)n);
 }
 
 #ifdef __AVX512F__
-/* exp_f32 on 16 lanes, the same arithmetic */
+/* exp_f32 on 16 lanes, the same arithmetic (vscalefps scales by 2^n as ldexpf does) */
 static inline __m512 exp_f32x16(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
-                             _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
     __m512 p = _mm512_set1_ps(1.98756912e-4f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.39819994e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.33345205e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.16657962e-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.66666657e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0e-1f));
-    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.39819994e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33345205e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16657962e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.66666657e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m256i round_to_bf16(__m512 v) {       /* f32_to_bf16 on 16 lanes */
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
 }
 
 /* rows r[0..16) of 16 floats become the columns */
@@ -128,6 +133,8 @@ static inline float lanes_sum(const float *parts) {
 #define ROUND(x) (x)
 #ifdef __AVX512F__
 #define LOAD16(p) _mm512_loadu_ps(p)
+#define STORE16(p, v) _mm512_storeu_ps(p, v)
+#define ROUND16(v) (v)
 #endif
 #include "cpu_kernels_dtype.h"
 #undef T
@@ -136,6 +143,8 @@ static inline float lanes_sum(const float *parts) {
 #undef STORE
 #undef ROUND
 #undef LOAD16
+#undef STORE16
+#undef ROUND16
 
 #define T bf16
 #define NAME(f) f##_bf16
@@ -145,6 +154,8 @@ static inline float lanes_sum(const float *parts) {
 #ifdef __AVX512F__
 #define LOAD16(p) _mm512_castsi512_ps(_mm512_slli_epi32( \
     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define STORE16(p, v) _mm256_storeu_si256((__m256i *)(p), round_to_bf16(v))
+#define ROUND16(v) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_to_bf16(v)), 16))
 #endif
 #ifdef __AVX512BF16__
 #define DOT_PAIRS       /* attention scores as vdpbf16ps over pairs of bfloat16 values */
@@ -174,15 +185,6 @@ static inline float lanes_sum(const float *parts) {
  * alike; 32 KB into L1 no better than 2 KB). Float32 weights: no change. Into L1 2 KB ahead had
  * been the best on the first kernels' machine (Intel, the FMA path) */
 #define PREFETCH_BYTES 65536
-
-static inline __m256i round_to_bf16(__m512 v) {       /* f32_to_bf16 on 16 lanes */
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(r);
-}
 
 /* A tile's sums plus the bias (NULL: none; float32 when wide_bias, else bfloat16) into out
  * [rows, N] at its blocks' columns, float32 when wide_out, else rounded to bfloat16; columns from

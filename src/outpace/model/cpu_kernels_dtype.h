@@ -3,37 +3,68 @@
  * (AVX-512 only) loads 16 values as floats. */
 
 /* h_out = h + delta (delta may be NULL: h_out is h); x_out = rms_norm(h_out) * weight:
- * normalised in float32, rounded to the dtype, then scaled (the reference's order) */
+ * normalised in float32, rounded to the dtype, then scaled (the reference's order). With AVX-512
+ * 16 values at a time (a 512-token chunk's norm 3-4x faster than the compiler's loops), the
+ * squares summed in the same order either way. */
 void NAME(add_rms_norm)(const T *h, const T *delta, const T *weight, T *h_out, T *x_out, long rows, long dim,
                         float eps) {
 #pragma omp parallel for if (rows * dim >= PARALLEL_MIN_VALUES) schedule(static)
     for (long r = 0; r < rows; r++) {
         const T *hr = h + r * dim;
         T *xo = x_out + r * dim;
+        long i = 0;
         if (delta) {
             T *ho = h_out + r * dim;
             const T *dr = delta + r * dim;
-            for (long i = 0; i < dim; i++) ho[i] = STORE(LOAD(hr[i]) + LOAD(dr[i]));
+#ifdef LOAD16
+            for (; i + 16 <= dim; i += 16) STORE16(ho + i, _mm512_add_ps(LOAD16(hr + i), LOAD16(dr + i)));
+#endif
+            for (; i < dim; i++) ho[i] = STORE(LOAD(hr[i]) + LOAD(dr[i]));
             hr = ho;
         }
         float parts[LANES] = {0};
-        long i = 0;
+        i = 0;
+#ifdef LOAD16
+        __m512 squares = _mm512_setzero_ps();
+        for (; i + LANES <= dim; i += LANES) {
+            __m512 x = LOAD16(hr + i);
+            squares = _mm512_add_ps(squares, _mm512_mul_ps(x, x));
+        }
+        _mm512_storeu_ps(parts, squares);
+#endif
         for (; i + LANES <= dim; i += LANES) {
             for (int l = 0; l < LANES; l++) parts[l] += LOAD(hr[i + l]) * LOAD(hr[i + l]);
         }
         for (; i < dim; i++) parts[i % LANES] += LOAD(hr[i]) * LOAD(hr[i]);
         float inv = 1.0f / sqrtf(lanes_sum(parts) / (float)dim + eps);
-        for (i = 0; i < dim; i++) xo[i] = STORE(ROUND(LOAD(hr[i]) * inv) * LOAD(weight[i]));
+        i = 0;
+#ifdef LOAD16
+        for (; i + 16 <= dim; i += 16) {
+            STORE16(xo + i, _mm512_mul_ps(ROUND16(_mm512_mul_ps(LOAD16(hr + i), _mm512_set1_ps(inv))),
+                                          LOAD16(weight + i)));
+        }
+#endif
+        for (; i < dim; i++) xo[i] = STORE(ROUND(LOAD(hr[i]) * inv) * LOAD(weight[i]));
     }
 }
 
-/* out [rows, inter] = silu(gate) * up from gate_up [rows, 2 * inter] */
+/* out [rows, inter] = silu(gate) * up from gate_up [rows, 2 * inter]; with AVX-512 16 values at
+ * a time (a 512-token chunk's 2-3x faster than the compiler's loops), the same arithmetic */
 void NAME(silu_mul)(const T *gate_up, T *out, long rows, long inter) {
 #pragma omp parallel for if (rows * inter >= PARALLEL_MIN_VALUES) schedule(static)
     for (long r = 0; r < rows; r++) {
         const T *g = gate_up + r * 2 * inter, *u = g + inter;
         T *o = out + r * inter;
-        for (long i = 0; i < inter; i++) {
+        long i = 0;
+#ifdef LOAD16
+        for (; i + 16 <= inter; i += 16) {
+            __m512 x = LOAD16(g + i);
+            __m512 e = exp_f32x16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+            __m512 silu = ROUND16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+            STORE16(o + i, _mm512_mul_ps(silu, LOAD16(u + i)));
+        }
+#endif
+        for (; i < inter; i++) {
             float x = LOAD(g[i]);
             o[i] = STORE(ROUND(x / (1.0f + exp_f32(-x))) * LOAD(u[i]));
         }
@@ -338,17 +369,11 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
                                 for (int k = 0; k < 4; k++) part[c][k] = _mm512_dpbf16_ps(part[c][k], w, (__m512bh)v[k]);
                             }
                         }
-                        /* back in order: lane 4L + m of a slice's first (second) sums holds value
-                         * 8L + m (8L + 4 + m) */
-                        const __m512i low = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-                        const __m512i high = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+                        /* summed in the pairs' order, put back in order at the end */
                         for (int c = 0; c < 4 && i0 + c < queries; c++) {
-                            for (int k = 0; k < slices; k++) {
-                                float *ai = acc + (i0 + c) * D + d0 + 32 * k;
-                                __m512 first = _mm512_permutex2var_ps(part[c][2 * k], low, part[c][2 * k + 1]);
-                                __m512 second = _mm512_permutex2var_ps(part[c][2 * k], high, part[c][2 * k + 1]);
-                                _mm512_storeu_ps(ai, _mm512_add_ps(_mm512_loadu_ps(ai), first));
-                                _mm512_storeu_ps(ai + 16, _mm512_add_ps(_mm512_loadu_ps(ai + 16), second));
+                            for (int k = 0; k < 2 * slices; k++) {
+                                float *ai = acc + (i0 + c) * D + d0 + 16 * k;
+                                _mm512_storeu_ps(ai, _mm512_add_ps(_mm512_loadu_ps(ai), part[c][k]));
                             }
                         }
                     }
@@ -395,6 +420,16 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
             }
         }
     }
+#ifdef DOT_PAIRS
+    /* back in order: lane 4L + m of a slice's first (second) 16 sums holds value 8L + m (8L + 4 + m) */
+    const __m512i low = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i high = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (long i = 0; pairs && i < queries * D; i += 32) {
+        __m512 first = _mm512_loadu_ps(acc + i), second = _mm512_loadu_ps(acc + i + 16);
+        _mm512_storeu_ps(acc + i, _mm512_permutex2var_ps(first, low, second));
+        _mm512_storeu_ps(acc + i + 16, _mm512_permutex2var_ps(first, high, second));
+    }
+#endif
     for (long t = 0; t < tokens; t++) {
         for (long r = 0; r < group; r++) {
             long i = t * group + r;
