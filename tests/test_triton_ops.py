@@ -29,6 +29,20 @@ def test_matvec_equals_linear(n, k, bias):
     torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=8e-3)
 
 
+@pytest.mark.parametrize("rows", [2, 9, 17])
+def test_matvec_rows_compute_as_alone(rows):
+    from outpace.model.triton_ops import matvec
+    torch.manual_seed(0)
+    w = torch.randn(960, 576, device="cuda", dtype=torch.bfloat16) * 0.05
+    b = torch.randn(960, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, rows, 576, device="cuda", dtype=torch.bfloat16)
+    got = matvec(x, w, b)
+    assert got.shape == (1, rows, 960)
+    for r in range(rows):
+        assert torch.equal(got[0, r], matvec(x[:, r:r + 1], w, b)[0, 0])
+    torch.testing.assert_close(got.float(), F.linear(x.float(), w.float(), b.float()), rtol=8e-3, atol=8e-3)
+
+
 @pytest.mark.parametrize("heads,kv_heads,dim,rows,tokens,keys,window,slot_start", [
     (32, 8, 128, 1, 1, 512, 0, 0),       # Llama-3-8B's decode step
     (9, 3, 64, 3, 5, 640, 0, 1),         # the default model's heads, verify rows in slots 1..3

@@ -93,12 +93,23 @@ def _graph_kernels(dtype: torch.dtype, device: torch.device):
     return _checked_ops(device, dtype)
 
 
+# Inside graphs a step of a few rows takes Triton's matvec, each row as its own one-row product,
+# while rows x the weight's elements stay within this: its rows then read the weight from L2, and
+# on an H100 the default model's products took, in us, matvec / cuBLAS, qkv (960 x 576) 2.2 / 3.1
+# for 2 rows, 2.7 / 3.1 for 5, 3.5 / 3.2 for 9; o (576 x 576) 2.7 / 3.2 for 9, 3.2 / 3.2 for 13;
+# gate_up (3072 x 576) 2.9 / 3.3 for 2, 3.6 / 3.2 for 3; down (576 x 1536) 4.1 / 4.8 for 9, 5.5 /
+# 4.6 for 13. Llama-3-8B's matrices take cuBLAS from 2 rows.
+MATVEC_ROW_ELEMENTS = 4 << 20
+
+
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """layer(x); inside graphs a single row goes through Triton's matvec (cuBLAS reads the
-    attention's matrices of Llama-3-8B's shape at 71-82% of the copy bandwidth, the matvec at
-    85-92%)."""
+    """layer(x); inside graphs one row, or a few rows of a small matrix, go through Triton's
+    matvec (cuBLAS reads the attention's matrices of Llama-3-8B's shape at 71-82% of the copy
+    bandwidth, the matvec at 85-92%)."""
     ops = _graph_kernels(x.dtype, x.device)
-    if ops is None or x.numel() != x.shape[-1] or not layer.weight.is_contiguous():
+    rows = x.numel() // x.shape[-1]
+    if (ops is None or not layer.weight.is_contiguous()
+            or rows > 1 and rows * layer.weight.numel() > MATVEC_ROW_ELEMENTS):
         return layer(x)
     return ops.matvec(x, layer.weight, layer.bias)
 

@@ -27,8 +27,11 @@ import triton.language as tl
 @triton.jit
 def _matvec_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K,
                    HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """BLOCK_N outputs of one row of x (the grid's second axis)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
+    x_ptr += tl.program_id(1).to(tl.int64) * K
+    out_ptr += tl.program_id(1).to(tl.int64) * N
     w_rows = w_ptr + rows[:, None].to(tl.int64) * K
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
@@ -48,15 +51,17 @@ def _matvec_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K,
 
 
 def matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear of one row: x [..., K] holding a single row, weight [N, K] contiguous -> [..., N].
-    Blocks read 2 rows x 1024 columns at a time where K allows, else 8 x 512 or 8 x 256 (the
-    fastest of nine shapes timed on an H100 for the 8B shape's and the default model's matrices)."""
+    """F.linear of a few rows, each computed as a product of one row: x [..., K], weight [N, K]
+    contiguous -> [..., N]. Blocks read 2 rows x 1024 columns at a time where K allows, else
+    8 x 512 or 8 x 256 (the fastest of nine shapes timed on an H100 for the 8B shape's and the
+    default model's matrices). Every row has its own blocks (after the first, they find the
+    weights in L2), so a row's result does not depend on the rows beside it."""
     N, K = weight.shape
     out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     block_k = next((b for b in (1024, 512) if K % b == 0), 256)
     block_n = 2 if block_k == 1024 else 8
     even = N % block_n == 0 and K % block_k == 0
-    _matvec_kernel[(triton.cdiv(N, block_n),)](
+    _matvec_kernel[(triton.cdiv(N, block_n), x.numel() // K)](
         x.contiguous(), weight, weight if bias is None else bias, out, N, K,
         HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return out
