@@ -49,6 +49,7 @@ class DraftController:
         self.curves = {b: [tuple(p) for p in curve] if packed else [(s + 1, t) for s, t in enumerate(curve)]
                        for b, curve in (cost or {}).items()}
         self.buckets = sorted(self.curves)
+        self.tables: dict[int, list[float]] = {}       # packed: bucket -> forward seconds by drafted tokens
         self.prior = (prior_accepted, prior_drafted, *prior_follow)
         self.decay = decay
         self.step_decay = step_decay
@@ -98,15 +99,24 @@ class DraftController:
     def step_cost(self, batch_size: int, tokens: int) -> float:
         """Expected seconds of a step of batch_size rows holding `tokens` tokens in all: the
         calibrated forward (between the curve's points) plus the measured overheads."""
+        return self._costs(batch_size)(tokens)
+
+    def _costs(self, batch_size: int):
+        """step_cost(batch_size, tokens) as a function of tokens, the bucket and its fit looked
+        up once (a 32-row step weighs a few hundred drafted tokens)."""
         if not self.buckets:
-            return 1.0
+            return lambda tokens: 1.0
         b = self._bucket(batch_size)
         alpha, beta = self.fit.get(b, (0.0, 0.0))
-        return self._forward(b, batch_size, tokens) + alpha + beta * self._drafting(batch_size, tokens)
+        return lambda tokens: self._forward(b, batch_size, tokens) + alpha + beta * self._drafting(batch_size, tokens)
 
     def _forward(self, bucket: int, batch_size: int, tokens: int) -> float:
-        x = tokens - batch_size if self.packed else tokens / batch_size
-        return _interpolate(self.curves[bucket], x)
+        if not self.packed:
+            return _interpolate(self.curves[bucket], tokens / batch_size)
+        table = self.tables.setdefault(bucket, [])      # by drafted tokens, filled as asked
+        while len(table) <= tokens - batch_size:
+            table.append(_interpolate(self.curves[bucket], len(table)))
+        return table[tokens - batch_size]
 
     def _drafting(self, batch_size: int, tokens: int) -> int:
         """A step's x in the fit of its cost beyond the calibration: drafted tokens (packed rows),
@@ -190,18 +200,15 @@ class DraftController:
         """How many drafting choices to take, in order: the n-th brings the step to tokens[n-1]
         tokens and adds gains[n-1] expected tokens. The n maximising the expected tokens per
         second; 0 (a plain step) unless drafting promises MIN_GAIN more."""
+        cost, token_cost = self._costs(batch_size), self.token_cost
         expected = float(batch_size)
-        best_n, best_rate = 0, MIN_GAIN * self._rate(batch_size, batch_size, expected)
+        best_n, best_rate = 0, MIN_GAIN * expected / (cost(batch_size) + expected * token_cost)
         for n, (step_tokens, gain) in enumerate(zip(tokens, gains), 1):
             expected += gain
-            rate = self._rate(batch_size, step_tokens, expected)
+            rate = expected / (cost(step_tokens) + expected * token_cost)     # tokens per second
             if rate > best_rate:
                 best_n, best_rate = n, rate
         return best_n
-
-    def _rate(self, batch_size: int, tokens: int, expected: float) -> float:
-        """Expected tokens per second of a step of `tokens` tokens yielding `expected` tokens."""
-        return expected / (self.step_cost(batch_size, tokens) + expected * self.token_cost)
 
     def observe(self, seq_id: int, asked: int, num_draft: int, num_accepted: int, match_len: int = 0) -> None:
         """After a step that asked the drafter for `asked` tokens and verified num_draft of them.
