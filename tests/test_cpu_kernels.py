@@ -78,6 +78,23 @@ def test_add_rms_norm_and_silu_mul_follow_torch(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vector_body_and_scalar_tail_compute_alike(dtype):
+    # 16 values a vector, the 17th in the scalar tail: the same inputs give the same outputs
+    # (exp's polynomial, its scale at both ends of the clamped range, the norm's rounding)
+    gate = torch.tensor([-100.0, -88.5, -87.0, -30.0, -2.5, -1e-3, 0.0, 1e-3, 0.7, 3.0, 9.0, 30.0, 60.0, 87.5, 88.6, 100.0])
+    for value in gate.tolist():
+        g = torch.cat([gate, torch.tensor([value])])
+        up = torch.full((17,), 1.5)
+        out = cpu_kernels.silu_mul(torch.cat([g, up])[None].to(dtype))[0]
+        assert torch.equal(out[16], out[gate.tolist().index(value)])
+    h = torch.linspace(-3, 3, 17).to(dtype)[None]
+    weight = torch.linspace(0.5, 1.5, 17).to(dtype)
+    x = cpu_kernels.add_rms_norm(h, None, weight, 1e-5)[1][0]
+    expected = _rms_norm(h, weight, 1e-5)[0]
+    assert ulps(x, expected) <= 1.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [3, 700])       # 700: shared among threads
 def test_rope_equals_torch_bit_for_bit(dtype, tokens):
     """The query and key heads of a qkv product (a strided slice) rotated as fused.rope does."""

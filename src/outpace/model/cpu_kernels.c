@@ -47,8 +47,9 @@ static inline bf16 f32_to_bf16(float f) {     /* round to nearest even, NaN stay
     return (bf16)(v.u >> 16);
 }
 
-/* exp(x) in float32 to about 1 ulp (glibc's expf is a call per element and rounds otherwise):
- * 2^n * e^r with |r| <= ln2/2, e^r by its Taylor polynomial in fused multiply-adds. */
+/* exp(x) in float32 to about 1 ulp, written so the compiler vectorises loops over it (glibc's
+ * expf is a call per element): 2^n * e^r with |r| <= ln2/2, e^r by its Taylor polynomial in fused
+ * multiply-adds; 2^n built from its bits, n = 128 as 2^127 * 2 (exact, as vscalefps scales) */
 static inline float exp_f32(float x) {
     x = x < -87.3f ? -87.3f : x > 88.7f ? 88.7f : x;
     float n = rintf(x * 1.44269504f);
@@ -60,11 +61,13 @@ static inline float exp_f32(float x) {
     p = fmaf(p, r, 1.66666657e-1f);
     p = fmaf(p, r, 5.0e-1f);
     p = fmaf(p * r, r, r) + 1.0f;
-    return ldexpf(p, (int)n);
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)(n > 127.0f ? 127.0f : n) + 127) << 23;
+    return p * scale.f * (n > 127.0f ? 2.0f : 1.0f);
 }
 
 #ifdef __AVX512F__
-/* exp_f32 on 16 lanes, the same arithmetic (vscalefps scales by 2^n as ldexpf does) */
+/* exp_f32 on 16 lanes, the same arithmetic */
 static inline __m512 exp_f32x16(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
