@@ -264,4 +264,3 @@ def test_drafted_tokens_cost_what_they_cost_when_every_step_drafts():
     per_token = (c.step_cost(8, 8 + 20) - c.step_cost(8, 8 + 10)) / 10
     assert abs(per_token - 0.03) < 0.003
     assert abs(c.step_cost(8, 8 + 12) - (1.12 + 0.1 + 0.24)) < 0.02
-

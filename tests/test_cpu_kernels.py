@@ -81,7 +81,8 @@ def test_add_rms_norm_and_silu_mul_follow_torch(dtype):
 def test_vector_body_and_scalar_tail_compute_alike(dtype):
     # 16 values a vector, the 17th in the scalar tail: the same inputs give the same outputs
     # (exp's polynomial, its scale at both ends of the clamped range, the norm's rounding)
-    gate = torch.tensor([-100.0, -88.5, -87.0, -30.0, -2.5, -1e-3, 0.0, 1e-3, 0.7, 3.0, 9.0, 30.0, 60.0, 87.5, 88.6, 100.0])
+    gate = torch.tensor([-100.0, -88.5, -87.0, -30.0, -2.5, -1e-3, 0.0, 1e-3,
+                         0.7, 3.0, 9.0, 30.0, 60.0, 87.5, 88.6, 100.0])
     for value in gate.tolist():
         g = torch.cat([gate, torch.tensor([value])])
         up = torch.full((17,), 1.5)

@@ -4,7 +4,7 @@
 
 /* h_out = h + delta (delta may be NULL: h_out is h); x_out = rms_norm(h_out) * weight:
  * normalised in float32, rounded to the dtype, then scaled (the reference's order). With AVX-512
- * 16 values at a time (a 512-token chunk's norm 3-4x faster than the compiler's loops), the
+ * 16 values at a time (a 512-token chunk's norm 1.07-1.09x faster than the compiler's loops), the
  * squares summed in the same order either way. */
 void NAME(add_rms_norm)(const T *h, const T *delta, const T *weight, T *h_out, T *x_out, long rows, long dim,
                         float eps) {
@@ -49,7 +49,8 @@ void NAME(add_rms_norm)(const T *h, const T *delta, const T *weight, T *h_out, T
 }
 
 /* out [rows, inter] = silu(gate) * up from gate_up [rows, 2 * inter]; with AVX-512 16 values at
- * a time (a 512-token chunk's 2-3x faster than the compiler's loops), the same arithmetic */
+ * a time (a 512-token chunk's 1.2x faster in bfloat16, 1.5x in float32, than the compiler's
+ * loops), the same arithmetic */
 void NAME(silu_mul)(const T *gate_up, T *out, long rows, long inter) {
 #pragma omp parallel for if (rows * inter >= PARALLEL_MIN_VALUES) schedule(static)
     for (long r = 0; r < rows; r++) {

@@ -15,8 +15,9 @@ e drafted tokens in all where rows are packed), plus what the step spends around
 on the steps as they run as one line in the step's drafted tokens, plus the host's work per
 token it yields (detokenising, stop checks), also measured. Where rows are packed a step costs
 the tokens it holds, and the controller takes the most promising drafted tokens of any rows;
-where they are padded it drafts one k for the batch (cut to what each row has). Either maximises the batch's expected tokens per second, and
-no draft is a plain step, so speculation that does not pay does not run.
+where they are padded it drafts one k for the batch (cut to what each row has). Either
+maximises the batch's expected tokens per second, and no draft is a plain step, so speculation
+that does not pay does not run.
 """
 from __future__ import annotations
 
