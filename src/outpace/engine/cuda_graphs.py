@@ -25,9 +25,14 @@ Overlap: a greedy step's successor can be launched before the host has read the 
 (replay_next): each row's start and last token are derived on the device from the step's result,
 so the GPU never idles while the host reads a step, and the host reads a step with a copy that
 waits for that step alone (start_read, read_back), not for the one queued behind it.
-Prompt chunks (logits='none'), hidden-state requests and shapes beyond the largest tier run eagerly
-through ModelRunner. With use_graphs=False (or on the CPU) the same static-buffer step runs eagerly:
-that is `--no-cuda-graphs`, and what the CPU tests check.
+Prompt chunks replay graphs too, one chunk at a time: shape (n, L) with n a prompt tier (16, 32,
+64, ... up to max_prefill_tokens) holding the chunk, padded; the padding's keys land past the
+chunk's end, where no query of the chunk attends and later tokens overwrite them. An eager
+forward of a chunk was bound by its kernel launches (about 37 ms a Spec-Bench prompt on an H100).
+Hidden-state requests and shapes beyond the largest tier run eagerly through ModelRunner. With
+use_graphs=False (or on the CPU) decode steps run the same static-buffer step eagerly (that is
+`--no-cuda-graphs`, and what the CPU tests check), and prompt chunks run ModelRunner's unpadded
+forward.
 """
 from __future__ import annotations
 
@@ -51,10 +56,11 @@ class CudaGraphRunner(ModelRunner):
     def __init__(self, model: DecoderLM, num_slots: int, max_len: int, max_step_tokens: int,
                  exact_tokens: int | None = None, max_decode_tokens: int = 1, use_graphs: bool = True,
                  batch_sizes: list[int] | None = None, kv_lens: list[int] | None = None, progress: bool = True,
-                 extension=None):
+                 extension=None, max_prefill_tokens: int = 0):
         """max_decode_tokens: the largest tokens-per-row of a decode/verify step (1 + most drafts).
         batch_sizes: the buckets (default 1, 2, 4, ... up to num_slots); kv_lens: the key-length
-        buckets (default 512, 1024, ... below the cache length, and the cache length)."""
+        buckets (default 512, 1024, ... below the cache length, and the cache length);
+        max_prefill_tokens: the longest prompt chunk a graph holds (0: chunks run eagerly)."""
         cache_len = -(-(max_len + max_step_tokens) // 64) * 64
         super().__init__(model, num_slots, max_len, cache_len - max_len, exact_tokens)
         if max(max_decode_tokens, exact_tokens or 0) > max_step_tokens:
@@ -66,6 +72,10 @@ class CudaGraphRunner(ModelRunner):
         self.cache_len = self.cache.max_len
         ladder = [n for n in (512 * 2 ** i for i in range(16)) if n < self.cache_len] + [self.cache_len]
         self.kv_lens = [self.cache_len] if exact_tokens else sorted(set(kv_lens or ladder))
+        if max_prefill_tokens > max_step_tokens:
+            raise ValueError(f"prompt chunks of {max_prefill_tokens} tokens need max_step_tokens >= that")
+        self.prefill_tiers = sorted({n for n in (16 * 2 ** i for i in range(16)) if n < max_prefill_tokens}
+                                    | {max_prefill_tokens}) if max_prefill_tokens else []
         rows, tokens, vocab = self.buckets[-1], max(self.tiers), model.cfg.vocab_size
         device = self.device
         # The buffers, at the largest shape; shape (b, t) uses views of their first entries.
@@ -85,10 +95,16 @@ class CudaGraphRunner(ModelRunner):
         self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}     # length -> (device, host) views
         if extension:
             extension.bind(self.inputs[rows:rows + ext])
-        self.positions = torch.zeros(rows * tokens, dtype=torch.long, device=device)    # [b*t] -> [b, t]
-        self.mask = torch.zeros(rows * tokens * self.cache_len, dtype=torch.bool, device=device)  # -> [b, 1, t, L]
+        # a prompt chunk's inputs: [slot, start, input ids], with their own pinned host side
+        chunk = max(self.prefill_tiers, default=0)
+        self.chunk_inputs = torch.zeros(2 + chunk, dtype=torch.long, device=device)
+        self.chunk_host = torch.zeros_like(self.chunk_inputs, device="cpu", pin_memory=is_cuda)
+        self.chunk_copied = torch.cuda.Event() if is_cuda else None
+        queries = max(rows * tokens, chunk)             # a step's queries, or a chunk's
+        self.positions = torch.zeros(queries, dtype=torch.long, device=device)          # [b*t] -> [b, t]
+        self.mask = torch.zeros(queries * self.cache_len, dtype=torch.bool, device=device)  # -> [b, 1, t, L]
         # the mask as the additive bias attention takes without converting it in every layer
-        self.bias = torch.zeros(rows * tokens * self.cache_len, dtype=self.dtype, device=device)  # -> [b, 1, t, L]
+        self.bias = torch.zeros(queries * self.cache_len, dtype=self.dtype, device=device)  # -> [b, 1, t, L]
         self.bias_values = torch.tensor([0.0, float("-inf")], dtype=self.dtype, device=device)
         self.logits = torch.zeros(rows * tokens, vocab, dtype=torch.float32, device=device)       # -> [b, t, V]
         self.slot_ids = torch.arange(rows, device=device)
@@ -99,6 +115,7 @@ class CudaGraphRunner(ModelRunner):
         self.read_done = torch.cuda.Event() if is_cuda else None
         self._outputs: dict[tuple[int, int, int], torch.Tensor] = {}   # (b, t, rows) -> logits view
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self.chunk_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}    # (tier, L) of prompt chunks
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.packs_rows = False         # decode steps have static [b, t] shapes
         self.capture_s = 0.0
@@ -111,17 +128,9 @@ class CudaGraphRunner(ModelRunner):
         """The captured body: inputs in input_ids/starts, logits out in self.logits[:b*t]."""
         positions = self.positions[:b * t].view(b, t)
         torch.add(self.starts[:b, None], self._arange[:t], out=positions)              # [b, t]
-        bias = None
         cfg = self.model.cfg
         kernel = fused.graph_attention(self.dtype, cfg.head_dim, self.device, cfg.num_heads // cfg.num_kv_heads * t)
-        if not kernel:
-            mask = self.mask[:b * t * L].view(b, 1, t, L)
-            keys = self._arange[:L]
-            torch.le(keys, positions[:, None, :, None], out=mask)                      # key <= query position
-            if self.window:
-                mask &= keys > positions[:, None, :, None] - self.window
-            bias = self.bias[:b * t * L].view(b, 1, t, L)
-            torch.where(mask, self.bias_values[0], self.bias_values[1], out=bias)
+        bias = None if kernel else self._bias(positions, L)
         input_ids = self.input_ids[:b * t].view(b, t)
         if self.extension:
             self.extension.before(b, t, input_ids)
@@ -132,6 +141,54 @@ class CudaGraphRunner(ModelRunner):
         self.logits[:b * t].copy_(out)
         if self.extension:
             self.extension.after(b, t, input_ids, self.logits[:b * t].view(b, t, -1))
+
+    def _bias(self, positions: torch.Tensor, L: int) -> torch.Tensor:
+        """The additive mask [b, 1, t, L] of queries at positions [b, t]: keys up to each query's
+        position (and within the sliding window), in the static buffers."""
+        b, t = positions.shape
+        mask = self.mask[:b * t * L].view(b, 1, t, L)
+        keys = self._arange[:L]
+        torch.le(keys, positions[:, None, :, None], out=mask)                          # key <= query position
+        if self.window:
+            mask &= keys > positions[:, None, :, None] - self.window
+        bias = self.bias[:b * t * L].view(b, 1, t, L)
+        return torch.where(mask, self.bias_values[0], self.bias_values[1], out=bias)
+
+    def _run_chunk(self, n: int, L: int) -> None:
+        """The captured body of a prompt chunk of tier n (inputs in chunk_inputs): its keys and
+        values cached, padding included."""
+        slot, start = self.chunk_inputs[:1], self.chunk_inputs[1:2]
+        positions = self.positions[:n].view(1, n)
+        torch.add(start[:, None], self._arange[:n], out=positions)
+        batch = ForwardBatch(input_ids=self.chunk_inputs[2:2 + n].view(1, n), positions=positions, slots=slot,
+                             kv_len=L, mask=self._bias(positions, L), logits=False)
+        self.model(batch, self.cache)
+
+    def chunk_shape(self, row: Row) -> tuple[int, int] | None:
+        """(tier, key length) of a prompt chunk's graph, or None when no tier holds it."""
+        i = bisect.bisect_left(self.prefill_tiers, len(row.token_ids))
+        if i == len(self.prefill_tiers):
+            return None
+        n = self.prefill_tiers[i]
+        return n, self.kv_lens[bisect.bisect_left(self.kv_lens, row.start + n)]
+
+    def _replay_chunk(self, row: Row, shape: tuple[int, int]) -> None:
+        """A prompt chunk through its graph: its inputs in one copy, then the replay."""
+        if self.chunk_copied is not None:
+            self.chunk_copied.synchronize()             # the last chunk's copy has read the host side
+        host = self.chunk_host.numpy()
+        host[:2] = row.slot, row.start
+        host[2:2 + len(row.token_ids)] = row.token_ids
+        end = 2 + shape[0]
+        host[2 + len(row.token_ids):end] = 0
+        self.chunk_inputs[:end].copy_(self.chunk_host[:end], non_blocking=True)
+        if self.chunk_copied is not None:
+            self.chunk_copied.record()
+        if self.use_graphs:
+            self.chunk_graphs[shape].replay()
+        else:                                           # the same body eagerly (tests on the CPU)
+            with torch.inference_mode():
+                self._run_chunk(*shape)
 
     def shape_for(self, rows: list[Row], num_device_tokens: int = 0) -> tuple[int, int, int] | None:
         """(bucket, tier, key length) of a decode/verify step, or None when no graph shape holds it."""
@@ -153,6 +210,13 @@ class CudaGraphRunner(ModelRunner):
         (at most num_device_tokens) the graph writes itself; the step must then have a shape
         (shape_for). Returns (logits [B, S, V], None) with S the tier. A replay needs no inference
         mode (it records nothing), so only the eager paths enter it: it costs microseconds a step."""
+        if logits == "none" and not need_hidden and self.use_graphs:
+            shapes = [self.chunk_shape(r) for r in rows]
+            if all(shapes):
+                for row, shape in zip(rows, shapes):
+                    self._replay_chunk(row, shape)
+                self.last_shape = None
+                return None, None
         num_device = num_device_tokens if draft_tokens is None else draft_tokens.shape[1]
         shape = self.shape_for(rows, num_device) if logits == "all" and not need_hidden else None
         if shape is None and step_inputs is not None:
@@ -284,34 +348,40 @@ class CudaGraphRunner(ModelRunner):
 
     # ---- capture ----------------------------------------------------------------------------
     def capture(self, progress: bool = True) -> None:
-        """Capture every (bucket, tier, key length), largest first so that smaller graphs reuse the pool."""
+        """Capture every (bucket, tier, key length), and every (prompt tier, key length) of a prompt
+        chunk, largest first so that smaller graphs reuse the pool."""
         shapes = [(b, t, L) for b in reversed(self.buckets) for t in reversed(self.tiers) for L in reversed(self.kv_lens)]
+        shapes += [(n, L) for n in reversed(self.prefill_tiers) for L in reversed(self.kv_lens) if L >= n]
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
         started = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         self.starts.fill_(self.max_len)                 # dummy rows: writes land in the spare region
         self.input_ids.zero_()
+        self.chunk_inputs[:2] = torch.tensor([0, self.max_len])     # a chunk in the spare region of slot 0
         if self.extension:
             for column, value in zip(self.extension.inputs, self.extension.neutral()):
                 column.fill_(value)
         bar = tqdm(shapes, desc="outpace: capturing CUDA graphs", unit="graph", file=sys.stderr,
                    disable=None if progress else True)         # None: shown on a terminal only
         with torch.inference_mode(), fused.for_graphs():
-            for b, t, L in bar:
-                self._run_step(b, t, L)                 # warm-up: kernels chosen and loaded eagerly
+            for shape in bar:
+                body, graphs = (self._run_step, self.graphs) if len(shape) == 3 else (self._run_chunk, self.chunk_graphs)
+                body(*shape)                            # warm-up: kernels chosen and loaded eagerly
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self._run_step(b, t, L)
-                self.graphs[(b, t, L)] = graph
+                    body(*shape)
+                graphs[shape] = graph
                 used = free_before - torch.cuda.mem_get_info(self.device)[0]
-                bar.set_postfix_str(f"batch {b} x {t} tokens x {L} keys, {used / 2**20:.0f} MiB")
+                what = "batch {} x {} tokens".format(*shape) if len(shape) == 3 else f"a prompt chunk of {shape[0]}"
+                bar.set_postfix_str(f"{what} x {shape[-1]} keys, {used / 2**20:.0f} MiB")
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - started
         self.capture_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
         if progress:
+            chunks = f"; {len(self.chunk_graphs)} of prompt chunks (tokens {self.prefill_tiers})" if self.chunk_graphs else ""
             print(f"outpace: captured {len(self.graphs)} CUDA graphs (batch {self.buckets} x tokens "
-                  f"{self.tiers[0]}..{self.tiers[-1]} x keys {self.kv_lens}) in {self.capture_s:.1f} s, "
+                  f"{self.tiers[0]}..{self.tiers[-1]} x keys {self.kv_lens}){chunks} in {self.capture_s:.1f} s, "
                   f"{self.capture_bytes / 2**20:.0f} MiB", file=sys.stderr)
 
 

@@ -90,7 +90,7 @@ class LLMEngine:
         return CudaGraphRunner(self.model, config.max_num_seqs, config.max_model_len,
                                max(max_step_tokens, exact_tokens or 0), exact_tokens,
                                max_decode_tokens=self.max_draft + 1, use_graphs=config.cuda_graphs,
-                               extension=extension)
+                               extension=extension, max_prefill_tokens=config.max_prefill_tokens)
 
     def _make_drafter(self, spec) -> Drafter:
         """CUDA: n-gram drafting over a device token buffer, no host round trip per step."""
