@@ -10,9 +10,12 @@ the weights and the calibrated controller. At each concurrency the same prompts 
 turns, categories interleaved) run once per mode, the mode that goes first alternating between
 levels; `concurrency` clients each keep one streaming chat request in flight. With --rounds 2 (the
 default) each level runs the modes in the order A B B A, so drift of the machine's speed during a
-level weighs on both alike. Greedy, EOS ignored so every request produces its max_tokens tokens
-in both modes (all --max-tokens, or with --min-tokens a length per request drawn from the range,
-the same in both modes).
+level weighs on both alike. Greedy; a request ends at EOS or at --max-tokens, as a client's
+request does, and since speculative greedy output equals plain greedy output both modes do the
+same work (the script counts the requests whose texts differ between the modes). --ignore-eos
+makes every request produce its max_tokens tokens (all --max-tokens, or with --min-tokens a
+length per request drawn from the range, the same in both modes): then plain requests of one
+length run in lockstep, starting and ending in the same steps, which real traffic never does.
 
 Reported per level and mode: output tokens/s (all output tokens / wall time of the level), output
 tokens/s while every client had a request in flight (the server's generated-token counter, read
@@ -61,13 +64,15 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
-async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int, args, speculate: bool) -> dict:
+async def one_request(client: httpx.AsyncClient, index: int, prompt: str, max_tokens: int, args,
+                      speculate: bool) -> dict:
     body = {"model": args.model, "messages": [{"role": "user", "content": prompt}], "stream": True,
-            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "speculate": speculate,
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": args.ignore_eos, "speculate": speculate,
             "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     first = None
     usage = None
+    text = []
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")
@@ -75,14 +80,16 @@ async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int, a
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if first is None and chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                first = time.perf_counter()
+            content = chunk["choices"][0]["delta"].get("content") if chunk.get("choices") else None
+            if content:
+                first = first or time.perf_counter()
+                text.append(content)
             if chunk.get("usage"):
                 usage = chunk["usage"]
     end = time.perf_counter()
     tokens = usage["completion_tokens"]
     first = first or end
-    return {"tokens": tokens, "ttft_s": first - started,
+    return {"index": index, "text": "".join(text), "tokens": tokens, "ttft_s": first - started,
             "tpot_s": (end - first) / (tokens - 1) if tokens > 1 else 0.0, "latency_s": end - started}
 
 
@@ -97,8 +104,8 @@ async def run_level(args, prompts: list[tuple[str, int]], concurrency: int, spec
     """Each request's figures and the level's times: wall (the whole level), busy_s and busy_tokens
     (until the first client found no request left); prompts: (text, max_tokens)."""
     queue: asyncio.Queue = asyncio.Queue()
-    for p in prompts:
-        queue.put_nowait(p)
+    for i, p in enumerate(prompts):
+        queue.put_nowait((i, *p))
     results: list[dict] = []
     drained = asyncio.Event()
 
@@ -163,9 +170,11 @@ def main() -> None:
                    help="requests per level and mode (default: max(8, 2 x concurrency))")
     p.add_argument("--rounds", type=int, default=2, help="times each level runs each mode, the order alternating")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="every request produces its max_tokens tokens (default: requests end at EOS, as "
+                        "clients' do)")
     p.add_argument("--min-tokens", type=int, default=None,
-                   help="draw each request's length from [min-tokens, max-tokens] (default: all max-tokens); "
-                        "requests of one length end together in plain mode, a lockstep speculation breaks")
+                   help="draw each request's max_tokens from [min-tokens, max-tokens] (default: all max-tokens)")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--start-timeout", type=float, default=600, help="seconds to wait for the server (first start "
                    "may convert the model and calibrate)")
@@ -193,18 +202,21 @@ def main() -> None:
             for round_ in range(args.rounds):
                 for speculate in ((False, True) if (index + round_) % 2 == 0 else (True, False)):
                     results, times = asyncio.run(run_level(args, batch, c, speculate))
-                    runs[speculate][0].extend(results)
+                    runs[speculate][0].extend(dict(r, round=round_) for r in results)
                     for key, value in times.items():
                         runs[speculate][1][key] += value
             for speculate, (results, times) in runs.items():
                 level["spec" if speculate else "plain"] = summarize(results, times)
+            texts = {mode: {(r["round"], r["index"]): r["text"] for r in runs[mode][0]} for mode in runs}
+            level["differing_outputs"] = sum(texts[True][key] != text for key, text in texts[False].items())
             for key in ("tokens_per_s", "busy_tokens_per_s"):
                 level[key.replace("tokens_per_s", "speedup")] = level["spec"][key] / level["plain"][key]
             levels.append(level)
             print(f"concurrency {c}: plain {level['plain']['tokens_per_s']:.1f} tok/s, "
                   f"speculative {level['spec']['tokens_per_s']:.1f} tok/s ({level['speedup']:.2f}x); while "
                   f"all {c} clients were busy: {level['plain']['busy_tokens_per_s']:.1f} / "
-                  f"{level['spec']['busy_tokens_per_s']:.1f} tok/s ({level['busy_speedup']:.2f}x)", flush=True)
+                  f"{level['spec']['busy_tokens_per_s']:.1f} tok/s ({level['busy_speedup']:.2f}x); outputs "
+                  f"differing between the modes: {level['differing_outputs']}", flush=True)
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -213,15 +225,15 @@ def main() -> None:
 
 def report(args, levels: list[dict]) -> None:
     ms = 1000
-    lines = ["| concurrency | mode | requests | output tok/s | speedup | tok/s, all clients busy | speedup "
-             "| tokens in that phase | TTFT median / p99 (ms) | TPOT median / p99 (ms) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| concurrency | mode | requests | output tokens | output tok/s | speedup | tok/s, all clients busy "
+             "| speedup | tokens in that phase | TTFT median / p99 (ms) | TPOT median / p99 (ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for level in levels:
         for mode in ("plain", "spec"):
             r = level[mode]
             speedups = [f"{level[key]:.2f}x" if mode == "spec" else "" for key in ("speedup", "busy_speedup")]
             lines.append(f"| {level['concurrency']} | {'speculative' if mode == 'spec' else 'plain'} | {r['requests']} | "
-                         f"{r['tokens_per_s']:.1f} | {speedups[0]} | {r['busy_tokens_per_s']:.1f} | {speedups[1]} | "
+                         f"{r['output_tokens']} | {r['tokens_per_s']:.1f} | {speedups[0]} | {r['busy_tokens_per_s']:.1f} | {speedups[1]} | "
                          f"{r['busy_share']:.0%} | "
                          f"{r['ttft_median_s'] * ms:.0f} / {r['ttft_p99_s'] * ms:.0f} | "
                          f"{r['tpot_median_s'] * ms:.1f} / {r['tpot_p99_s'] * ms:.1f} |")
@@ -234,7 +246,9 @@ def report(args, levels: list[dict]) -> None:
         if 16 in by_c:
             scale = max(by_c[16]["plain"]["tokens_per_s"], by_c[16]["spec"]["tokens_per_s"]) / by_c[1]["plain"]["tokens_per_s"]
             checks[f"concurrency 16 total >= 4x concurrency 1 plain ({scale:.2f}x)"] = scale >= 4.0
-    table = "\n".join(lines)
+    differing = sum(level["differing_outputs"] for level in levels)
+    table = "\n".join(lines) + (f"\n\nOutputs differing between the modes: {differing} of "
+                                f"{sum(level['plain']['requests'] for level in levels)} requests.")
     targets = "\n".join(f"- {name}: {'met' if ok else 'MISSED'}" for name, ok in checks.items())
     print(f"\n{table}\n\n{targets}")
     out = Path(args.out)
