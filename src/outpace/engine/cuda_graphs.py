@@ -28,7 +28,7 @@ waits for that step alone (start_read, read_back), not for the one queued behind
 Prompt chunks replay graphs too, one chunk at a time: shape (n, L) with n a prompt tier (16, 32,
 64, ... up to max_prefill_tokens) holding the chunk, padded; the padding's keys land past the
 chunk's end, where no query of the chunk attends and later tokens overwrite them. An eager
-forward of a chunk was bound by its kernel launches (about 37 ms a Spec-Bench prompt on an H100).
+forward of a chunk was bound by its kernel launches (22-37 ms a Spec-Bench prompt on an H100).
 Hidden-state requests and shapes beyond the largest tier run eagerly through ModelRunner. With
 use_graphs=False (or on the CPU) decode steps run the same static-buffer step eagerly (that is
 `--no-cuda-graphs`, and what the CPU tests check), and prompt chunks run ModelRunner's unpadded
@@ -208,8 +208,10 @@ class CudaGraphRunner(ModelRunner):
         each row's host tokens, which must then be one per row (its last token): a verify step whose
         drafts never visit the host. step_inputs: the extension's values per row, whose drafts
         (at most num_device_tokens) the graph writes itself; the step must then have a shape
-        (shape_for). Returns (logits [B, S, V], None) with S the tier. A replay needs no inference
-        mode (it records nothing), so only the eager paths enter it: it costs microseconds a step."""
+        (shape_for). Returns (logits [B, S, V], None) with S the tier; prompt chunks
+        (logits='none') that a tier holds replay one chunk graph each and return (None, None). A
+        replay needs no inference mode (it records nothing), so only the eager paths enter it: it
+        costs microseconds a step."""
         if logits == "none" and not need_hidden and self.use_graphs:
             shapes = [self.chunk_shape(r) for r in rows]
             if all(shapes):
