@@ -70,12 +70,10 @@ class CudaGraphRunner(ModelRunner):
         if self.buckets[-1] > num_slots:
             raise ValueError(f"batch size {self.buckets[-1]} exceeds the {num_slots} cache slots")
         self.cache_len = self.cache.max_len
-        ladder = [n for n in (512 * 2 ** i for i in range(16)) if n < self.cache_len] + [self.cache_len]
-        self.kv_lens = [self.cache_len] if exact_tokens else sorted(set(kv_lens or ladder))
+        self.kv_lens = [self.cache_len] if exact_tokens else sorted(set(kv_lens or doublings(512, self.cache_len)))
         if max_prefill_tokens > max_step_tokens:
             raise ValueError(f"prompt chunks of {max_prefill_tokens} tokens need max_step_tokens >= that")
-        self.prefill_tiers = sorted({n for n in (16 * 2 ** i for i in range(16)) if n < max_prefill_tokens}
-                                    | {max_prefill_tokens}) if max_prefill_tokens else []
+        self.prefill_tiers = doublings(16, max_prefill_tokens) if max_prefill_tokens else []
         rows, tokens, vocab = self.buckets[-1], max(self.tiers), model.cfg.vocab_size
         device = self.device
         # The buffers, at the largest shape; shape (b, t) uses views of their first entries.
@@ -95,10 +93,12 @@ class CudaGraphRunner(ModelRunner):
         self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}     # length -> (device, host) views
         if extension:
             extension.bind(self.inputs[rows:rows + ext])
-        # a prompt chunk's inputs: [slot, start, input ids], with their own pinned host side
+        # a prompt chunk's inputs: [slot, start, input ids], with their own host side (as inputs')
         chunk = max(self.prefill_tiers, default=0)
         self.chunk_inputs = torch.zeros(2 + chunk, dtype=torch.long, device=device)
-        self.chunk_host = torch.zeros_like(self.chunk_inputs, device="cpu", pin_memory=is_cuda)
+        self.chunk_host = torch.zeros_like(self.chunk_inputs, device="cpu", pin_memory=True) if is_cuda \
+            else self.chunk_inputs
+        self.chunk_host_values = self.chunk_host.numpy()
         self.chunk_copied = torch.cuda.Event() if is_cuda else None
         queries = max(rows * tokens, chunk)             # a step's queries, or a chunk's
         self.positions = torch.zeros(queries, dtype=torch.long, device=device)          # [b*t] -> [b, t]
@@ -176,13 +176,12 @@ class CudaGraphRunner(ModelRunner):
         """A prompt chunk through its graph: its inputs in one copy, then the replay."""
         if self.chunk_copied is not None:
             self.chunk_copied.synchronize()             # the last chunk's copy has read the host side
-        host = self.chunk_host.numpy()
+        host, end = self.chunk_host_values, 2 + shape[0]
         host[:2] = row.slot, row.start
         host[2:2 + len(row.token_ids)] = row.token_ids
-        end = 2 + shape[0]
         host[2 + len(row.token_ids):end] = 0
-        self.chunk_inputs[:end].copy_(self.chunk_host[:end], non_blocking=True)
         if self.chunk_copied is not None:
+            self.chunk_inputs[:end].copy_(self.chunk_host[:end], non_blocking=True)
             self.chunk_copied.record()
         if self.use_graphs:
             self.chunk_graphs[shape].replay()
@@ -385,6 +384,11 @@ class CudaGraphRunner(ModelRunner):
             print(f"outpace: captured {len(self.graphs)} CUDA graphs (batch {self.buckets} x tokens "
                   f"{self.tiers[0]}..{self.tiers[-1]} x keys {self.kv_lens}){chunks} in {self.capture_s:.1f} s, "
                   f"{self.capture_bytes / 2**20:.0f} MiB", file=sys.stderr)
+
+
+def doublings(first: int, last: int) -> list[int]:
+    """first, 2 x first, 4 x first, ... below last, then last: the sizes graphs are captured at."""
+    return [n for n in (first * 2 ** i for i in range(16)) if n < last] + [last]
 
 
 def to_device(values: list, device: torch.device | str) -> torch.Tensor:
