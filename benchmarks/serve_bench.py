@@ -22,6 +22,9 @@ tokens/s while every client had a request in flight (the server's generated-toke
 when the level starts and when the first client finds no request left: the level's end, where
 fewer requests remain, is left out), time to first token and time per output token after the
 first (median and p99). The first figure is the issue's: all the level's work over its wall time.
+Each round's speedup (its speculative run's tokens/s over its plain run's) is reported beside it: the
+machine's speed drifts by up to 15% between runs, which at 32 clients is more than speculation's
+effect, and the spread says how far one level's figure can be trusted.
 The second is shown, not checked, because the two modes' busy phases hold different shares of
 the work: with one length for every request, plain requests end in the same step, so a plain
 level's busy phase runs to its end, while speculative requests end apart and the busy phase stops
@@ -199,15 +202,19 @@ def main() -> None:
                       lengths.randint(args.min_tokens or args.max_tokens, args.max_tokens)) for i in range(n)]
             level = {"concurrency": c}
             runs = {mode: ([], dict.fromkeys(("wall_s", "busy_s", "busy_tokens"), 0)) for mode in (False, True)}
+            per_round = {"plain": [], "spec": []}       # each round's output tokens/s: the spread drift makes
             for round_ in range(args.rounds):
                 for speculate in ((False, True) if (index + round_) % 2 == 0 else (True, False)):
                     results, times = asyncio.run(run_level(args, batch, c, speculate))
+                    per_round["spec" if speculate else "plain"].append(sum(r["tokens"] for r in results) / times["wall_s"])
                     runs[speculate][0].extend(dict(r, round=round_) for r in results)
                     for key, value in times.items():
                         runs[speculate][1][key] += value
             for speculate, (results, times) in runs.items():
                 level["spec" if speculate else "plain"] = summarize(results, times)
             texts = {mode: {(r["round"], r["index"]): r["text"] for r in runs[mode][0]} for mode in runs}
+            level["round_tokens_per_s"] = per_round
+            level["round_speedups"] = [s / p for p, s in zip(per_round["plain"], per_round["spec"])]
             level["differing_outputs"] = sum(texts[True][key] != text for key, text in texts[False].items())
             for key in ("tokens_per_s", "busy_tokens_per_s"):
                 level[key.replace("tokens_per_s", "speedup")] = level["spec"][key] / level["plain"][key]
@@ -215,7 +222,8 @@ def main() -> None:
             print(f"concurrency {c}: plain {level['plain']['tokens_per_s']:.1f} tok/s, "
                   f"speculative {level['spec']['tokens_per_s']:.1f} tok/s ({level['speedup']:.2f}x); while "
                   f"all {c} clients were busy: {level['plain']['busy_tokens_per_s']:.1f} / "
-                  f"{level['spec']['busy_tokens_per_s']:.1f} tok/s ({level['busy_speedup']:.2f}x); outputs "
+                  f"{level['spec']['busy_tokens_per_s']:.1f} tok/s ({level['busy_speedup']:.2f}x); each round's "
+                  f"speedup: {', '.join(f'{x:.2f}x' for x in level['round_speedups'])}; outputs "
                   f"differing between the modes: {level['differing_outputs']}", flush=True)
     finally:
         server.terminate()
@@ -247,7 +255,9 @@ def report(args, levels: list[dict]) -> None:
             scale = max(by_c[16]["plain"]["tokens_per_s"], by_c[16]["spec"]["tokens_per_s"]) / by_c[1]["plain"]["tokens_per_s"]
             checks[f"concurrency 16 total >= 4x concurrency 1 plain ({scale:.2f}x)"] = scale >= 4.0
     differing = sum(level["differing_outputs"] for level in levels)
-    table = "\n".join(lines) + (f"\n\nOutputs differing between the modes: {differing} of "
+    rounds = "\n".join(f"- concurrency {level['concurrency']}, each round's speedup: "
+                       f"{', '.join(f'{x:.2f}x' for x in level['round_speedups'])}" for level in levels)
+    table = "\n".join(lines) + (f"\n\n{rounds}\n\nOutputs differing between the modes: {differing} of "
                                 f"{sum(level['plain']['requests'] for level in levels)} requests.")
     targets = "\n".join(f"- {name}: {'met' if ok else 'MISSED'}" for name, ok in checks.items())
     print(f"\n{table}\n\n{targets}")
