@@ -84,22 +84,14 @@ class CudaGraphRunner(ModelRunner):
         self.starts = self.inputs[:rows]                                                # [b] position of token 0
         self.input_ids = self.inputs[rows + ext:]                                       # [b*t] -> [b, t]
         self.ids_at = rows + ext
-        # inputs' host side, written in place each step (pinned on CUDA, so one asynchronous copy
-        # carries it; `copied` marks when the device has read it). On the CPU it is inputs itself.
+        self.staged = HostSide(self.inputs)             # written in place each step, sent in one copy
         is_cuda = torch.device(device).type == "cuda"
-        self.host_inputs = torch.zeros_like(self.inputs, device="cpu", pin_memory=True) if is_cuda else self.inputs
-        self.host = self.host_inputs.numpy()
-        self.copied = torch.cuda.Event() if is_cuda else None
-        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}     # length -> (device, host) views
         if extension:
             extension.bind(self.inputs[rows:rows + ext])
-        # a prompt chunk's inputs: [slot, start, input ids], with their own host side (as inputs')
+        # a prompt chunk's inputs: [slot, start, input ids], with their own host side
         chunk = max(self.prefill_tiers, default=0)
         self.chunk_inputs = torch.zeros(2 + chunk, dtype=torch.long, device=device)
-        self.chunk_host = torch.zeros_like(self.chunk_inputs, device="cpu", pin_memory=True) if is_cuda \
-            else self.chunk_inputs
-        self.chunk_host_values = self.chunk_host.numpy()
-        self.chunk_copied = torch.cuda.Event() if is_cuda else None
+        self.chunk_staged = HostSide(self.chunk_inputs)
         queries = max(rows * tokens, chunk)             # a step's queries, or a chunk's
         self.positions = torch.zeros(queries, dtype=torch.long, device=device)          # [b*t] -> [b, t]
         self.mask = torch.zeros(queries * self.cache_len, dtype=torch.bool, device=device)  # -> [b, 1, t, L]
@@ -174,15 +166,12 @@ class CudaGraphRunner(ModelRunner):
 
     def _replay_chunk(self, row: Row, shape: tuple[int, int]) -> None:
         """A prompt chunk through its graph: its inputs in one copy, then the replay."""
-        if self.chunk_copied is not None:
-            self.chunk_copied.synchronize()             # the last chunk's copy has read the host side
-        host, end = self.chunk_host_values, 2 + shape[0]
+        staged, end = self.chunk_staged, 2 + shape[0]
+        host = staged.writable()
         host[:2] = row.slot, row.start
         host[2:2 + len(row.token_ids)] = row.token_ids
         host[2 + len(row.token_ids):end] = 0
-        if self.chunk_copied is not None:
-            self.chunk_inputs[:end].copy_(self.chunk_host[:end], non_blocking=True)
-            self.chunk_copied.record()
+        staged.send(0, end)
         if self.use_graphs:
             self.chunk_graphs[shape].replay()
         else:                                           # the same body eagerly (tests on the CPU)
@@ -311,9 +300,7 @@ class CudaGraphRunner(ModelRunner):
         num_rows = self.starts.shape[0]
         ids_at = self.ids_at
         n = ids_at + b * t
-        if self.copied is not None:
-            self.copied.synchronize()                   # the last step's copy has read the buffer
-        host = self.host
+        host = self.staged.writable()
         host[:num_rows] = self.max_len
         host[ids_at:n] = 0
         for r in rows:
@@ -322,12 +309,7 @@ class CudaGraphRunner(ModelRunner):
             host[at:at + len(r.token_ids)] = r.token_ids
         if self.extension:
             self._extension_values(rows, step_inputs)
-        if self.copied is not None:
-            if n not in self._copies:
-                self._copies[n] = self.inputs[:n], self.host_inputs[:n]
-            device, host_part = self._copies[n]
-            device.copy_(host_part, non_blocking=True)
-            self.copied.record()
+        self.staged.send(0, n)
 
     def _extension_values(self, rows: list[Row], step_inputs: list[tuple] | None) -> None:
         """The extension's values per graph row into the host buffer (neutral where no row is)."""
@@ -335,17 +317,13 @@ class CudaGraphRunner(ModelRunner):
         per_row = [self.extension.neutral()] * num_rows
         for r, values in zip(rows, step_inputs or []):
             per_row[r.slot] = values
-        self.host[num_rows:self.ids_at] = [v for column in zip(*per_row) for v in column]   # [width, rows]
+        self.staged.values[num_rows:self.ids_at] = [v for column in zip(*per_row) for v in column]   # [width, rows]
 
     def _write_extension(self, rows: list[Row], step_inputs: list[tuple] | None) -> None:
         """The extension's part of the inputs alone, from the host (starts and ids stay as they are)."""
-        if self.copied is not None:
-            self.copied.synchronize()
+        self.staged.writable()
         self._extension_values(rows, step_inputs)
-        if self.copied is not None:
-            part = slice(self.starts.shape[0], self.ids_at)
-            self.inputs[part].copy_(self.host_inputs[part], non_blocking=True)
-            self.copied.record()
+        self.staged.send(self.starts.shape[0], self.ids_at)
 
     # ---- capture ----------------------------------------------------------------------------
     def capture(self, progress: bool = True) -> None:
@@ -384,6 +362,37 @@ class CudaGraphRunner(ModelRunner):
             print(f"outpace: captured {len(self.graphs)} CUDA graphs (batch {self.buckets} x tokens "
                   f"{self.tiers[0]}..{self.tiers[-1]} x keys {self.kv_lens}){chunks} in {self.capture_s:.1f} s, "
                   f"{self.capture_bytes / 2**20:.0f} MiB", file=sys.stderr)
+
+
+class HostSide:
+    """A device tensor's host side: written in place, then sent in one asynchronous copy. On CUDA
+    it is pinned memory, and an event marks when the device has read it: the next write waits
+    for that, since the copy reads the host memory after the call that queued it returns. On the
+    CPU it is the tensor itself, and sending does nothing."""
+
+    def __init__(self, device_tensor: torch.Tensor):
+        self.device_tensor = device_tensor
+        is_cuda = device_tensor.device.type == "cuda"
+        self.host = torch.zeros_like(device_tensor, device="cpu", pin_memory=True) if is_cuda else device_tensor
+        self.values = self.host.numpy()                 # the view the host writes through
+        self.read = torch.cuda.Event() if is_cuda else None
+        self._parts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}    # (device, host) views
+
+    def writable(self):
+        """values, once the last copy has read them."""
+        if self.read is not None:
+            self.read.synchronize()
+        return self.values
+
+    def send(self, start: int, stop: int) -> None:
+        """Queue values[start:stop] to the device tensor's same entries."""
+        if self.read is None:
+            return
+        parts = self._parts.get((start, stop))
+        if parts is None:
+            parts = self._parts[(start, stop)] = self.device_tensor[start:stop], self.host[start:stop]
+        parts[0].copy_(parts[1], non_blocking=True)
+        self.read.record()
 
 
 def doublings(first: int, last: int) -> list[int]:
