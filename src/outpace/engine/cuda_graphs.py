@@ -84,14 +84,14 @@ class CudaGraphRunner(ModelRunner):
         self.starts = self.inputs[:rows]                                                # [b] position of token 0
         self.input_ids = self.inputs[rows + ext:]                                       # [b*t] -> [b, t]
         self.ids_at = rows + ext
-        self.staged = HostSide(self.inputs)             # written in place each step, sent in one copy
+        self.inputs_host = HostSide(self.inputs)        # written in place each step, sent in one copy
         is_cuda = torch.device(device).type == "cuda"
         if extension:
             extension.bind(self.inputs[rows:rows + ext])
         # a prompt chunk's inputs: [slot, start, input ids], with their own host side
         chunk = max(self.prefill_tiers, default=0)
         self.chunk_inputs = torch.zeros(2 + chunk, dtype=torch.long, device=device)
-        self.chunk_staged = HostSide(self.chunk_inputs)
+        self.chunk_host = HostSide(self.chunk_inputs)
         queries = max(rows * tokens, chunk)             # a step's queries, or a chunk's
         self.positions = torch.zeros(queries, dtype=torch.long, device=device)          # [b*t] -> [b, t]
         self.mask = torch.zeros(queries * self.cache_len, dtype=torch.bool, device=device)  # -> [b, 1, t, L]
@@ -166,12 +166,12 @@ class CudaGraphRunner(ModelRunner):
 
     def _replay_chunk(self, row: Row, shape: tuple[int, int]) -> None:
         """A prompt chunk through its graph: its inputs in one copy, then the replay."""
-        staged, end = self.chunk_staged, 2 + shape[0]
-        host = staged.writable()
+        host_side, end = self.chunk_host, 2 + shape[0]
+        host = host_side.writable()
         host[:2] = row.slot, row.start
         host[2:2 + len(row.token_ids)] = row.token_ids
         host[2 + len(row.token_ids):end] = 0
-        staged.send(0, end)
+        host_side.send(0, end)
         if self.use_graphs:
             self.chunk_graphs[shape].replay()
         else:                                           # the same body eagerly (tests on the CPU)
@@ -300,7 +300,7 @@ class CudaGraphRunner(ModelRunner):
         num_rows = self.starts.shape[0]
         ids_at = self.ids_at
         n = ids_at + b * t
-        host = self.staged.writable()
+        host = self.inputs_host.writable()
         host[:num_rows] = self.max_len
         host[ids_at:n] = 0
         for r in rows:
@@ -309,7 +309,7 @@ class CudaGraphRunner(ModelRunner):
             host[at:at + len(r.token_ids)] = r.token_ids
         if self.extension:
             self._extension_values(rows, step_inputs)
-        self.staged.send(0, n)
+        self.inputs_host.send(0, n)
 
     def _extension_values(self, rows: list[Row], step_inputs: list[tuple] | None) -> None:
         """The extension's values per graph row into the host buffer (neutral where no row is)."""
@@ -317,13 +317,14 @@ class CudaGraphRunner(ModelRunner):
         per_row = [self.extension.neutral()] * num_rows
         for r, values in zip(rows, step_inputs or []):
             per_row[r.slot] = values
-        self.staged.values[num_rows:self.ids_at] = [v for column in zip(*per_row) for v in column]   # [width, rows]
+        # [width, rows]
+        self.inputs_host.values[num_rows:self.ids_at] = [v for column in zip(*per_row) for v in column]
 
     def _write_extension(self, rows: list[Row], step_inputs: list[tuple] | None) -> None:
         """The extension's part of the inputs alone, from the host (starts and ids stay as they are)."""
-        self.staged.writable()
+        self.inputs_host.writable()
         self._extension_values(rows, step_inputs)
-        self.staged.send(self.starts.shape[0], self.ids_at)
+        self.inputs_host.send(self.starts.shape[0], self.ids_at)
 
     # ---- capture ----------------------------------------------------------------------------
     def capture(self, progress: bool = True) -> None:
