@@ -22,15 +22,15 @@ tokens/s while every client had a request in flight (the server's generated-toke
 when the level starts and when the first client finds no request left: the level's end, where
 fewer requests remain, is left out), time to first token and time per output token after the
 first (median and p99). The first figure is the issue's: all the level's work over its wall time.
-Each round's speedup (its speculative run's tokens/s over its plain run's) is reported beside it: the
-machine's speed drifts by up to 15% between runs, which at 32 clients is more than speculation's
-effect, and the spread says how far one level's figure can be trusted.
 The second is shown, not checked, because the two modes' busy phases hold different shares of
 the work: with one length for every request, plain requests end in the same step, so a plain
 level's busy phase runs to its end, while speculative requests end apart and the busy phase stops
 when the last request is taken, holding every prompt's prefill but only part of the decoding
 (at 16 clients in the tenth session, 62% of the speculative level's tokens against 99% of the
 plain level's), so it reads low for speculation wherever prefill is a large part of the work.
+Each round's speedup (its speculative run's tokens/s over its plain run's) is reported beside the
+level's: the machine's speed drifts by up to 15% between runs, which at 32 clients is more than
+speculation's effect, and the spread says how far one level's figure can be trusted.
 """
 from __future__ import annotations
 
@@ -129,6 +129,10 @@ async def run_level(args, prompts: list[tuple[str, int]], concurrency: int, spec
     return results, {"wall_s": wall, "busy_s": busy_until - started, "busy_tokens": tokens_busy - tokens_before}
 
 
+def round_speedups(level: dict) -> str:
+    return ", ".join(f"{x:.2f}x" for x in level["round_speedups"])
+
+
 def summarize(results: list[dict], times: dict) -> dict:
     ttft = [r["ttft_s"] for r in results]
     tpot = [r["tpot_s"] for r in results]
@@ -223,7 +227,7 @@ def main() -> None:
                   f"speculative {level['spec']['tokens_per_s']:.1f} tok/s ({level['speedup']:.2f}x); while "
                   f"all {c} clients were busy: {level['plain']['busy_tokens_per_s']:.1f} / "
                   f"{level['spec']['busy_tokens_per_s']:.1f} tok/s ({level['busy_speedup']:.2f}x); each round's "
-                  f"speedup: {', '.join(f'{x:.2f}x' for x in level['round_speedups'])}; outputs "
+                  f"speedup: {round_speedups(level)}; outputs "
                   f"differing between the modes: {level['differing_outputs']}", flush=True)
     finally:
         server.terminate()
@@ -255,8 +259,8 @@ def report(args, levels: list[dict]) -> None:
             scale = max(by_c[16]["plain"]["tokens_per_s"], by_c[16]["spec"]["tokens_per_s"]) / by_c[1]["plain"]["tokens_per_s"]
             checks[f"concurrency 16 total >= 4x concurrency 1 plain ({scale:.2f}x)"] = scale >= 4.0
     differing = sum(level["differing_outputs"] for level in levels)
-    rounds = "\n".join(f"- concurrency {level['concurrency']}, each round's speedup: "
-                       f"{', '.join(f'{x:.2f}x' for x in level['round_speedups'])}" for level in levels)
+    rounds = "\n".join(f"- concurrency {level['concurrency']}, each round's speedup: {round_speedups(level)}"
+                       for level in levels)
     table = "\n".join(lines) + (f"\n\n{rounds}\n\nOutputs differing between the modes: {differing} of "
                                 f"{sum(level['plain']['requests'] for level in levels)} requests.")
     targets = "\n".join(f"- {name}: {'met' if ok else 'MISSED'}" for name, ok in checks.items())
