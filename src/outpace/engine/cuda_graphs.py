@@ -308,22 +308,20 @@ class CudaGraphRunner(ModelRunner):
             at = ids_at + r.slot * t
             host[at:at + len(r.token_ids)] = r.token_ids
         if self.extension:
-            self._extension_values(rows, step_inputs)
+            self._extension_values(host, rows, step_inputs)
         self.inputs_host.send(0, n)
 
-    def _extension_values(self, rows: list[Row], step_inputs: list[tuple] | None) -> None:
-        """The extension's values per graph row into the host buffer (neutral where no row is)."""
+    def _extension_values(self, host, rows: list[Row], step_inputs: list[tuple] | None) -> None:
+        """The extension's values per graph row into the host values (neutral where no row is)."""
         num_rows = self.starts.shape[0]
         per_row = [self.extension.neutral()] * num_rows
         for r, values in zip(rows, step_inputs or []):
             per_row[r.slot] = values
-        # [width, rows]
-        self.inputs_host.values[num_rows:self.ids_at] = [v for column in zip(*per_row) for v in column]
+        host[num_rows:self.ids_at] = [v for column in zip(*per_row) for v in column]   # [width, rows]
 
     def _write_extension(self, rows: list[Row], step_inputs: list[tuple] | None) -> None:
         """The extension's part of the inputs alone, from the host (starts and ids stay as they are)."""
-        self.inputs_host.writable()
-        self._extension_values(rows, step_inputs)
+        self._extension_values(self.inputs_host.writable(), rows, step_inputs)
         self.inputs_host.send(self.starts.shape[0], self.ids_at)
 
     # ---- capture ----------------------------------------------------------------------------
