@@ -264,3 +264,37 @@ def test_drafted_tokens_cost_what_they_cost_when_every_step_drafts():
     per_token = (c.step_cost(8, 8 + 20) - c.step_cost(8, 8 + 10)) / 10
     assert abs(per_token - 0.03) < 0.003
     assert abs(c.step_cost(8, 8 + 12) - (1.12 + 0.1 + 0.24)) < 0.02
+
+
+def test_one_good_draft_among_many_rows_is_verified():
+    """The margin drafting must clear is per drafted token, not per step: at 32 rows one row's draft
+    that is nearly always accepted pays for its own cost (regression: a step-wide 3% margin asked
+    for several such drafts in one step, and drafts accepted 94% of the time went unverified).
+    A draft that gains a little less than its own cost's worth of plain tokens is not verified."""
+    c = DraftController(8, {32: [[0, 1.0], [256, 1.0 + 256 * 0.02]]}, packed=True)   # a drafted token: 2% of a step
+    rows = list(range(32))
+    for _ in range(30):
+        c.observe(0, 1, 1, 1)          # row 0: every draft accepted
+        c.observe(1, 1, 1, 0)          # row 1: two in three accepted
+        c.observe(1, 1, 1, 1)
+        c.observe(1, 1, 1, 1)
+    assert c.draft_lengths(rows, 32, available=[1] + [0] * 31) == [1] + [0] * 31
+    # row 1's draft gains more than it costs (a plain step's 32 tokens a second against 1 / 0.02 per
+    # accepted drafted token), but less than MIN_RETURN = 1.2 times that
+    assert 32 < c.acceptance(1) / 0.02 < 1.2 * 32
+    assert c.draft_lengths(rows, 32, available=[0, 1] + [0] * 30) == [0] * 32
+
+
+def test_new_sequences_start_at_the_population_rate():
+    """Where every sequence's drafts were mostly accepted, a new sequence's estimate starts there,
+    not at the static prior of one half; where they were rejected, it keeps the static prior (so
+    it is probed)."""
+    c = DraftController(4, {1: [1.0] * 5})
+    for s in range(20):
+        for _ in range(5):
+            c.observe(s, 4, 4, 4)
+    assert c.acceptance(100) > 0.9 and c.follow_rate(100) > 0.9
+    bad = DraftController(4, {1: [1.0] * 5})
+    for _ in range(100):
+        bad.observe(0, 4, 4, 0)
+    assert bad.acceptance(100) == 0.5
