@@ -1,0 +1,139 @@
+"""One level of the serving benchmark in the engine, without HTTP: plain against speculative, and
+optionally against the draft controller of another git revision, in one process.
+
+    python benchmarks/engine_ab.py --dataset ../shared/data/spec_bench_question.jsonl \
+        --concurrency 32 --rounds 4 --controller-from c03c594
+
+One LLMEngine (n-gram speculation, as many slots as clients) runs the prompts serve_bench.py runs
+at that concurrency (its level's place in `--concurrency 1 4 16 32`; chat template, greedy, 256
+tokens at most, EOS honoured) as a closed loop: a new request joins as soon as one ends, as the
+benchmark's clients keep one request each in flight. Each round runs every mode once, the order
+rotating between rounds, so the machine's drift weighs on all modes alike. With --controller-from
+a third mode runs that revision's spec/controller.py, built with the same calibration; each
+controller keeps what it learned across rounds, as a server's does.
+
+Per round and mode: output tokens/s and steps, and the steps split three ways: those that also
+cached a prompt chunk, full steps (every slot decoding) and the level's tail (fewer rows), each
+with its time and its drafted and accepted tokens. The speedups are each mode's tokens/s over the
+plain run's of the same round, and over all rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve_bench import first_turns  # noqa: E402
+
+from outpace.config import EngineConfig, SamplingParams, SpecConfig  # noqa: E402
+from outpace.engine.llm_engine import LLMEngine  # noqa: E402
+
+STANDARD_LEVELS = [1, 4, 16, 32]        # serve_bench's default --concurrency: where its prompts start
+
+
+def controller_at(revision: str, like):
+    """The DraftController class of spec/controller.py at a git revision, built as `like` was."""
+    path = "src/outpace/spec/controller.py"
+    done = subprocess.run(["git", "show", f"{revision}:{path}"], capture_output=True, text=True,
+                          cwd=Path(__file__).parent)
+    if done.returncode != 0:
+        raise SystemExit(f"engine_ab: cannot read {path} at {revision}: {done.stderr.strip()}")
+    module = types.ModuleType(f"controller_{revision}")
+    exec(compile(done.stdout, f"{revision}:{path}", "exec"), module.__dict__)
+    curves = {b: [list(point) for point in curve] for b, curve in like.curves.items()}
+    return module.DraftController(like.max_draft, curves or None, packed=like.packed)
+
+
+class StepLog:
+    """Wraps engine.verify to record each step: rows, drafted, accepted, prompt tokens, seconds."""
+
+    def __init__(self, engine: LLMEngine):
+        self.steps: list[tuple[int, int, int, int, float]] = []
+        verify = engine.verify
+
+        def timed(seqs, drafts, chunks=()):
+            t0 = time.perf_counter()
+            out = verify(seqs, drafts, chunks)
+            drafted = sum(len(d) for d in drafts if d) if isinstance(drafts, list) else 0
+            self.steps.append((len(seqs), drafted, sum(out[1]) - len(seqs), sum(c.end - c.start for c in chunks),
+                               time.perf_counter() - t0))
+            return out
+        engine.verify = timed
+
+    def phases(self, slots: int) -> str:
+        groups = {"prefill": [s for s in self.steps if s[3]], "full": [s for s in self.steps if not s[3] and s[0] == slots],
+                  "tail": [s for s in self.steps if not s[3] and s[0] < slots]}
+        return "; ".join(f"{name} {len(g)} steps {sum(s[4] for s in g):.2f} s, drafted {sum(s[1] for s in g)} "
+                         f"accepted {sum(s[2] for s in g)}" for name, g in groups.items() if g)
+
+
+def run_level(engine: LLMEngine, prompts: list[list[int]], slots: int, speculate: bool, max_tokens: int):
+    """Every prompt through the engine, `slots` in flight; returns (output tokens/s, steps, outputs)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    waiting, running, outputs, steps = list(range(len(prompts))), {}, {}, 0
+    t0 = time.perf_counter()
+    while waiting or running:
+        while waiting and len(running) < slots:
+            i = waiting.pop(0)
+            running[i] = engine.add_request(prompts[i], params, speculate=speculate)
+        engine.step()
+        steps += 1
+        for i, seq in list(running.items()):
+            if seq.is_finished:
+                outputs[i] = seq.output_ids
+                del running[i]
+    wall = time.perf_counter() - t0
+    return sum(map(len, outputs.values())) / wall, steps, outputs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dataset", required=True, help="Spec-Bench JSONL (question_id, category, turns)")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--controller-from", metavar="REV", help="also run the draft controller of this git revision")
+    args = p.parse_args()
+    if args.concurrency < 1 or args.rounds < 1:
+        p.error("--concurrency and --rounds must be at least 1")
+    c = args.concurrency
+    texts = first_turns(args.dataset)
+    start = 7 * (STANDARD_LEVELS.index(c) if c in STANDARD_LEVELS else 0)
+    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=c, spec=SpecConfig(method="ngram")))
+    tok = engine.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": texts[(start + i) % len(texts)]}]),
+                          add_special_tokens=False) for i in range(max(8, 2 * c))]
+    controllers = {"spec": engine.controller}
+    if args.controller_from:
+        controllers[f"spec@{args.controller_from}"] = controller_at(args.controller_from, engine.controller)
+    modes = ["plain", *controllers]
+    log = StepLog(engine)
+    for name, controller in controllers.items():             # untimed: first calls, and each controller warms
+        engine.controller = controller
+        run_level(engine, prompts, c, True, args.max_tokens)
+    rates: dict[str, list[float]] = {m: [] for m in modes}
+    plain_outputs = None
+    for r in range(args.rounds):
+        order = modes[r % len(modes):] + modes[:r % len(modes)]
+        for mode in order if r % 2 == 0 else order[::-1]:
+            engine.controller = controllers.get(mode, engine.controller)
+            log.steps.clear()
+            rate, steps, outputs = run_level(engine, prompts, c, mode != "plain", args.max_tokens)
+            rates[mode].append(rate)
+            if mode == "plain":
+                plain_outputs = plain_outputs or outputs
+            elif plain_outputs is not None and outputs != plain_outputs:
+                print(f"  {mode}: {sum(outputs[i] != plain_outputs[i] for i in outputs)} outputs differ from plain")
+            print(f"round {r} {mode}: {rate:.1f} tok/s, {steps} steps ({log.phases(c)})", flush=True)
+    for mode in modes[1:]:
+        each = ", ".join(f"{s / p:.3f}x" for p, s in zip(rates["plain"], rates[mode]))
+        print(f"{mode} / plain: {sum(rates[mode]) / sum(rates['plain']):.3f}x over {args.rounds} rounds ({each})")
+
+
+if __name__ == "__main__":
+    main()
