@@ -35,8 +35,8 @@ from outpace.engine.llm_engine import LLMEngine  # noqa: E402
 STANDARD_LEVELS = [1, 4, 16, 32]        # serve_bench's default --concurrency: where its prompts start
 
 
-def controller_at(revision: str, like):
-    """The DraftController class of spec/controller.py at a git revision, built as `like` was."""
+def controller_class(revision: str):
+    """The DraftController class of spec/controller.py at a git revision."""
     path = "src/outpace/spec/controller.py"
     done = subprocess.run(["git", "show", f"{revision}:{path}"], capture_output=True, text=True,
                           cwd=Path(__file__).parent)
@@ -44,8 +44,15 @@ def controller_at(revision: str, like):
         raise SystemExit(f"engine_ab: cannot read {path} at {revision}: {done.stderr.strip()}")
     module = types.ModuleType(f"controller_{revision}")
     exec(compile(done.stdout, f"{revision}:{path}", "exec"), module.__dict__)
-    curves = {b: [list(point) for point in curve] for b, curve in like.curves.items()}
-    return module.DraftController(like.max_draft, curves or None, packed=like.packed)
+    return module.DraftController
+
+
+def built_like(cls, like):
+    """A controller of class cls with the calibration `like` was built with."""
+    # the calibration as the controller takes it: (drafted, seconds) points where rows are packed,
+    # else seconds by tokens per row
+    curves = {b: [list(p) if like.packed else p[1] for p in curve] for b, curve in like.curves.items()}
+    return cls(like.max_draft, curves or None, packed=like.packed)
 
 
 class StepLog:
@@ -102,6 +109,7 @@ def main() -> None:
     if args.concurrency < 1 or args.rounds < 1:
         p.error("--concurrency and --rounds must be at least 1")
     c = args.concurrency
+    other = controller_class(args.controller_from) if args.controller_from else None
     texts = first_turns(args.dataset)
     start = 7 * (STANDARD_LEVELS.index(c) if c in STANDARD_LEVELS else 0)
     engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=c, spec=SpecConfig(method="ngram")))
@@ -109,8 +117,8 @@ def main() -> None:
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": texts[(start + i) % len(texts)]}]),
                           add_special_tokens=False) for i in range(max(8, 2 * c))]
     controllers = {"spec": engine.controller}
-    if args.controller_from:
-        controllers[f"spec@{args.controller_from}"] = controller_at(args.controller_from, engine.controller)
+    if other is not None:
+        controllers[f"spec@{args.controller_from}"] = built_like(other, engine.controller)
     modes = ["plain", *controllers]
     log = StepLog(engine)
     for name, controller in controllers.items():             # untimed: first calls, and each controller warms

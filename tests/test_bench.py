@@ -150,3 +150,26 @@ def test_divergence_margin_is_the_targets_view(tiny_folder):
     assert d["top2_margin"] > 0 and d["baseline_logit"] - d["spec_logit"] >= d["top2_margin"] - 1e-6
     assert divergence(llm.engine, base.prompt_token_ids, base.token_ids, base.token_ids) is None
     assert llm.engine.scheduler.free_slots == [0], "the margin's forward must not take a slot"
+
+
+def test_engine_ab_runs_every_mode_against_plain(tiny_folder, dataset, monkeypatch, capsys):
+    """benchmarks/engine_ab.py: each mode's speedup over the plain run of the same rounds, the
+    other revision's controller built from git, and the same greedy outputs in every mode."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import engine_ab
+
+    monkeypatch.setattr(sys, "argv", ["engine_ab.py", "--dataset", str(dataset), "--model", str(tiny_folder),
+                                      "--concurrency", "2", "--rounds", "2", "--max-tokens", "8",
+                                      "--controller-from", "HEAD"])
+    engine_ab.main()
+    out = capsys.readouterr().out
+    assert "differ" not in out
+    assert out.count("round 0 ") == out.count("round 1 ") == 3
+    assert "spec / plain:" in out and "spec@HEAD / plain:" in out
+    monkeypatch.setattr(sys, "argv", ["engine_ab.py", "--dataset", str(dataset), "--model", str(tiny_folder),
+                                      "--controller-from", "no-such-revision"])
+    with pytest.raises(SystemExit, match="cannot read src/outpace/spec/controller.py at no-such-revision"):
+        engine_ab.main()
