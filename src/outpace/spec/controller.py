@@ -16,8 +16,9 @@ on the steps as they run as one line in the step's drafted tokens, plus the host
 token it yields (detokenising, stop checks), also measured. Where rows are packed a step costs
 the tokens it holds, and the controller takes the most promising drafted tokens of any rows;
 where they are padded it drafts one k for the batch (cut to what each row has). Either
-maximises the batch's expected tokens per second, and no draft is a plain step, so speculation
-that does not pay does not run.
+maximises the batch's expected tokens per second, among drafts whose tokens return at least
+MIN_RETURN times a plain step's tokens per second for the time they add, and no draft is a plain
+step, so speculation that does not pay does not run.
 """
 from __future__ import annotations
 
@@ -184,7 +185,8 @@ class DraftController:
                   matches: list[int] | None = None) -> int:
         """One draft length for the speculating sequences of a batch of batch_size rows (padded
         rows, or drafts not known yet): the k maximising sum_i E_i(k) / c(batch, k), against
-        batch_size tokens for a plain step (which wins unless drafting returns MIN_RETURN, _best_prefix).
+        batch_size tokens for a plain step (which wins unless drafting clears MIN_RETURN, see
+        _best_prefix).
         Rows that do not speculate yield one token whatever k is; the step is charged as b rows of
         1 + k tokens."""
         gains = self._gains(seq_ids, available, matches)
@@ -207,7 +209,7 @@ class DraftController:
                      matches: list[int] | None) -> list[int]:
         """Drafted tokens taken most promising first (a row's gains fall with the position, so each
         row keeps a prefix) for as long as the step's expected tokens per second grow, against a
-        plain step that wins unless drafting returns MIN_RETURN."""
+        plain step that wins unless drafting clears MIN_RETURN (see _best_prefix)."""
         gains = self._gains(seq_ids, available, matches)
         ranked = sorted((-g, j, i) for i, row in enumerate(gains) for j, g in enumerate(row))
         best_n = self._best_prefix(batch_size, itertools.count(batch_size + 1), (-g for g, _, _ in ranked))
