@@ -6,11 +6,11 @@ optionally against the draft controller of another git revision, in one process.
 
 One LLMEngine (n-gram speculation, as many slots as clients) runs the prompts serve_bench.py runs
 at that concurrency (its level's place in `--concurrency 1 4 16 32`; chat template, greedy, 256
-tokens at most, EOS honoured) as a closed loop: a new request joins as soon as one ends, as the
-benchmark's clients keep one request each in flight. Each round runs every mode once, the order
-rotating between rounds, so the machine's drift weighs on all modes alike. With --controller-from
-a third mode runs that revision's spec/controller.py, built with the same calibration; each
-controller keeps what it learned across rounds, as a server's does.
+tokens at most, EOS honoured) as a closed loop: every request is queued at once and the next
+joins as soon as one ends, as the benchmark's clients keep one request each in flight. Each round
+runs every mode once, the order rotating between rounds, so the machine's drift weighs on all
+modes alike. With --controller-from a third mode runs that revision's spec/controller.py, built
+with the same calibration; each controller keeps what it learned across rounds, as a server's does.
 
 Per round and mode: output tokens/s and steps, and the steps split three ways: those that also
 cached a prompt chunk, full steps (every slot decoding) and the level's tail (fewer rows), each
@@ -78,22 +78,18 @@ class StepLog:
                          f"accepted {sum(s[2] for s in g)}" for name, g in groups.items() if g)
 
 
-def run_level(engine: LLMEngine, prompts: list[list[int]], slots: int, speculate: bool, max_tokens: int):
-    """Every prompt through the engine, `slots` in flight; returns (output tokens/s, steps, outputs)."""
+def run_level(engine: LLMEngine, prompts: list[list[int]], speculate: bool, max_tokens: int):
+    """Every prompt through the engine, its slots full while requests wait (the scheduler's queue
+    admits the next as one ends); returns (output tokens/s, steps, outputs)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    waiting, running, outputs, steps = list(range(len(prompts))), {}, {}, 0
     t0 = time.perf_counter()
-    while waiting or running:
-        while waiting and len(running) < slots:
-            i = waiting.pop(0)
-            running[i] = engine.add_request(prompts[i], params, speculate=speculate)
+    seqs = [engine.add_request(ids, params, speculate=speculate) for ids in prompts]
+    steps = 0
+    while engine.has_unfinished():
         engine.step()
         steps += 1
-        for i, seq in list(running.items()):
-            if seq.is_finished:
-                outputs[i] = seq.output_ids
-                del running[i]
     wall = time.perf_counter() - t0
+    outputs = {i: seq.output_ids for i, seq in enumerate(seqs)}
     return sum(map(len, outputs.values())) / wall, steps, outputs
 
 
@@ -123,7 +119,7 @@ def main() -> None:
     log = StepLog(engine)
     for name, controller in controllers.items():             # untimed: first calls, and each controller warms
         engine.controller = controller
-        run_level(engine, prompts, c, True, args.max_tokens)
+        run_level(engine, prompts, True, args.max_tokens)
     rates: dict[str, list[float]] = {m: [] for m in modes}
     plain_outputs = None
     for r in range(args.rounds):
@@ -131,7 +127,7 @@ def main() -> None:
         for mode in order if r % 2 == 0 else order[::-1]:
             engine.controller = controllers.get(mode, engine.controller)
             log.steps.clear()
-            rate, steps, outputs = run_level(engine, prompts, c, mode != "plain", args.max_tokens)
+            rate, steps, outputs = run_level(engine, prompts, mode != "plain", args.max_tokens)
             rates[mode].append(rate)
             if mode == "plain":
                 plain_outputs = plain_outputs or outputs

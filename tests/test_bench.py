@@ -158,7 +158,7 @@ def test_engine_ab_runs_every_mode_against_plain(tiny_folder, dataset, monkeypat
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
     import engine_ab
 
     monkeypatch.setattr(sys, "argv", ["engine_ab.py", "--dataset", str(dataset), "--model", str(tiny_folder),
