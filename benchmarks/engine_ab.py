@@ -36,10 +36,13 @@ STANDARD_LEVELS = [1, 4, 16, 32]        # serve_bench's default --concurrency: w
 
 
 def controller_class(revision: str):
-    """The DraftController class of spec/controller.py at a git revision."""
-    path = "src/outpace/spec/controller.py"
-    done = subprocess.run(["git", "show", f"{revision}:{path}"], capture_output=True, text=True,
-                          cwd=Path(__file__).parent)
+    """The DraftController class of the controller's file at a git revision (speculative/, or
+    spec/ before the folder was renamed)."""
+    for path in ("src/outpace/speculative/controller.py", "src/outpace/spec/controller.py"):
+        done = subprocess.run(["git", "show", f"{revision}:{path}"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent)
+        if done.returncode == 0:
+            break
     if done.returncode != 0:
         raise SystemExit(f"engine_ab: cannot read {path} at {revision}: {done.stderr.strip()}")
     module = types.ModuleType(f"controller_{revision}")

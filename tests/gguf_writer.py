@@ -7,7 +7,7 @@ from typing import Any, Iterator
 import gguf
 import numpy as np
 
-from outpace.model.gguf import hf_tensor_name, llama3_rope_factors, rotary_permute
+from outpace.weights.gguf import hf_tensor_name, llama3_rope_factors, rotary_permute
 
 
 TEST_CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"

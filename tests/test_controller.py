@@ -1,5 +1,5 @@
 """The draft controller: drafts when it pays, stops when it does not, and probes again later."""
-from outpace.spec.controller import DraftController
+from outpace.speculative.controller import DraftController
 
 FLAT = {1: [1.0] * 9}
 STEEP = {1: [1.0 + 0.2 * k for k in range(9)]}     # each drafted token costs a fifth of a plain step
@@ -172,7 +172,7 @@ def test_calibration_times_the_rows_each_runner_runs(tmp_path, monkeypatch):
 
     import torch
 
-    from outpace.engine.calibrate import measure_verify_cost
+    from outpace.runner.calibrate import measure_verify_cost
 
     @dataclasses.dataclass
     class Shape:

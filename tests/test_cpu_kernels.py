@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (outpace.model.cpu_kernels) against PyTorch's ops and transformers.
+"""The compiled CPU kernels (outpace.kernels.cpu_kernels) against PyTorch's ops and transformers.
 
 They replace the norms, rotation, cache writes, attention and SwiGLU of small CPU steps, so they
 must give the reference's logits in float32, round as PyTorch's ops round in bfloat16, give each
@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from outpace.engine import model_runner
-from outpace.engine.model_runner import ModelRunner, Row
-from outpace.model import cpu_kernels
-from outpace.model.fused import _rms_norm
-from outpace.model.loader import load_model
+from outpace.runner import model_runner
+from outpace.runner.model_runner import ModelRunner, Row
+from outpace.kernels import cpu_kernels
+from outpace.kernels.fused import _rms_norm
+from outpace.weights.loader import load_model
 from tiny import FAMILIES, make_tiny
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -99,7 +99,7 @@ def test_vector_body_and_scalar_tail_compute_alike(dtype):
 @pytest.mark.parametrize("tokens", [3, 700])       # 700: shared among threads
 def test_rope_equals_torch_bit_for_bit(dtype, tokens):
     """The query and key heads of a qkv product (a strided slice) rotated as fused.rope does."""
-    from outpace.model.fused import _rope
+    from outpace.kernels.fused import _rope
     g = torch.Generator().manual_seed(1)
     qkv = torch.randn(1, tokens, 9 + 2 * 3, 64, generator=g).to(dtype)
     cos, sin = (torch.randn(1, tokens, 1, 64, generator=g).to(dtype) for _ in range(2))

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from outpace import LLM, SamplingParams, SpecConfig
-from outpace.engine.cuda_graphs import CudaGraphRunner
-from outpace.engine.model_runner import ModelRunner, Row
-from outpace.model.loader import load_model
-from outpace.spec.controller import DraftController
-from outpace.spec.ngram import NgramDrafter
-from outpace.spec.ngram_device import DeviceNgramDrafter
+from outpace.runner.cuda_graphs import CudaGraphRunner
+from outpace.runner.model_runner import ModelRunner, Row
+from outpace.weights.loader import load_model
+from outpace.speculative.controller import DraftController
+from outpace.speculative.ngram import NgramDrafter
+from outpace.speculative.ngram_device import DeviceNgramDrafter
 from tiny import make_tiny
 
 MAX_LEN, SPARE, SLOTS = 64, 16, 5
@@ -361,7 +361,7 @@ def test_bf16_graph_replay_equals_eager(tiny_folder):
 def test_graphs_fall_back_where_triton_kernels_fail(tiny_folder, monkeypatch, capsys):
     """A card or Triton build the kernels fail on: graphs capture with PyTorch's kernels (and
     the masks they need), and the engine says so once."""
-    from outpace.model import fused, triton_ops
+    from outpace.kernels import fused, triton_ops
     fused._checked_ops.cache_clear()
     monkeypatch.setattr(triton_ops, "self_check", lambda device, dtype: "a broken build")
     try:

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from outpace import LLM, SamplingParams, SpecConfig
-from outpace.engine.model_runner import ModelRunner, Row
-from outpace.model.loader import load_model
+from outpace.runner.model_runner import ModelRunner, Row
+from outpace.weights.loader import load_model
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
@@ -69,7 +69,7 @@ def test_cpu_kernel_forwards_compute_each_token_alike(default_model_dir, dtype):
     forward holds: a verify row of several tokens packed beside another sequence's row gives each
     token the bits of its own one-token step. Fast mode's speculative greedy output is then
     bit-identical to plain decoding there, as exact mode's is everywhere."""
-    from outpace.model import cpu_kernels
+    from outpace.kernels import cpu_kernels
     if not cpu_kernels.has_linear():
         pytest.skip("the CPU kernels' products need AVX-512 and a C compiler")
     model = load_model(default_model_dir, dtype, "cpu", max_len=256)
@@ -89,8 +89,8 @@ def test_bf16_prompt_chunks_compute_in_float32(default_model_dir, monkeypatch):
     """On a CPU without bfloat16 dot products a long bf16 prompt chunk runs in float32 (weights and
     cache stay bf16): the decode step after it sees the float32 model's logits about as closely as
     after a bf16 prefill."""
-    from outpace.engine.model_runner import FP32_PREFILL_MIN_TOKENS
-    from outpace.model import cpu_kernels
+    from outpace.runner.model_runner import FP32_PREFILL_MIN_TOKENS
+    from outpace.kernels import cpu_kernels
     monkeypatch.setattr(cpu_kernels, "has_bf16_dot", lambda: False)
     ids = list(range(1000, 1000 + 3 * FP32_PREFILL_MIN_TOKENS // 2))
     last = [ids.pop()]

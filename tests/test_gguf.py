@@ -13,10 +13,10 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from outpace.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
-from outpace.model import gguf, hub
+from outpace.weights import gguf, hub
 from gguf_writer import write_test_gguf
-from outpace.model.gguf import convert_gguf
-from outpace.model.hub import resolve_model
+from outpace.weights.gguf import convert_gguf
+from outpace.weights.hub import resolve_model
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from outpace.engine.model_runner import FP32_PREFILL_MIN_TOKENS, ModelRunner, Row
-from outpace.model.loader import load_model
+from outpace.runner.model_runner import FP32_PREFILL_MIN_TOKENS, ModelRunner, Row
+from outpace.weights.loader import load_model
 from tiny import FAMILIES, make_tiny
 
 
@@ -102,7 +102,7 @@ def test_long_chunk_beside_bf16_rows(tmp_path, monkeypatch, bf16_dot):
     products) leaves the decode rows beside it computing as bf16 rows do, up to the rounding of
     their float32 products; where the chunk stays bf16 (cpu_kernels' products on vdpbf16ps), the
     rows beside it compute bit for bit as alone."""
-    from outpace.model import cpu_kernels
+    from outpace.kernels import cpu_kernels
     if bf16_dot and not cpu_kernels.has_bf16_dot():
         pytest.skip("cpu_kernels.linear has no bf16 dot products here")
     monkeypatch.setattr(cpu_kernels, "has_bf16_dot", lambda: bf16_dot)
@@ -143,7 +143,7 @@ def test_hidden_states_are_pre_norm_last_layer(pair):
 def test_packed_cpu_linear_is_bit_identical(monkeypatch):
     """bf16 linears packed for oneDNN (where cpu_kernels.linear does not build) give F.linear's
     products bit for bit, for any row count."""
-    from outpace.model import cpu_kernels, cpu_linear
+    from outpace.kernels import cpu_kernels, cpu_linear
     if not cpu_linear._onednn_available():
         pytest.skip("this torch has no oneDNN linear ops")
     monkeypatch.setattr(cpu_kernels, "has_linear", lambda: False)
@@ -166,7 +166,7 @@ def test_cpu_kernel_linear_sums_in_order():
     the rows beside it. Shapes cover a partial last block of 16 columns and rows split into several
     tiles; F.linear (oneDNN, which sums in another order for some row and thread counts) agrees to
     within a bf16 step."""
-    from outpace.model import cpu_kernels, cpu_linear
+    from outpace.kernels import cpu_kernels, cpu_linear
     if not cpu_kernels.has_linear():
         pytest.skip("cpu_kernels.linear needs AVX-512 and a C compiler")
     g = torch.Generator().manual_seed(5)
@@ -195,7 +195,7 @@ def test_cpu_kernel_linear_float32_inputs(weights):
     """cpu_kernels.linear with float32 inputs and outputs, over bfloat16 weights (a bf16 model's
     prompt chunk computed in float32) or float32 ones (a float32 model): the float64 product to
     float32 rounding, and each row alike in any call."""
-    from outpace.model import cpu_kernels, cpu_linear
+    from outpace.kernels import cpu_kernels, cpu_linear
     if not cpu_kernels.has_linear():
         pytest.skip("cpu_kernels.linear needs AVX-512 and a C compiler")
     g = torch.Generator().manual_seed(6)

@@ -9,8 +9,8 @@ import torch
 
 from outpace.config import SpecConfig
 from outpace.errors import InvalidParameterError
-from outpace.spec import ngram_gpu
-from outpace.spec.ngram import NgramDrafter
+from outpace.speculative import ngram_gpu
+from outpace.speculative.ngram import NgramDrafter
 
 
 def reference(tokens, k, min_ngram, max_ngram, match):

@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from outpace.config import SamplingParams
-from outpace.engine.sampler import MAX_NUM_DRAFT, SamplingState, logits_to_probs, make_generator, sample
+from outpace.sampling.sampler import MAX_NUM_DRAFT, SamplingState, logits_to_probs, make_generator, sample
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 ALPHA = 0.001

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from outpace import LLM, SamplingParams, SpecConfig
-from outpace.spec.drafter import Draft, Drafter
+from outpace.speculative.drafter import Draft, Drafter
 from tiny import make_tiny
 
 

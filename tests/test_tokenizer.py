@@ -9,8 +9,8 @@ import pytest
 
 from outpace.errors import InvalidParameterError, UnsupportedModelError
 from gguf_writer import write_test_gguf
-from outpace.model.gguf import convert_gguf
-from outpace.model.tokenizer import IncrementalDecoder, Tokenizer
+from outpace.weights.gguf import convert_gguf
+from outpace.weights.tokenizer import IncrementalDecoder, Tokenizer
 
 TEXTS = [
     "Hello, world!", "  leading spaces", "trailing   ", "tabs\tand\nnewlines\r\n", "   \n\n\n   ", "",

@@ -1,4 +1,4 @@
-"""The Triton kernels of CUDA graph steps (model/triton_ops.py) against the reference ops, in
+"""The Triton kernels of CUDA graph steps (kernels/triton_ops.py) against the reference ops, in
 float32 from the same bf16 inputs; CUDA only.
 
 Guards: the one-row product must equal F.linear for even and ragged sizes, with a bias; decode
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("n,k,bias", [(960, 576, True), (576, 1536, False), (4096, 4096, False),
                                       (1001, 3000, True), (49152, 576, False)])
 def test_matvec_equals_linear(n, k, bias):
-    from outpace.model.triton_ops import matvec
+    from outpace.kernels.triton_ops import matvec
     torch.manual_seed(0)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
@@ -31,7 +31,7 @@ def test_matvec_equals_linear(n, k, bias):
 
 @pytest.mark.parametrize("rows", [2, 9, 17])
 def test_matvec_rows_compute_as_alone(rows):
-    from outpace.model.triton_ops import matvec
+    from outpace.kernels.triton_ops import matvec
     torch.manual_seed(0)
     w = torch.randn(960, 576, device="cuda", dtype=torch.bfloat16) * 0.05
     b = torch.randn(960, device="cuda", dtype=torch.bfloat16)
@@ -50,7 +50,7 @@ def test_matvec_rows_compute_as_alone(rows):
     (8, 8, 64, 2, 3, 256, 40, 0),        # no grouping, a sliding window
 ])
 def test_decode_attention_equals_masked_attention(heads, kv_heads, dim, rows, tokens, keys, window, slot_start):
-    from outpace.model.triton_ops import decode_attention
+    from outpace.kernels.triton_ops import decode_attention
     torch.manual_seed(0)
     slots, length = slot_start + rows + 1, keys + 64
     k_cache = torch.randn(slots, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16)
@@ -76,5 +76,5 @@ def test_decode_attention_equals_masked_attention(heads, kv_heads, dim, rows, to
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_self_check_passes_on_this_card(dtype):
-    from outpace.model.triton_ops import self_check
+    from outpace.kernels.triton_ops import self_check
     assert self_check(torch.device("cuda"), dtype) is None

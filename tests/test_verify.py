@@ -9,8 +9,8 @@ import torch
 from scipy.stats import chisquare
 
 from outpace.config import SamplingParams
-from outpace.engine.sampler import SamplingState, logits_to_probs, make_generator, sample
-from outpace.spec.verify import verify_greedy, verify_sampling
+from outpace.sampling.sampler import SamplingState, logits_to_probs, make_generator, sample
+from outpace.sampling.rejection import verify_greedy, verify_sampling
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 ALPHA = 0.001

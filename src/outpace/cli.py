@@ -128,7 +128,7 @@ def cmd_serve(args) -> None:
 
 
 def cmd_pull(args) -> None:
-    from outpace.model.hub import resolve_model
+    from outpace.weights.hub import resolve_model
     print(resolve_model(args.name))
 
 

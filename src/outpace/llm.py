@@ -10,7 +10,7 @@ from tqdm import tqdm
 from outpace.config import EngineConfig, SamplingParams, SpecConfig
 from outpace.engine.llm_engine import LLMEngine
 from outpace.engine.sequence import Sequence
-from outpace.spec.drafter import Drafter
+from outpace.speculative.drafter import Drafter
 
 
 @dataclass

@@ -13,7 +13,7 @@ import math
 import torch
 
 from outpace.engine.llm_engine import LLMEngine
-from outpace.engine.model_runner import Row
+from outpace.runner.model_runner import Row
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

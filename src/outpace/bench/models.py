@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from outpace.model.gguf import outpace_home
-from outpace.model.hub import REGISTRY, resolve_model
+from outpace.paths import outpace_home
+from outpace.weights.hub import REGISTRY, resolve_model
 
 # Llama-3-8B's config.json, its dimensions exactly
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

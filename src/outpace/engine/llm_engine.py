@@ -10,22 +10,23 @@ import torch
 import torch.nn.functional as F
 
 from outpace.config import EngineConfig, SamplingParams
-from outpace.engine.calibrate import measure_verify_cost
-from outpace.engine.cuda_graphs import CudaGraphRunner, to_device
-from outpace.engine.model_runner import ModelRunner, Row
-from outpace.engine.sampler import SamplingState, make_generator
+from outpace.runner.calibrate import measure_verify_cost
+from outpace.runner.cuda_graphs import CudaGraphRunner
+from outpace.runner.staging import to_device
+from outpace.runner.model_runner import ModelRunner, Row
+from outpace.sampling.sampler import SamplingState, make_generator
 from outpace.engine.scheduler import PrefillChunk, Scheduler, StepPlan
 from outpace.engine.sequence import Sequence, SpecStats
 from outpace.engine.stopping import StopChecker
 from outpace.errors import InvalidParameterError, PromptTooLongError
-from outpace.model.hub import resolve_model
-from outpace.model.loader import load_model
-from outpace.model.tokenizer import Tokenizer
-from outpace.spec.controller import DraftController
-from outpace.spec.drafter import Draft, Drafter
-from outpace.spec.factory import make_drafter
-from outpace.spec.ngram_device import DeviceDrafts, DeviceNgramDrafter, GraphDrafts
-from outpace.spec.verify import greedy_tokens, verify_greedy, verify_sampling
+from outpace.weights.hub import resolve_model
+from outpace.weights.loader import load_model
+from outpace.weights.tokenizer import Tokenizer
+from outpace.speculative.controller import DraftController
+from outpace.speculative.drafter import Draft, Drafter
+from outpace.speculative.factory import make_drafter
+from outpace.speculative.ngram_device import DeviceDrafts, DeviceNgramDrafter, GraphDrafts
+from outpace.sampling.rejection import greedy_tokens, verify_greedy, verify_sampling
 
 
 def resolve_device(device: str) -> str:

@@ -8,7 +8,7 @@ holds back any tail that could still grow into a stop string, so streamed text i
 from __future__ import annotations
 
 from outpace.config import SamplingParams
-from outpace.model.tokenizer import IncrementalDecoder, Tokenizer
+from outpace.weights.tokenizer import IncrementalDecoder, Tokenizer
 
 
 class StopChecker:

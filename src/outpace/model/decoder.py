@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from outpace.model.config import ModelConfig
-from outpace.model.fused import linear
-from outpace.model.kv_cache import KVCache
+from outpace.kernels.fused import linear
+from outpace.runner.kv_cache import KVCache
 from outpace.model.layers import DecoderLayer, ForwardBatch, RMSNorm
 from outpace.model.rope import rope_tables
 

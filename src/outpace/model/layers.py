@@ -16,8 +16,8 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from outpace.model.config import ModelConfig
-from outpace.model import cpu_kernels, fused
-from outpace.model.fused import add_rms_norm, linear, rms_norm, rope, rope_store, silu_mul
+from outpace.kernels import cpu_kernels, fused
+from outpace.kernels.fused import add_rms_norm, linear, rms_norm, rope, rope_store, silu_mul
 
 
 # Forwards of prompt chunks on CUDA attend through kernels that need no plan per shape. cuDNN's

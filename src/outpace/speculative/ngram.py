@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from outpace.config import SpecConfig
-from outpace.spec.drafter import Draft, Drafter
+from outpace.speculative.drafter import Draft, Drafter
 
 
 class _SeqIndex:

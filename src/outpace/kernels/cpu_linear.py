@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from outpace.model import cpu_kernels
+from outpace.kernels import cpu_kernels
 
 _ops = getattr(torch.ops, "mkldnn", None)
 

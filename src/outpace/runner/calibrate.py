@@ -14,9 +14,9 @@ import time
 import torch
 from tqdm import tqdm
 
-from outpace.engine.model_runner import ModelRunner, Row
-from outpace.model import cpu_kernels
-from outpace.model.gguf import outpace_home
+from outpace.runner.model_runner import ModelRunner, Row
+from outpace.kernels import cpu_kernels
+from outpace.paths import outpace_home
 
 CONTEXT = 128   # positions the timing rows sit at: a typical short context
 # part of the key a measurement is kept under: raised when what a forward runs changes outside the

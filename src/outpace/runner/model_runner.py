@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from outpace.model import cpu_kernels
+from outpace.kernels import cpu_kernels
 from outpace.model.decoder import DecoderLM
-from outpace.model.kv_cache import KVCache
+from outpace.runner.kv_cache import KVCache
 from outpace.model.layers import ForwardBatch, Packed, PromptChunk
 
 

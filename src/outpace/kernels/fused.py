@@ -67,7 +67,7 @@ HALF = (torch.bfloat16, torch.float16)
 def _triton_ops():
     """The Triton kernels, or None where Triton is missing."""
     try:
-        from outpace.model import triton_ops
+        from outpace.kernels import triton_ops
     except ImportError:
         return None
     return triton_ops

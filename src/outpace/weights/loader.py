@@ -8,19 +8,11 @@ from safetensors import safe_open
 from safetensors import SafetensorError
 
 from outpace.errors import CorruptModelError, ModelNotFoundError
-from outpace.model import cpu_linear
+from outpace.kernels import cpu_linear
 from outpace.model.config import ModelConfig
 from outpace.model.decoder import DecoderLM
-from outpace.model.llama import LlamaForCausalLM
-from outpace.model.qwen2 import Qwen2ForCausalLM
-from outpace.model.qwen3 import Qwen3ForCausalLM
+from outpace.model.registry import FAMILIES
 from outpace.model.rope import rope_tables
-
-FAMILIES: dict[str, type[DecoderLM]] = {
-    "llama": LlamaForCausalLM,
-    "qwen2": Qwen2ForCausalLM,
-    "qwen3": Qwen3ForCausalLM,
-}
 
 
 def load_model(folder: Path, dtype: torch.dtype, device: str, max_len: int) -> DecoderLM:

@@ -1,7 +1,7 @@
 """Build the drafter a SpecConfig names."""
 from outpace.config import SpecConfig
-from outpace.spec.drafter import Drafter
-from outpace.spec.ngram import NgramDrafter
+from outpace.speculative.drafter import Drafter
+from outpace.speculative.ngram import NgramDrafter
 
 
 def make_drafter(spec: SpecConfig) -> Drafter:

@@ -2,7 +2,7 @@
 
 Random numbers, the contract that seeded reproducibility rests on. A row is *seeded* when it has
 its own torch.Generator g (on the logits' device, made by `make_generator`). Per call of sample or
-of spec.verify.verify_sampling, a seeded row that is not greedy draws exactly one
+of sampling.rejection.verify_sampling, a seeded row that is not greedy draws exactly one
 
     u = torch.rand(V + MAX_NUM_DRAFT, dtype=torch.float64, generator=g)
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from outpace.model.gguf import outpace_home
+from outpace.paths import outpace_home
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 SOURCES = (SOURCE, SOURCE.with_name("cpu_kernels_dtype.h"))

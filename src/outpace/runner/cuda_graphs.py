@@ -43,9 +43,10 @@ import time
 import torch
 from tqdm import tqdm
 
-from outpace.engine.calibrate import batch_buckets
-from outpace.engine.model_runner import ModelRunner, Row
-from outpace.model import fused
+from outpace.runner.calibrate import batch_buckets
+from outpace.runner.model_runner import ModelRunner, Row
+from outpace.runner.staging import HostSide, to_device
+from outpace.kernels import fused
 from outpace.model.decoder import DecoderLM
 from outpace.model.layers import ForwardBatch
 
@@ -363,45 +364,6 @@ class CudaGraphRunner(ModelRunner):
                   f"{self.capture_bytes / 2**20:.0f} MiB", file=sys.stderr)
 
 
-class HostSide:
-    """A device tensor's host side: written in place, then sent in one asynchronous copy. On CUDA
-    it is pinned memory, and an event marks when the device has read it: the next write waits
-    for that, since the copy reads the host memory after the call that queued it returns. On the
-    CPU it is the tensor itself, and sending does nothing."""
-
-    def __init__(self, device_tensor: torch.Tensor):
-        self.device_tensor = device_tensor
-        is_cuda = device_tensor.device.type == "cuda"
-        self.host = torch.zeros_like(device_tensor, device="cpu", pin_memory=True) if is_cuda else device_tensor
-        self.values = self.host.numpy()                 # the view the host writes through
-        self.read = torch.cuda.Event() if is_cuda else None
-        self._parts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}    # (device, host) views
-
-    def writable(self):
-        """values, once the last copy has read them."""
-        if self.read is not None:
-            self.read.synchronize()
-        return self.values
-
-    def send(self, start: int, stop: int) -> None:
-        """Queue values[start:stop] to the device tensor's same entries."""
-        if self.read is None:
-            return
-        parts = self._parts.get((start, stop))
-        if parts is None:
-            parts = self._parts[(start, stop)] = self.device_tensor[start:stop], self.host[start:stop]
-        parts[0].copy_(parts[1], non_blocking=True)
-        self.read.record()
-
-
 def doublings(first: int, last: int) -> list[int]:
     """first, 2 x first, 4 x first, ... below last, then last: the sizes graphs are captured at."""
     return [n for n in (first * 2 ** i for i in range(16)) if n < last] + [last]
-
-
-def to_device(values: list, device: torch.device | str) -> torch.Tensor:
-    """A small host list as a device int64 tensor, copied without a host synchronisation."""
-    host = torch.tensor(values, dtype=torch.long)
-    if torch.device(device).type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)

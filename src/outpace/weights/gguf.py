@@ -33,7 +33,8 @@ from gguf.quants import dequantize, quant_shape_to_byte_shape
 from tqdm import tqdm
 
 from outpace.errors import CorruptModelError, ModelNotFoundError, OutpaceError, UnsupportedModelError
-from outpace.model.tokenizer import tokenizer_from_gguf
+from outpace.paths import outpace_home
+from outpace.weights.tokenizer import tokenizer_from_gguf
 
 _REQUIRED = object()
 FORMAT = 1  # bump when the converted folder changes, so old conversions are redone
@@ -51,10 +52,6 @@ LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
-
-
-def outpace_home() -> Path:
-    return Path(os.environ.get("OUTPACE_HOME") or Path.home() / ".cache" / "outpace").expanduser()
 
 
 def convert_gguf(path: str | Path) -> Path:
