@@ -1,16 +1,16 @@
-"""One level of the serving benchmark in the engine, without HTTP: plain against speculative, and
-optionally against the draft controller of another git revision, in one process.
+"""One level of the serving benchmark in the engine, without HTTP: plain against speculative in
+one process.
 
     python benchmarks/engine_ab.py --dataset ../shared/data/spec_bench_question.jsonl \
-        --concurrency 32 --rounds 4 --controller-from c03c594
+        --concurrency 32 --rounds 4
 
 One LLMEngine (n-gram speculation, as many slots as clients) runs the prompts serve_bench.py runs
 at that concurrency (its level's place in `--concurrency 1 4 16 32`; chat template, greedy, 256
 tokens at most, EOS honoured) as a closed loop: every request is queued at once and the next
 joins as soon as one ends, as the benchmark's clients keep one request each in flight. Each round
-runs every mode once, the order rotating between rounds, so the machine's drift weighs on all
-modes alike. With --controller-from a third mode runs that revision's spec/controller.py, built
-with the same calibration; each controller keeps what it learned across rounds, as a server's does.
+runs both modes once, the order alternating between rounds, so the machine's drift weighs on both
+alike; the controller keeps what it learned across rounds, as a server's does. To compare two
+revisions of outpace, run this script in each through benchmarks/ab_revisions.py.
 
 Per round and mode: output tokens/s and steps, and the steps split three ways: those that also
 cached a prompt chunk, full steps (every slot decoding) and the level's tail (fewer rows), each
@@ -20,10 +20,8 @@ plain run's of the same round, and over all rounds.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -35,44 +33,21 @@ from outpace.engine.llm_engine import LLMEngine  # noqa: E402
 STANDARD_LEVELS = [1, 4, 16, 32]        # serve_bench's default --concurrency: where its prompts start
 
 
-def controller_class(revision: str):
-    """The DraftController class of the controller's file at a git revision (speculative/, or
-    spec/ before the folder was renamed)."""
-    for path in ("src/outpace/speculative/controller.py", "src/outpace/spec/controller.py"):
-        done = subprocess.run(["git", "show", f"{revision}:{path}"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent)
-        if done.returncode == 0:
-            break
-    if done.returncode != 0:
-        raise SystemExit(f"engine_ab: cannot read {path} at {revision}: {done.stderr.strip()}")
-    module = types.ModuleType(f"controller_{revision}")
-    exec(compile(done.stdout, f"{revision}:{path}", "exec"), module.__dict__)
-    return module.DraftController
-
-
-def built_like(cls, like):
-    """A controller of class cls with the calibration `like` was built with."""
-    # the calibration as the controller takes it: (drafted, seconds) points where rows are packed,
-    # else seconds by tokens per row
-    curves = {b: [list(p) if like.packed else p[1] for p in curve] for b, curve in like.curves.items()}
-    return cls(like.max_draft, curves or None, packed=like.packed)
-
-
 class StepLog:
-    """Wraps engine.verify to record each step: rows, drafted, accepted, prompt tokens, seconds."""
+    """Wraps the engine's verify to record each step: rows, drafted, accepted, prompt tokens, seconds."""
 
     def __init__(self, engine: LLMEngine):
         self.steps: list[tuple[int, int, int, int, float]] = []
-        verify = engine.verify
+        verify = engine.steps.verify
 
-        def timed(seqs, drafts, chunks=()):
+        def timed(plan, proposal, chunks):
             t0 = time.perf_counter()
-            out = verify(seqs, drafts, chunks)
-            drafted = sum(len(d) for d in drafts if d) if isinstance(drafts, list) else 0
-            self.steps.append((len(seqs), drafted, sum(out[1]) - len(seqs), sum(c.end - c.start for c in chunks),
-                               time.perf_counter() - t0))
-            return out
-        engine.verify = timed
+            result = verify(plan, proposal, chunks)
+            rows = len(plan.decode)
+            self.steps.append((rows, sum(result.num_draft), sum(result.counts) - rows,
+                               sum(c.end - c.start for c in chunks), time.perf_counter() - t0))
+            return result
+        engine.steps.verify = timed
 
     def phases(self, slots: int) -> str:
         groups = {"prefill": [s for s in self.steps if s[3]], "full": [s for s in self.steps if not s[3] and s[0] == slots],
@@ -103,32 +78,23 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--controller-from", metavar="REV", help="also run the draft controller of this git revision")
     args = p.parse_args()
     if args.concurrency < 1 or args.rounds < 1:
         p.error("--concurrency and --rounds must be at least 1")
     c = args.concurrency
-    other = controller_class(args.controller_from) if args.controller_from else None
     texts = first_turns(args.dataset)
     start = 7 * (STANDARD_LEVELS.index(c) if c in STANDARD_LEVELS else 0)
     engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=c, spec=SpecConfig(method="ngram")))
     tok = engine.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": texts[(start + i) % len(texts)]}]),
                           add_special_tokens=False) for i in range(max(8, 2 * c))]
-    controllers = {"spec": engine.controller}
-    if other is not None:
-        controllers[f"spec@{args.controller_from}"] = built_like(other, engine.controller)
-    modes = ["plain", *controllers]
+    modes = ["plain", "spec"]
     log = StepLog(engine)
-    for name, controller in controllers.items():             # untimed: first calls, and each controller warms
-        engine.controller = controller
-        run_level(engine, prompts, True, args.max_tokens)
+    run_level(engine, prompts, True, args.max_tokens)        # untimed: first calls, and the controller warms
     rates: dict[str, list[float]] = {m: [] for m in modes}
     plain_outputs = None
     for r in range(args.rounds):
-        order = modes[r % len(modes):] + modes[:r % len(modes)]
-        for mode in order if r % 2 == 0 else order[::-1]:
-            engine.controller = controllers.get(mode, engine.controller)
+        for mode in modes if r % 2 == 0 else modes[::-1]:
             log.steps.clear()
             rate, steps, outputs = run_level(engine, prompts, mode != "plain", args.max_tokens)
             rates[mode].append(rate)
@@ -137,9 +103,8 @@ def main() -> None:
             elif plain_outputs is not None and outputs != plain_outputs:
                 print(f"  {mode}: {sum(outputs[i] != plain_outputs[i] for i in outputs)} outputs differ from plain")
             print(f"round {r} {mode}: {rate:.1f} tok/s, {steps} steps ({log.phases(c)})", flush=True)
-    for mode in modes[1:]:
-        each = ", ".join(f"{s / p:.3f}x" for p, s in zip(rates["plain"], rates[mode]))
-        print(f"{mode} / plain: {sum(rates[mode]) / sum(rates['plain']):.3f}x over {args.rounds} rounds ({each})")
+    each = ", ".join(f"{s / p:.3f}x" for p, s in zip(rates["plain"], rates["spec"]))
+    print(f"spec / plain: {sum(rates['spec']) / sum(rates['plain']):.3f}x over {args.rounds} rounds ({each})")
 
 
 if __name__ == "__main__":

@@ -208,7 +208,7 @@ def shape_folder(root: Path, shape: dict, tokenizer_from: Path) -> Path:
 def verify_table(model, device, label, quick):
     """ratio[b][k] = T(b rows of 1 + k tokens) / T(b rows of 1 token), CUDA graphs replayed; rows
     at position VERIFY_AT, so attention reads the 512-key bucket."""
-    runner = CudaGraphRunner(model, max(VERIFY_BATCHES), 1024, 1 + VERIFY_K[-1], max_decode_tokens=1 + VERIFY_K[-1],
+    runner = CudaGraphRunner(model, max(VERIFY_BATCHES), 1024, 1 + VERIFY_K[-1], num_draft_tokens=VERIFY_K[-1],
                              batch_sizes=VERIFY_BATCHES, kv_lens=[512])
     gen = torch.Generator().manual_seed(0)
     vocab = model.cfg.vocab_size

@@ -152,9 +152,9 @@ def test_divergence_margin_is_the_targets_view(tiny_folder):
     assert llm.engine.scheduler.free_slots == [0], "the margin's forward must not take a slot"
 
 
-def test_engine_ab_runs_every_mode_against_plain(tiny_folder, dataset, monkeypatch, capsys):
-    """benchmarks/engine_ab.py: each mode's speedup over the plain run of the same rounds, the
-    other revision's controller built from git, and the same greedy outputs in every mode."""
+def test_engine_ab_runs_speculation_against_plain(tiny_folder, dataset, monkeypatch, capsys):
+    """benchmarks/engine_ab.py: speculation's speedup over the plain run of the same rounds, with
+    the same greedy outputs in both modes."""
     import sys
     from pathlib import Path
 
@@ -162,14 +162,31 @@ def test_engine_ab_runs_every_mode_against_plain(tiny_folder, dataset, monkeypat
     import engine_ab
 
     monkeypatch.setattr(sys, "argv", ["engine_ab.py", "--dataset", str(dataset), "--model", str(tiny_folder),
-                                      "--concurrency", "2", "--rounds", "2", "--max-tokens", "8",
-                                      "--controller-from", "HEAD"])
+                                      "--concurrency", "2", "--rounds", "2", "--max-tokens", "8"])
     engine_ab.main()
     out = capsys.readouterr().out
     assert "differ" not in out
-    assert out.count("round 0 ") == out.count("round 1 ") == 3
-    assert "spec / plain:" in out and "spec@HEAD / plain:" in out
-    monkeypatch.setattr(sys, "argv", ["engine_ab.py", "--dataset", str(dataset), "--model", str(tiny_folder),
-                                      "--controller-from", "no-such-revision"])
-    with pytest.raises(SystemExit, match="cannot read src/outpace/spec/controller.py at no-such-revision"):
-        engine_ab.main()
+    assert out.count("round 0 ") == out.count("round 1 ") == 2
+    assert "spec / plain:" in out
+
+
+def test_ab_revisions_runs_a_command_in_both_revisions(monkeypatch, capsys):
+    """benchmarks/ab_revisions.py: the command runs in a worktree of each revision, alternately,
+    and the metric comes from each run's own stdout."""
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import ab_revisions
+
+    # the metric: 1 when the run imported the outpace of its own folder (its revision's src/)
+    probe = [sys.executable, "-c",
+             "import outpace, os; print('own', int(os.path.realpath(outpace.__file__).startswith(os.getcwd())))"]
+    monkeypatch.setattr(sys, "argv", ["ab_revisions.py", "--base", "HEAD", "--rounds", "2", "--metric",
+                                      "own ([0-9]+)", "--", *probe])
+    ab_revisions.main()
+    out = capsys.readouterr().out
+    assert out.count("base 1, head 1,") == 2 and "head / base: 1.000x" in out
+    monkeypatch.setattr(sys, "argv", ["ab_revisions.py", "--base", "no-such-revision", "--metric", "x", "--", "true"])
+    with pytest.raises(SystemExit, match="cannot check out no-such-revision"):
+        ab_revisions.main()

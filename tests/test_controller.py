@@ -183,7 +183,7 @@ def test_calibration_times_the_rows_each_runner_runs(tmp_path, monkeypatch):
         seen = []
         runner = SimpleNamespace(model=SimpleNamespace(cfg=Shape()), dtype=torch.float32, device=torch.device("cpu"),
                                  packs_rows=packs, forward=lambda rows: seen.append([len(r.token_ids) for r in rows]))
-        cost = measure_verify_cost(runner, max_seqs=2, max_tokens=3, reps=1)
+        cost = measure_verify_cost(runner, max_seqs=2, num_draft_tokens=2, reps=1)
         shapes = seen[1:]                                          # after the warm-up call
         if packs:
             assert [e for e, _ in cost[2]] == [0, 1, 2, 4]
@@ -227,7 +227,7 @@ def test_match_rates_shrink_toward_the_pool_on_little_evidence():
         c.observe(0, 4, 4, 0, match_len=2)
 
     def rate(match_len):            # P(first drafted token accepted | match length)
-        pooled = (c.pool[0][0] + 1.0) / (c.pool[0][1] + 2.0)
+        pooled = (c.pool[0].accepted + 1.0) / (c.pool[0].reached + 2.0)
         return c.match_factor(match_len, 1) * pooled, pooled
 
     c.observe(0, 4, 4, 4, match_len=4)

@@ -17,7 +17,9 @@ from outpace import LLM, SamplingParams, SpecConfig
 from outpace.runner.cuda_graphs import CudaGraphRunner
 from outpace.runner.model_runner import ModelRunner, Row
 from outpace.weights.loader import load_model
+from outpace.engine.graph_step import GraphStep
 from outpace.speculative.controller import DraftController
+from outpace.speculative.drafter import DraftBatch, Verified
 from outpace.speculative.ngram import NgramDrafter
 from outpace.speculative.ngram_device import DeviceNgramDrafter
 from tiny import make_tiny
@@ -34,7 +36,7 @@ def tiny_folder(tmp_path_factory, default_model_dir):
 
 def runners(folder, device="cpu", **kw):
     model = load_model(folder, torch.float64, device, MAX_LEN)
-    static = CudaGraphRunner(model, SLOTS, MAX_LEN, SPARE, max_decode_tokens=6, kv_lens=[32, 64, 128],
+    static = CudaGraphRunner(model, SLOTS, MAX_LEN, SPARE, num_draft_tokens=5, kv_lens=[32, 64, 128],
                              progress=False, **kw)
     return ModelRunner(model, SLOTS, MAX_LEN, SPARE), static
 
@@ -147,7 +149,7 @@ def test_padded_prompt_chunks_cache_what_eager_chunks_cache(tiny_folder, device)
 
 def test_exact_mode_has_one_tier(tiny_folder):
     model = load_model(tiny_folder, torch.float64, "cpu", MAX_LEN)
-    static = CudaGraphRunner(model, 2, MAX_LEN, SPARE, exact_tokens=5, max_decode_tokens=5, progress=False)
+    static = CudaGraphRunner(model, 2, MAX_LEN, SPARE, exact_width=5, num_draft_tokens=4, progress=False)
     logits, _ = static.forward([Row(0, [3], 0)])
     assert static.tiers == [5] and logits.shape[1] == 5 and static.kv_lens == [static.cache_len]
 
@@ -170,15 +172,15 @@ def test_device_drafter_equals_cpu_drafter(match):
         room = [rng.choice([0, 1, 3, 6]) for _ in ids]
         if not any(room):
             continue
-        want = cpu.propose(ids, room)
-        got = device.propose_device(ids, room)
+        batch = DraftBatch(ids, room, list(range(len(ids))), [len(seqs[i]) - 1 for i in ids])
+        want = cpu.propose(batch).host_rows()
+        got = device.propose(batch)
         for i, seq_id in enumerate(ids):
             n = int(got.num_draft[i])
-            expected = want[i].tokens if want[i] and room[i] else []
-            assert got.tokens[i, :n].tolist() == expected
+            assert got.tokens[i, :n].tolist() == want[i]
         new = torch.tensor([[rng.randrange(6) for _ in range(7)] for _ in ids])
         num_new = torch.tensor([rng.randrange(1, 3) for _ in ids])
-        device.append(ids, new, num_new)
+        device.verified(Verified(batch, new, num_new))
         for i, seq_id in enumerate(ids):
             appended = new[i, :num_new[i]].tolist()
             cpu.accept(seq_id, appended)
@@ -197,13 +199,15 @@ def device_path_llm(folder, spec, device="cpu", overlap=True):
     opts = dict(dtype="float64", device=device, max_num_seqs=3, max_model_len=128, calibrate=False, overlap=overlap)
     llm = LLM(str(folder), spec=spec, **opts)
     engine = llm.engine
-    if device == "cpu":
-        extension = None
+    if device == "cpu":     # the GPU path's runner, drafter and step, built as on CUDA
+        drafter = engine.drafter
         if spec.method == "ngram":
-            engine.drafter = DeviceNgramDrafter(spec, 3, 128, "cpu")
-            extension = engine.drafter.graph_step(3, engine.max_draft + 1)
-        engine.runner = CudaGraphRunner(engine.model, 3, 128, 16, max_decode_tokens=engine.max_draft + 1,
-                                        progress=False, extension=extension)
+            drafter = DeviceNgramDrafter(spec, 3, 128, "cpu")
+        engine.drafter = drafter
+        engine.runner = CudaGraphRunner(engine.model, 3, 128, 16, num_draft_tokens=engine.num_draft_tokens,
+                                        progress=False, extension=drafter.graph_step(3, engine.num_draft_tokens + 1))
+        engine.steps = GraphStep(engine.runner, drafter, engine.controller, 128, engine.num_draft_tokens,
+                                 scheduler=engine.scheduler, overlap=overlap)
     return llm
 
 
@@ -214,7 +218,7 @@ def test_device_path_speculation_is_lossless(tiny_folder, device):
                 max_model_len=128).generate(ENGINE_PROMPTS, PARAMS)
     spec = SpecConfig(num_draft_tokens=5)
     llm = device_path_llm(tiny_folder, spec, device)
-    in_graph, launched = count_calls(llm.engine, "_verify_in_graph"), count_calls(llm.engine, "_step_launched")
+    in_graph, launched = count_in_graph(llm.engine), count_launched(llm.engine)
     out = llm.generate(ENGINE_PROMPTS, PARAMS)
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
     assert in_graph["calls"] > 0                      # greedy steps drafted and verified inside the step
@@ -249,9 +253,10 @@ def test_overlapped_steps_end_and_join_like_plain_steps(tiny_folder, method):
     assert len(want[1]) == 12 and len(want[2]) == 128 - 90           # the stop token; the context limit
     llm = device_path_llm(tiny_folder, SpecConfig(method=method, num_draft_tokens=5))
     engine = llm.engine
-    launched = count_calls(engine, "_step_launched")
+    launched = count_launched(engine)
     # a timed controller (a flat calibration): launched steps are timed by the period between reads
-    engine.controller = DraftController(engine.max_draft, {b: [1e-3] * 6 for b in (1, 2, 3)})
+    engine.controller = engine.steps.controller = DraftController(engine.num_draft_tokens,
+                                                                  {b: [1e-3] * 6 for b in (1, 2, 3)})
     asked, num_draft = {"calls": 0}, engine.controller.num_draft
 
     def late_drafts(*args):     # no drafting over the first steps: it starts in launched steps
@@ -265,8 +270,8 @@ def test_overlapped_steps_end_and_join_like_plain_steps(tiny_folder, method):
     runner = engine.runner
     while engine.has_unfinished():
         engine.step()
-        if engine.launched is not None:         # a launched step's rows without a sequence stay dummies
-            idle = set(range(engine.launched.shape[0])) - {s.slot for s in engine.launched.seqs}
+        if engine.steps.launched is not None:   # a launched step's rows without a sequence stay dummies
+            idle = set(range(engine.steps.launched.shape[0])) - {s.slot for s in engine.steps.launched.seqs}
             assert all(runner.starts[slot] == runner.max_len for slot in idle)
         for seq in seqs:                        # a buffer row holds its sequence's tokens (and the launched step's)
             row = engine.drafter.rows.get(seq.seq_id) if method == "ngram" else None
@@ -276,9 +281,33 @@ def test_overlapped_steps_end_and_join_like_plain_steps(tiny_folder, method):
     assert launched["calls"] > 0 and engine.controller.fit
     if method == "ngram":
         assert sum(s.stats.num_accepted_tokens for s in seqs) > 0
-    assert sorted(engine.scheduler.free_slots) == [0, 1, 2] and engine.launched is None
+    assert sorted(engine.scheduler.free_slots) == [0, 1, 2] and engine.steps.launched is None
     if method == "ngram":
         assert not engine.drafter.rows
+
+
+def count_in_graph(engine) -> dict:
+    """Counts steps whose graph drafted and verified itself."""
+    counter, propose = {"calls": 0}, engine.steps.propose
+
+    def counted(plan):
+        proposal = propose(plan)
+        counter["calls"] += proposal.in_graph and plan.launched is None
+        return proposal
+    engine.steps.propose = counted
+    return counter
+
+
+def count_launched(engine) -> dict:
+    """Counts steps read after being launched ahead (overlap)."""
+    counter, resume = {"calls": 0}, engine.steps.resume
+
+    def counted():
+        plan = resume()
+        counter["calls"] += plan is not None
+        return plan
+    engine.steps.resume = counted
+    return counter
 
 
 def count_calls(obj, name: str) -> dict:
@@ -304,7 +333,7 @@ def test_device_path_mixed_greedy_and_sampled(tiny_folder):
                 max_model_len=128).generate(ENGINE_PROMPTS[:2], PARAMS)
     seqs = [engine.add_request(ENGINE_PROMPTS[0], PARAMS), engine.add_request(ENGINE_PROMPTS[2], sampled),
             engine.add_request(ENGINE_PROMPTS[1], PARAMS)]
-    on_device = count_calls(engine.drafter, "propose_device")
+    on_device = count_calls(engine.drafter, "propose")
     while engine.has_unfinished():
         engine.step()
         for seq in seqs:
@@ -334,7 +363,7 @@ def test_graph_replay_equals_eager(tiny_folder):
 
 def assert_bf16_graphs_equal_eager(folder):
     model = load_model(folder, torch.bfloat16, "cuda", MAX_LEN)
-    kw = dict(max_decode_tokens=6, kv_lens=[32, 64, 128], progress=False)
+    kw = dict(num_draft_tokens=5, kv_lens=[32, 64, 128], progress=False)
     graphs = CudaGraphRunner(model, SLOTS, MAX_LEN, SPARE, **kw)
     eager = CudaGraphRunner(model, SLOTS, MAX_LEN, SPARE, use_graphs=False, **kw)
     for r in (graphs, eager):

@@ -129,15 +129,20 @@ def test_long_chunk_beside_bf16_rows(tmp_path, monkeypatch, bf16_dot):
     torch.testing.assert_close(runner.forward(last)[0], fresh.forward(last)[0], atol=1e-3, rtol=1e-3)
 
 
-def test_hidden_states_are_pre_norm_last_layer(pair):
+def test_hidden_states_are_each_layers_output(pair):
+    """hidden_layers gives each asked layer's output, the residual stream before the next norm."""
     ref, ours = pair
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        expected = ref(ids, output_hidden_states=True).hidden_states[-1][0]
+        expected = ref(ids, output_hidden_states=True).hidden_states       # embeddings, then each layer's
     runner = ModelRunner(ours, num_slots=1, max_len=512, max_step_tokens=64)
-    _, hidden = runner.forward([Row(0, ids[0].tolist(), 0)], need_hidden=True)
+    last = ours.cfg.num_layers - 1
+    _, hidden = runner.forward([Row(0, ids[0].tolist(), 0)], hidden_layers=tuple(range(last + 1)))
+    assert hidden.shape == (1, 12, last + 1, ours.cfg.hidden_size)
+    for i in range(last):
+        torch.testing.assert_close(hidden[0, :, i], expected[i + 1][0], atol=1e-6, rtol=1e-5)
     # transformers' last hidden state is after the final norm: apply ours to compare
-    torch.testing.assert_close(ours.norm(hidden[0]), expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ours.norm(hidden[0, :, last]), expected[-1][0], atol=1e-6, rtol=1e-5)
 
 
 def test_packed_cpu_linear_is_bit_identical(monkeypatch):

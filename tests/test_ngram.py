@@ -10,6 +10,7 @@ import torch
 from outpace.config import SpecConfig
 from outpace.errors import InvalidParameterError
 from outpace.speculative import ngram_gpu
+from outpace.speculative.drafter import DraftBatch
 from outpace.speculative.ngram import NgramDrafter
 
 
@@ -24,14 +25,19 @@ def reference(tokens, k, min_ngram, max_ngram, match):
     return None
 
 
+def batch(seq_ids, budget):
+    """A DraftBatch of these rows (slots and positions are not a host drafter's concern)."""
+    return DraftBatch(list(seq_ids), list(budget), list(range(len(seq_ids))), [0] * len(seq_ids))
+
+
 def draft_cpu(tokens, k, min_ngram=1, max_ngram=4, match="recent", split=None):
     """NgramDrafter's draft after begin(tokens[:split]) and accept(tokens[split:])."""
     split = len(tokens) if split is None else split
     drafter = NgramDrafter(min_ngram=min_ngram, max_ngram=max_ngram, match=match)
     drafter.begin(7, tokens[:split])
     drafter.accept(7, tokens[split:])
-    (draft,) = drafter.propose([7], [k])
-    return None if draft is None else draft.tokens
+    (draft,) = drafter.propose(batch([7], [k])).host_rows()
+    return draft or None
 
 
 def draft_tensor(tokens, k, min_ngram=1, max_ngram=4, match="recent", split=None):
@@ -65,11 +71,11 @@ def test_draft_reports_its_match_length():
     drafter.begin(0, [1, 2, 3, 9, 2, 4, 1, 2])          # tail (1, 2) matched at the start
     drafter.begin(1, [5, 6, 7, 5, 6, 7, 8, 6, 7])       # tail (6, 7) matched, most recently before 8
     drafter.begin(2, [4, 8, 4])                         # tail (4) matched
-    first, second, third = drafter.propose([0, 1, 2], [3, 3, 3])
-    assert (first.tokens, first.match_len) == ([3, 9, 2], 2)
-    assert (second.tokens, second.match_len) == ([8, 6, 7], 2)
-    assert (third.tokens, third.match_len) == ([8, 4], 1)
-    assert third.truncated(1).match_len == 1
+    drafts = drafter.propose(batch([0, 1, 2], [3, 3, 3]))
+    assert drafts.host_rows() == [[3, 9, 2], [8, 6, 7], [8, 4]]
+    assert drafts.match_len == [2, 2, 1]
+    cut = drafts.truncated([1, 3, 0])
+    assert cut.host_rows() == [[3], [8, 6, 7], []] and cut.num_draft.tolist() == [1, 3, 0]
 
 
 def test_recent_versus_first(draft):
@@ -115,11 +121,11 @@ def test_zero_max_tokens_and_unknown_lengths():
     drafter = NgramDrafter(SpecConfig(min_ngram=1, max_ngram=2))
     drafter.begin(0, [1, 2, 1, 2])
     drafter.begin(1, [3, 3])
-    assert drafter.propose([0, 1], [0, 2])[0] is None
-    assert drafter.propose([0, 1], [2, 2])[1].tokens == [3]
+    assert drafter.propose(batch([0, 1], [0, 2])).host_rows()[0] == []
+    assert drafter.propose(batch([0, 1], [2, 2])).host_rows()[1] == [3]
     drafter.end(0)
     with pytest.raises(KeyError):
-        drafter.propose([0], [2])
+        drafter.propose(batch([0], [2]))
 
 
 def test_explicit_arguments_are_validated():
@@ -170,14 +176,14 @@ def test_incremental_and_batched_equal_rescan(match, min_ngram, max_ngram):
         k = rng.randrange(1, 7)
         live = [s for s in seqs if len(seqs[s]) + k + 1 <= max_len]
         rng.shuffle(live)
-        drafts = drafter.propose(live, [k] * len(live))
+        drafts = drafter.propose(batch(live, [k] * len(live))).host_rows()
         row_ids = torch.tensor([rows[s] for s in live])
         out, num = ngram_gpu.propose(buf, lengths, row_ids, k, min_ngram, max_ngram, match)
         new = torch.zeros(len(live), k + 1, dtype=torch.int64)
         num_new = torch.zeros(len(live), dtype=torch.int64)
         for i, s in enumerate(live):
             want = reference(seqs[s], k, min_ngram, max_ngram, match)
-            got = None if drafts[i] is None else drafts[i].tokens
+            got = drafts[i] or None
             assert got == want, (seqs[s], k)
             assert int(num[i]) == len(want or []) and out[i, :len(want or [])].tolist() == (want or [])
             assert out[i, len(want or []):].eq(0).all()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from outpace import LLM, SamplingParams, SpecConfig
-from outpace.speculative.drafter import Draft, Drafter
+from outpace.speculative.drafter import Drafter, Drafts
 from tiny import make_tiny
 
 
@@ -31,25 +31,25 @@ class OracleDrafter(Drafter):
     def accept(self, seq_id, token_ids):
         self.tokens[seq_id] += token_ids
 
-    def propose(self, seq_ids, max_tokens):
+    def propose(self, batch):
         drafts = []
-        for seq_id, k in zip(seq_ids, max_tokens):
+        for seq_id, k in zip(batch.seq_ids, batch.budget):
             prompt = self.prompts[seq_id]
             done = len(self.tokens[seq_id]) - len(prompt)
             truth = self.plain[prompt][done:done + k]
             if self.corrupt_after is not None:
                 truth = [t if i < self.corrupt_after else (t + 1 + self.rng.randrange(50)) % 49152
                          for i, t in enumerate(truth)]
-            drafts.append(Draft(truth) if truth else None)
-        return drafts
+            drafts.append(truth)
+        return Drafts.from_lists(drafts)
 
 
 class RandomDrafter(Drafter):
     def __init__(self, vocab: int, seed: int = 0):
         self.rng, self.vocab = random.Random(seed), vocab
 
-    def propose(self, seq_ids, max_tokens):
-        return [Draft([self.rng.randrange(self.vocab) for _ in range(k)]) for k in max_tokens]
+    def propose(self, batch):
+        return Drafts.from_lists([[self.rng.randrange(self.vocab) for _ in range(k)] for k in batch.budget])
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,7 @@ class SamplingParams:
 
 
 SPEC_METHODS = ("none", "ngram")
+MAX_NUM_DRAFT_TOKENS = 32       # the most tokens drafted per step, wherever a bound is needed
 
 
 @dataclass
@@ -65,7 +66,8 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         _check(self.method in SPEC_METHODS, f"spec method must be one of {SPEC_METHODS}, got {self.method!r}")
-        _check(1 <= self.num_draft_tokens <= 32, f"num_draft_tokens must be in [1, 32], got {self.num_draft_tokens}")
+        _check(1 <= self.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS,
+               f"num_draft_tokens must be in [1, {MAX_NUM_DRAFT_TOKENS}], got {self.num_draft_tokens}")
         _check(self.min_ngram >= 1, f"min_ngram must be >= 1, got {self.min_ngram}")
         _check(self.max_ngram >= self.min_ngram,
                f"max_ngram ({self.max_ngram}) must be >= min_ngram ({self.min_ngram})")

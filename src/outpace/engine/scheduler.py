@@ -23,6 +23,8 @@ class PrefillChunk:
 class StepPlan:
     prefill: list[PrefillChunk] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)   # each decodes its last token (+ draft)
+    # a step launched ahead on the device (engine/step.py's Launched), to be read, not scheduled
+    launched: object | None = None
 
     @property
     def is_empty(self) -> bool:

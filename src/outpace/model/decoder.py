@@ -46,13 +46,14 @@ class DecoderLM(nn.Module):
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 
-    def forward(self, batch: ForwardBatch, cache: KVCache, need_hidden: bool = False,
+    def forward(self, batch: ForwardBatch, cache: KVCache, hidden_layers: tuple[int, ...] = (),
                 compute_dtype: torch.dtype | None = None):
         """Returns logits [N, V] float32 for every token of the batch's rows (N = B*S, or T when
         packed; prompt chunks packed after the rows return nothing; None when batch.logits is
-        False), and the last layer's hidden states before the final norm ([B, S, H] or [T, H])
-        when need_hidden (else None). compute_dtype: the activations' dtype when it is not the
-        weights' (weights and cache keep theirs)."""
+        False), and the residual stream after each of hidden_layers ([N, len(hidden_layers), H],
+        in the weights' dtype; layer i's output before the next layer's norm, the last layer's
+        before the final norm), None when none is asked for. compute_dtype: the activations' dtype
+        when it is not the weights' (weights and cache keep theirs)."""
         h = self.embed(batch.input_ids)                                  # [B, S, H] or [T, H]
         hidden_dtype = h.dtype
         if compute_dtype is not None:
@@ -60,18 +61,21 @@ class DecoderLM(nn.Module):
         positions = batch.positions if batch.packed is None else batch.packed.positions
         cos = self.rope_cos[positions].to(h.dtype).unsqueeze(-2)         # [B, S, 1, D] or [T, 1, D]
         sin = self.rope_sin[positions].to(h.dtype).unsqueeze(-2)
-        delta = None
+        delta, kept = None, []
+        rows = len(batch.packed.index) if batch.packed is not None else None    # the rows' tokens come first
         for i, layer in enumerate(self.layers):
             h, delta = layer(h, delta, cos, sin, batch, cache.k[i], cache.v[i])
-        if batch.packed is not None and batch.packed.chunks:    # prompt chunks' tokens return nothing
-            rows = len(batch.packed.index)
-            h, delta = h[:rows], delta[:rows]
+            if i in hidden_layers:
+                kept.append((h + delta)[:rows].reshape(-1, h.shape[-1]).to(hidden_dtype))
+        hidden = torch.stack(kept, dim=1) if kept else None             # [N, layers, H]
         if not batch.logits:
-            return None, ((h + delta).to(hidden_dtype) if need_hidden else None)
+            return None, hidden
+        if batch.packed is not None and batch.packed.chunks:    # prompt chunks' tokens return nothing
+            h, delta = h[:rows], delta[:rows]
         h, normed = self.norm.add_forward(h, delta, batch.cpu_pointwise)
         # the LM head in the weights' dtype (a float32 forward's rows would widen its whole matrix)
         logits = linear(normed.reshape(-1, normed.shape[-1]).to(hidden_dtype), self.lm_head).float()
-        return logits, (h.to(hidden_dtype) if need_hidden else None)
+        return logits, hidden
 
     def map_weight(self, hf_name: str) -> tuple[str, int | None] | None:
         """Our parameter name and shard index for a Hugging Face tensor name; None = not used."""

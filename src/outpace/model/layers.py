@@ -8,6 +8,7 @@ through an explicit boolean mask, so a tree of drafts is one more mask.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +59,27 @@ class Packed:
     later_at: torch.Tensor | None = None
 
 
+class AttentionKind(enum.Enum):
+    """How a forward's attention runs, decided once per forward by the runner (one function each
+    in Attention):
+      DENSE       rotation and cache writes in PyTorch, attention over the rows' caches (a view of
+                  their slot range, or a gather) through `mask`, or causal from position 0;
+      PACKED      rows of different lengths packed into their real tokens (batch.packed), laid
+                  out by row for attention alone (padded, or split when padding would cost much);
+                  prompt chunks after the rows attend over their own caches;
+      GRAPH       a CUDA graph step: fused.decode_attention over positions (mask None);
+      CPU_KERNEL  every token through cpu_kernels.rope_attend (rotation, cache writes and
+                  attention by slot and position; mask None), packed or not;
+      CPU_ROWS    packed rows through cpu_kernels.rope_attend in the caches' dtype, then float32
+                  prompt chunks (a bfloat16 model's, see FP32_PREFILL_MIN_TOKENS) as in PACKED."""
+
+    DENSE = "dense"
+    PACKED = "packed"
+    GRAPH = "graph"
+    CPU_KERNEL = "cpu_kernel"
+    CPU_ROWS = "cpu_rows"
+
+
 @dataclass
 class ForwardBatch:
     """Where a forward reads and writes the cache. Built by the model runner, shared by all layers."""
@@ -66,32 +88,20 @@ class ForwardBatch:
     positions: torch.Tensor        # [B, S] int64, cache position of each new token
     slots: torch.Tensor            # [B] int64, cache slot of each row
     kv_len: int                    # keys attended: cache positions [0, kv_len)
-    mask: torch.Tensor | None      # [B, 1, S, kv_len] bool (True = may attend) or additive bias; None = all keys
+    attention: AttentionKind = AttentionKind.DENSE
+    mask: torch.Tensor | None = None    # [B, 1, S, kv_len] bool (True = may attend) or additive bias; None = all keys
     slot_start: int | None = None  # slots are slot_start .. slot_start+B-1: read the cache as a view
     write_start: int | None = None  # B == 1: the row's first position, so writes are slice copies
     logits: bool = True            # False: a prompt chunk, whose logits nobody reads
-    packed: Packed | None = None   # rows packed into their real tokens (None: every [B, S] entry is one)
+    packed: Packed | None = None   # rows packed into their real tokens (PACKED, CPU_KERNEL, CPU_ROWS)
     # rows' offsets in the slot range slot_start.. that attention reads as one view; the range's
     # other slots are idle rows whose outputs are dropped (mask then has one row per slot of it)
     span_rows: torch.Tensor | None = None
     causal: bool = False           # one row from position 0: mask None, keys j <= query i (faster kernels)
-    # graph steps whose attention is fused.decode_attention (the runner decides, fused.graph_attention):
-    # keys j <= the query's position (and > position - window), applied by the kernel; mask None
-    positional: bool = False
-    window: int | None = None
-    # a CPU forward (decode, verify, prompt chunks, or rows beside chunks) whose norms, attention
-    # and SwiGLU run as cpu_kernels (the runner decides, cpu_kernels.attention_fits; never with a
-    # compute dtype other than the caches'); mask None then: each token attends over its own slot's
-    # keys up to its position
-    cpu_kernels: bool = False
-    # a CPU forward whose norms, SwiGLU and (outside cpu_kernels' attention) rotation run as
-    # cpu_kernels (every CPU forward whose activations' dtype the kernels serve: prompt chunks too)
+    window: int | None = None      # GRAPH: the sliding window the kernel applies
+    # the norms, SwiGLU and (outside the kernel's attention) rotation run as cpu_kernels: every CPU
+    # forward whose activations' dtype the kernels serve
     cpu_pointwise: bool = False
-    # a CPU forward of packed rows and float32 prompt chunks (a bfloat16 model's, see
-    # FP32_PREFILL_MIN_TOKENS) whose rows (the first len(packed.index) tokens) attend through
-    # cpu_kernels.rope_attend in the caches' dtype, the chunks through PyTorch's attention; the
-    # rows need no mask then
-    cpu_row_attention: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -135,36 +145,46 @@ class Attention(nn.Module):
         self.window = cfg.sliding_window
 
     def forward(self, x, cos, sin, batch: ForwardBatch, k_cache, v_cache):
-        B, S = batch.positions.shape
         H, KVH = self.num_heads, self.num_kv_heads
         qkv = linear(x, self.qkv).unflatten(-1, (H + 2 * KVH, self.head_dim))       # [B, S, heads, D] or [T, heads, D]
         qk, v = qkv[..., :H + KVH, :], qkv[..., H + KVH:, :]
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[..., :H, :]), self.k_norm(qk[..., H:, :])], dim=-2)
-        if batch.cpu_kernels:
-            pk = batch.packed
-            out = self._kernel_rows(qkv, qk, cos, sin, batch.slots if pk is None else pk.slots,
-                                    batch.positions if pk is None else pk.positions, k_cache, v_cache)
-            return linear(out, self.o)
-        if batch.packed is not None:
-            return linear(self._packed(qkv, qk, v, cos, sin, batch, k_cache, v_cache).flatten(-2), self.o)
-        # q and k rotated together; the new keys/values written at their positions (stale entries
-        # past a sequence's length are never attended (mask) and get overwritten by later writes)
-        if batch.write_start is not None:                 # one row at known positions: plain copies
-            qk = cpu_kernels.rope(qk, cos, sin) if batch.cpu_pointwise else rope(qk, cos, sin)   # [B, S, H+KVH, D]
-            q = qk[:, :, :H].transpose(1, 2)              # [B, H, S, D]
-            k_cache[batch.slot_start, :, batch.write_start:batch.write_start + S] = qk[0, :, H:].transpose(0, 1)
-            v_cache[batch.slot_start, :, batch.write_start:batch.write_start + S] = v[0].transpose(0, 1)
-        else:
-            q = rope_store(qk, v, cos, sin, k_cache, v_cache, batch.slots, self._heads(x.device), batch.positions)
-        if batch.positional:
-            out = fused.decode_attention(q, k_cache, v_cache, batch.positions, batch.kv_len, batch.slot_start,
-                                         batch.window)
-        else:
-            keys, values = self._caches(batch, k_cache, v_cache)
-            out = self._attend(q, keys, values, batch.mask, batch.causal, batch.span_rows, prompt=not batch.logits)
-            out = out.transpose(1, 2).reshape(B, S, -1)
+        out = self.VARIANTS[batch.attention](self, qkv, qk, v, cos, sin, batch, k_cache, v_cache)
         return linear(out, self.o)
+
+    def _cpu_kernel(self, qkv, qk, v, cos, sin, batch: ForwardBatch, k_cache, v_cache):
+        pk = batch.packed
+        return self._kernel_rows(qkv, qk, cos, sin, batch.slots if pk is None else pk.slots,
+                                 batch.positions if pk is None else pk.positions, k_cache, v_cache)
+
+    def _packed_variant(self, qkv, qk, v, cos, sin, batch: ForwardBatch, k_cache, v_cache):
+        return self._packed(qkv, qk, v, cos, sin, batch, k_cache, v_cache).flatten(-2)
+
+    def _dense(self, qkv, qk, v, cos, sin, batch: ForwardBatch, k_cache, v_cache):
+        B, S = batch.positions.shape
+        q = self._rotate_and_store(qk, v, cos, sin, batch, k_cache, v_cache)
+        keys, values = self._caches(batch, k_cache, v_cache)
+        out = self._attend(q, keys, values, batch.mask, batch.causal, batch.span_rows, prompt=not batch.logits)
+        return out.transpose(1, 2).reshape(B, S, -1)
+
+    def _graph(self, qkv, qk, v, cos, sin, batch: ForwardBatch, k_cache, v_cache):
+        q = self._rotate_and_store(qk, v, cos, sin, batch, k_cache, v_cache)
+        return fused.decode_attention(q, k_cache, v_cache, batch.positions, batch.kv_len, batch.slot_start,
+                                      batch.window)
+
+    def _rotate_and_store(self, qk, v, cos, sin, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
+        """q and k rotated together, the new keys/values written at their positions (stale
+        entries past a sequence's length are never attended and get overwritten by later
+        writes); returns q [B, H, S, D]."""
+        H, S = self.num_heads, batch.positions.shape[1]
+        if batch.write_start is None:
+            return rope_store(qk, v, cos, sin, k_cache, v_cache, batch.slots, self._heads(qk.device), batch.positions)
+        # one row at known positions: plain copies
+        qk = cpu_kernels.rope(qk, cos, sin) if batch.cpu_pointwise else rope(qk, cos, sin)   # [B, S, H+KVH, D]
+        k_cache[batch.slot_start, :, batch.write_start:batch.write_start + S] = qk[0, :, H:].transpose(0, 1)
+        v_cache[batch.slot_start, :, batch.write_start:batch.write_start + S] = v[0].transpose(0, 1)
+        return qk[:, :, :H].transpose(1, 2)
 
     def _caches(self, batch: ForwardBatch, k_cache, v_cache):
         """The rows' caches: a view of slots slot_start.. when they sit in one range (rows scattered
@@ -187,7 +207,7 @@ class Attention(nn.Module):
         token; returns [T, H, D]."""
         H, pk = self.num_heads, batch.packed
         rows, first = None, 0       # first: the first token rotated and written below
-        if batch.cpu_row_attention:     # the rows (the first T tokens) in one kernel call, then the chunks'
+        if batch.attention is AttentionKind.CPU_ROWS:   # the rows (the first T tokens) in one kernel call, then the chunks'
             first = T = len(pk.index)
             rows = self._kernel_rows(qkv[:T], qk[:T], cos[:T], sin[:T], pk.slots[:T], pk.positions[:T],
                                      k_cache, v_cache).unflatten(-1, (H, -1))
@@ -272,6 +292,10 @@ class Attention(nn.Module):
         if heads is None or heads.device != device:
             heads = self._heads_index = torch.arange(self.num_kv_heads, device=device)[None, :, None]
         return heads
+
+
+    VARIANTS = {AttentionKind.DENSE: _dense, AttentionKind.PACKED: _packed_variant, AttentionKind.GRAPH: _graph,
+                AttentionKind.CPU_KERNEL: _cpu_kernel, AttentionKind.CPU_ROWS: _packed_variant}
 
 
 class MLP(nn.Module):

@@ -29,31 +29,31 @@ def batch_buckets(max_seqs: int) -> list[int]:
     return buckets + [max_seqs]
 
 
-def measure_verify_cost(runner: ModelRunner, max_seqs: int, max_tokens: int, reps: int = 3) -> dict[int, list]:
+def measure_verify_cost(runner: ModelRunner, max_seqs: int, num_draft_tokens: int, reps: int = 3) -> dict[int, list]:
     """The forward's cost by batch-size bucket b, best of reps seconds. A runner that pads rows to
     the longest (CUDA graphs, exact mode): cost[b][s-1] for b rows of s tokens. A runner that
     packs rows: cost[b] = [[e, seconds], ...] for b rows holding e drafted tokens in all (drafts
-    of max_tokens-1 tokens in as few rows as hold them: a step's extra tokens cost what they cost,
-    plus what splitting attention costs), e = 0..max_tokens-1 (one row's draft), then doubling up
-    to b*(max_tokens-1). Runs before
+    of num_draft_tokens tokens in as few rows as hold them: a step's extra tokens cost what they cost,
+    plus what splitting attention costs), e = 0..num_draft_tokens (one row's draft), then doubling up
+    to b*num_draft_tokens. Runs before
     any request is admitted: it writes scratch keys into the slots it uses, which later prefills
     overwrite."""
     shape = dataclasses.asdict(runner.model.cfg)
     kernels = cpu_kernels.build_key() if runner.device.type == "cpu" and cpu_kernels.has_library() else None
     key = json.dumps([shape, str(runner.dtype), str(runner.device), torch.get_num_threads(), torch.__version__,
-                      type(runner).__name__, runner.packs_rows, max_seqs, max_tokens, kernels, VERSION],
+                      type(runner).__name__, runner.packs_rows, max_seqs, num_draft_tokens + 1, kernels, VERSION],
                      sort_keys=True, default=str)
     path = outpace_home() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.exists():
         return {int(b): curve for b, curve in json.loads(path.read_text()).items()}
-    draft = max_tokens - 1
+    draft = num_draft_tokens
     if runner.packs_rows:
         shapes = [(b, e) for b in batch_buckets(max_seqs)
                   for e in sorted(set(range(draft + 1)) | {b * draft} | {2 ** i for i in range(16) if 2 ** i < b * draft})]
     else:
-        shapes = [(b, b * (s - 1)) for b in batch_buckets(max_seqs) for s in range(1, max_tokens + 1)]
+        shapes = [(b, b * (s - 1)) for b in batch_buckets(max_seqs) for s in range(1, num_draft_tokens + 2)]
     cost: dict[int, list] = {}
-    runner.forward([Row(0, [0] * max_tokens, CONTEXT)])          # warm-up: first calls allocate
+    runner.forward([Row(0, [0] * (num_draft_tokens + 1), CONTEXT)])          # warm-up: first calls allocate
     for b, extra in tqdm(shapes, desc="outpace: measuring verify cost (once per model and machine)", leave=False):
         if runner.packs_rows:
             rows = [Row(slot, [0] * (1 + min(draft, max(0, extra - slot * draft))), CONTEXT) for slot in range(b)]

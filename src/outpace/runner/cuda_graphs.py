@@ -18,7 +18,7 @@ A step's shape is static, so is everything in it:
     bucket above the highest slot in the step (the scheduler hands out the lowest free slot first).
     A slot in the bucket with no row this step gets a dummy row whose writes land at positions
     >= max_len, the spare region no real query attends.
-An extension (the device drafter's GraphStep) adds its own work before and after the model inside
+An extension (the drafter's graph_step, e.g. ngram_device.GraphDrafting) adds its own work before and after the model inside
 every graph, fed by host values per graph row in the same input copy.
 
 Overlap: a greedy step's successor can be launched before the host has read the step's tokens
@@ -48,30 +48,30 @@ from outpace.runner.model_runner import ModelRunner, Row
 from outpace.runner.staging import HostSide, to_device
 from outpace.kernels import fused
 from outpace.model.decoder import DecoderLM
-from outpace.model.layers import ForwardBatch
+from outpace.model.layers import AttentionKind, ForwardBatch
 
 
 class CudaGraphRunner(ModelRunner):
     greedy_logits = "all"       # a graph step's argmax is taken in the graph (step_result)
 
     def __init__(self, model: DecoderLM, num_slots: int, max_len: int, max_step_tokens: int,
-                 exact_tokens: int | None = None, max_decode_tokens: int = 1, use_graphs: bool = True,
+                 exact_width: int | None = None, num_draft_tokens: int = 0, use_graphs: bool = True,
                  batch_sizes: list[int] | None = None, kv_lens: list[int] | None = None, progress: bool = True,
                  extension=None, max_prefill_tokens: int = 0):
-        """max_decode_tokens: the largest tokens-per-row of a decode/verify step (1 + most drafts).
+        """num_draft_tokens: the most drafts a verify row holds (rows of 1 .. 1 + num_draft_tokens tokens).
         batch_sizes: the buckets (default 1, 2, 4, ... up to num_slots); kv_lens: the key-length
         buckets (default 512, 1024, ... below the cache length, and the cache length);
         max_prefill_tokens: the longest prompt chunk a graph holds (0: chunks run eagerly)."""
         cache_len = -(-(max_len + max_step_tokens) // 64) * 64
-        super().__init__(model, num_slots, max_len, cache_len - max_len, exact_tokens)
-        if max(max_decode_tokens, exact_tokens or 0) > max_step_tokens:
-            raise ValueError(f"a step of {max_decode_tokens} tokens per row needs max_step_tokens >= that")
-        self.tiers = [exact_tokens] if exact_tokens else list(range(1, max_decode_tokens + 1))
+        super().__init__(model, num_slots, max_len, cache_len - max_len, exact_width)
+        if max(num_draft_tokens + 1, exact_width or 0) > max_step_tokens:
+            raise ValueError(f"a step of {num_draft_tokens + 1} tokens per row needs max_step_tokens >= that")
+        self.tiers = [exact_width] if exact_width else list(range(1, num_draft_tokens + 2))
         self.buckets = sorted(set(batch_sizes or batch_buckets(num_slots)))
         if self.buckets[-1] > num_slots:
             raise ValueError(f"batch size {self.buckets[-1]} exceeds the {num_slots} cache slots")
         self.cache_len = self.cache.max_len
-        self.kv_lens = [self.cache_len] if exact_tokens else sorted(set(kv_lens or doublings(512, self.cache_len)))
+        self.kv_lens = [self.cache_len] if exact_width else sorted(set(kv_lens or doublings(512, self.cache_len)))
         if max_prefill_tokens > max_step_tokens:
             raise ValueError(f"prompt chunks of {max_prefill_tokens} tokens need max_step_tokens >= that")
         self.prefill_tiers = doublings(16, max_prefill_tokens) if max_prefill_tokens else []
@@ -127,9 +127,9 @@ class CudaGraphRunner(ModelRunner):
         input_ids = self.input_ids[:b * t].view(b, t)
         if self.extension:
             self.extension.before(b, t, input_ids)
-        batch = ForwardBatch(input_ids=input_ids, positions=positions,
-                             slots=self.slot_ids[:b], kv_len=L, mask=bias, slot_start=0,
-                             positional=kernel, window=self.window)
+        batch = ForwardBatch(input_ids=input_ids, positions=positions, slots=self.slot_ids[:b], kv_len=L,
+                             attention=AttentionKind.GRAPH if kernel else AttentionKind.DENSE, mask=bias,
+                             slot_start=0, window=self.window)
         out, _ = self.model(batch, self.cache)                                          # [b*t, V]
         self.logits[:b * t].copy_(out)
         if self.extension:
@@ -190,18 +190,20 @@ class CudaGraphRunner(ModelRunner):
         end = max(r.start for r in rows) + tier          # every row's positions (padding too) lie below
         return self.buckets[j], tier, self.kv_lens[bisect.bisect_left(self.kv_lens, min(end, self.cache_len))]
 
-    def forward(self, rows: list[Row], logits: str = "all", need_hidden: bool = False,
-                draft_tokens: torch.Tensor | None = None, step_inputs: list[tuple] | None = None,
-                num_device_tokens: int = 0):
+    def forward(self, rows: list[Row], logits: str = "all", hidden_layers: tuple[int, ...] = (),
+                chunks: list[Row] = (), draft_tokens: torch.Tensor | None = None,
+                step_inputs: list[tuple] | None = None, num_device_tokens: int = 0):
         """As ModelRunner.forward. draft_tokens [len(rows), K] (on the device) are appended after
         each row's host tokens, which must then be one per row (its last token): a verify step whose
-        drafts never visit the host. step_inputs: the extension's values per row, whose drafts
+        drafts never visit the host (except in an eager forward). step_inputs: the extension's values per row, whose drafts
         (at most num_device_tokens) the graph writes itself; the step must then have a shape
         (shape_for). Returns (logits [B, S, V], None) with S the tier; prompt chunks
         (logits='none') that a tier holds replay one chunk graph each and return (None, None). A
         replay needs no inference mode (it records nothing), so only the eager paths enter it: it
-        costs microseconds a step."""
-        if logits == "none" and not need_hidden and self.use_graphs:
+        costs microseconds a step. Hidden states are asked of eager forwards only."""
+        if chunks:
+            raise ValueError("only a packing runner caches prompt chunks in a decode forward")
+        if logits == "none" and not hidden_layers and self.use_graphs:
             shapes = [self.chunk_shape(r) for r in rows]
             if all(shapes):
                 for row, shape in zip(rows, shapes):
@@ -209,14 +211,12 @@ class CudaGraphRunner(ModelRunner):
                 self.last_shape = None
                 return None, None
         num_device = num_device_tokens if draft_tokens is None else draft_tokens.shape[1]
-        shape = self.shape_for(rows, num_device) if logits == "all" and not need_hidden else None
+        shape = self.shape_for(rows, num_device) if logits == "all" and not hidden_layers else None
         if shape is None and step_inputs is not None:
             raise ValueError("a step with extension inputs needs a graph shape (check shape_for first)")
         self.last_shape = shape
         if shape is None:
-            if draft_tokens is not None:
-                rows = [Row(r.slot, r.token_ids + d, r.start) for r, d in zip(rows, draft_tokens.tolist())]
-            return super().forward(rows, logits, need_hidden)
+            return super().forward(rows, logits, hidden_layers, draft_tokens=draft_tokens)
         b, t, L = shape
         self._write_inputs(rows, b, t, step_inputs)
         if draft_tokens is not None:
@@ -339,7 +339,7 @@ class CudaGraphRunner(ModelRunner):
         self.input_ids.zero_()
         self.chunk_inputs[:2] = torch.tensor([0, self.max_len])     # a chunk in the spare region of slot 0
         if self.extension:
-            for column, value in zip(self.extension.inputs, self.extension.neutral()):
+            for column, value in zip(self.extension.inputs_view, self.extension.neutral()):
                 column.fill_(value)
         bar = tqdm(shapes, desc="outpace: capturing CUDA graphs", unit="graph", file=sys.stderr,
                    disable=None if progress else True)         # None: shown on a terminal only

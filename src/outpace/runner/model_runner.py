@@ -22,7 +22,7 @@ import torch
 from outpace.kernels import cpu_kernels
 from outpace.model.decoder import DecoderLM
 from outpace.runner.kv_cache import KVCache
-from outpace.model.layers import ForwardBatch, Packed, PromptChunk
+from outpace.model.layers import AttentionKind, ForwardBatch, Packed, PromptChunk
 
 
 @dataclass
@@ -57,8 +57,8 @@ class ModelRunner:
     greedy_logits = "tokens"
 
     def __init__(self, model: DecoderLM, num_slots: int, max_len: int, max_step_tokens: int,
-                 exact_tokens: int | None = None):
-        """exact_tokens: in exact mode, every decode forward is padded to this many tokens per row
+                 exact_width: int | None = None):
+        """exact_width: in exact mode, every decode forward is padded to this many tokens per row
         and attends over the whole cache, so its arithmetic never depends on the draft length."""
         self.model = model
         cfg = model.cfg
@@ -67,14 +67,14 @@ class ModelRunner:
         self.max_len = max_len
         self.cache = KVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, max_len + max_step_tokens,
                              cfg.head_dim, self.dtype, self.device)
-        self.exact_tokens = exact_tokens
+        self.exact_width = exact_width
         self.window = cfg.sliding_window
         self.prefill_dtype = (torch.float32 if self.device.type == "cpu" and self.dtype == torch.bfloat16
                               and not cpu_kernels.has_bf16_dot() else None)
         self._arange = torch.arange(max_len + max_step_tokens, device=self.device)
         self._padded_logits: torch.Tensor | None = None
         # whether rows of different lengths cost their own tokens (packed) or the longest row's
-        self.packs_rows = exact_tokens is None
+        self.packs_rows = exact_width is None
         self._extend_rope(model)
 
     def _extend_rope(self, model: DecoderLM) -> None:
@@ -86,18 +86,21 @@ class ModelRunner:
             model.rope_sin = torch.cat([model.rope_sin, model.rope_sin[-1:].expand(extra, -1)])
 
     @torch.inference_mode()
-    def forward(self, rows: list[Row], logits: str = "all", need_hidden: bool = False,
-                chunks: list[Row] = ()):
+    def forward(self, rows: list[Row], logits: str = "all", hidden_layers: tuple[int, ...] = (),
+                chunks: list[Row] = (), draft_tokens: torch.Tensor | None = None):
         """logits: 'all' -> [B, S, V] (a decode/verify step); 'tokens' -> their argmax [B, S] int64
         (a greedy step: taken over the real tokens only, before rows are padded); 'none' -> None (a
-        prompt chunk). chunks: prompt chunks cached in the same forward (a packing runner only),
-        after `rows`; nothing of theirs is returned. Returns (logits or tokens, hidden [B, S, H] or
-        None) of `rows`."""
+        prompt chunk). hidden_layers: the layers whose output to return for the rows' tokens.
+        chunks: prompt chunks cached in the same forward (a packing runner only), after `rows`;
+        nothing of theirs is returned. draft_tokens [B, K]: appended to each row's tokens. Returns
+        (logits or tokens, hidden [B, S, len(hidden_layers), H] or None) of `rows`."""
+        if draft_tokens is not None:
+            rows = [Row(r.slot, r.token_ids + d, r.start) for r, d in zip(rows, draft_tokens.tolist())]
         B = len(rows)
         S = max(len(r.token_ids) for r in rows)
-        exact = self.exact_tokens is not None and logits != "none"
+        exact = self.exact_width is not None and logits != "none"
         if exact:
-            S = max(S, self.exact_tokens)
+            S = max(S, self.exact_width)
         lengths = [len(r.token_ids) for r in rows]
         if chunks and not self.packs_rows:
             raise ValueError("only a packing runner caches prompt chunks in a decode forward")
@@ -117,39 +120,33 @@ class ModelRunner:
         prompt_tokens = sum(lengths) if logits == "none" else sum(len(c.token_ids) for c in chunks)
         compute = self.prefill_dtype if prompt_tokens >= FP32_PREFILL_MIN_TOKENS else None
         causal = B == 1 and S > 1 and rows[0].start == 0 and not exact and not self.window and not chunks
-        # the CPU kernels' attention finds each token's keys from its slot and position: no mask,
-        # no slot span. Prompt chunks too, whether alone or beside rows
-        fits = cpu_kernels.attention_fits(self.model.cfg, self.dtype, self.device)
-        kernels = compute is None and fits
-        # float32 prompt chunks beside rows: the rows alone attend through the kernel (the chunks
-        # through PyTorch)
-        row_kernels = bool(chunks) and not kernels and fits
+        kind = self._attention(packed, compute, bool(chunks))
+        in_torch = kind in (AttentionKind.DENSE, AttentionKind.PACKED)     # attention reads a mask
         span_rows = None
         query_positions = positions
-        if not kernels and not row_kernels and not is_contiguous and span <= SPAN_LIMIT * B:
+        if in_torch and not is_contiguous and span <= SPAN_LIMIT * B:
             # attention reads slots lowest..lowest+span-1 as one view; idle slots' rows attend to
             # every key (never an empty softmax) and are dropped
             span_rows = torch.tensor([s - lowest for s in slots], device=self.device)
             query_positions = torch.full((span, S), kv_len - 1, dtype=torch.long, device=self.device)
             query_positions[span_rows] = positions
-        masked = (S > 1 or B > 1 or exact or self.window) and not causal and not kernels and not row_kernels
+        masked = in_torch and (S > 1 or B > 1 or exact or self.window) and not causal
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, device=self.device),
             positions=positions,
             slots=torch.tensor(slots, device=self.device),
             kv_len=kv_len,
+            attention=kind,
             mask=self._mask(query_positions, kv_len) if masked else None,       # [B or span, 1, S, L]
             slot_start=slots[0] if is_contiguous else lowest if span_rows is not None else None,
             write_start=rows[0].start if B == 1 else None,
             logits=logits != "none",
-            packed=self._packing(lengths, S, positions, slots, chunks, split=not (kernels or row_kernels)) if packed else None,
+            packed=self._packing(lengths, S, positions, slots, chunks, split=kind is AttentionKind.PACKED) if packed else None,
             span_rows=span_rows,
             causal=causal,
-            cpu_kernels=kernels,
-            cpu_pointwise=kernels or cpu_kernels.pointwise_fits(compute or self.dtype, self.device),
-            cpu_row_attention=row_kernels,
+            cpu_pointwise=kind is AttentionKind.CPU_KERNEL or cpu_kernels.pointwise_fits(compute or self.dtype, self.device),
         )
-        out, hidden = self.model(batch, self.cache, need_hidden=need_hidden, compute_dtype=compute)
+        out, hidden = self.model(batch, self.cache, hidden_layers=hidden_layers, compute_dtype=compute)
         if logits == "tokens":
             on_kernel = self.device.type == "cpu" and cpu_kernels.has_library()
             out = cpu_kernels.argmax(out) if on_kernel else out.argmax(-1)
@@ -159,10 +156,24 @@ class ModelRunner:
                 out = out.new_zeros(B * S).index_copy_(0, index, out) if logits == "tokens" else \
                     self._unpacked(out, index, B * S)
             if hidden is not None:
-                hidden = hidden.new_zeros(B * S, hidden.shape[-1]).index_copy_(0, index, hidden).view(B, S, -1)
+                hidden = hidden.new_zeros(B * S, *hidden.shape[1:]).index_copy_(0, index, hidden)
+        if hidden is not None:
+            hidden = hidden.view(B, S, *hidden.shape[1:])
         if out is None:
             return None, hidden
         return out.view(B, S, -1) if logits == "all" else out.view(B, S), hidden
+
+    def _attention(self, packed: bool, compute: torch.dtype | None, has_chunks: bool) -> AttentionKind:
+        """The forward's attention variant, decided here once. The CPU kernels' attention finds
+        each token's keys from its slot and position (no mask, no slot span), prompt chunks too,
+        whether alone or beside rows; where prompt chunks compute in float32 (a bfloat16 model's
+        long chunks) the rows alone attend through it, the chunks through PyTorch."""
+        fits = cpu_kernels.attention_fits(self.model.cfg, self.dtype, self.device)
+        if fits and compute is None:
+            return AttentionKind.CPU_KERNEL
+        if fits and has_chunks:
+            return AttentionKind.CPU_ROWS
+        return AttentionKind.PACKED if packed else AttentionKind.DENSE
 
     def _packing(self, lengths: list[int], S: int, positions: torch.Tensor, slots: list[int],
                  chunks: list[Row], split: bool) -> Packed:

@@ -26,10 +26,7 @@ from typing import Sequence
 
 import torch
 
-from outpace.config import SamplingParams
-
-
-MAX_NUM_DRAFT = 32  # the most drafts per step (SpecConfig.num_draft_tokens has the same bound)
+from outpace.config import MAX_NUM_DRAFT_TOKENS as MAX_NUM_DRAFT, SamplingParams
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:

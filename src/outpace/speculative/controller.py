@@ -6,8 +6,8 @@ for sequence i as accepted up to position j with probability a_i * f_i^(j-1): a_
 sequence's rate at the first position, and f_i, its rate at a later position given the one
 before was accepted. Where the drafter says how many tail tokens its match rested on, each
 position's rate is scaled by how much likelier drafts of that match length were accepted than
-drafts of any, learned over all sequences (n-gram drafts after a 4-token match were accepted
-about 4 times as often as after a 1-token one). A verify step then yields E_i(k) = 1 + sum_j
+drafts of any, learned over all sequences (n-gram drafts after a long match are accepted several
+times as often as after a 1-token one). A verify step then yields E_i(k) = 1 + sum_j
 P_i(>= j) tokens (accepted prefix plus the target's own). A step's cost is its forward, measured
 at start-up (for b rows of 1 + k tokens where rows are padded to the longest; for b rows holding
 e drafted tokens in all where rows are packed), plus what the step spends around the forward
@@ -25,94 +25,139 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 OUTLIER_FORWARDS = 4.0    # a step's measured overhead counts as at most this many of its forwards
-# weight, in steps drafting a whole draft (max_draft tokens where rows are packed), of the prior
+# weight, in steps drafting a whole draft (num_draft_tokens tokens where rows are packed), of the prior
 # that drafting costs what the calibration says: where drafting steps are few (drafting stopped),
 # the fitted slope shrinks toward it, so a bad estimate is probed again rather than ending
 # speculation for good
 SLOPE_PRIOR = 0.5
 # drafted tokens must return this many times a plain step's tokens per second for the time they
-# add (estimates are noisy). Per drafted token, not per step: at 32 rows a step-wide margin of 3%
-# asked for several good drafts in one step, and drafts accepted 94% of the time went unverified
+# add (estimates are noisy). Per drafted token, not per step: one drafted token costs about 2% of a
+# 32-row step, so a step-wide margin would ask for several good drafts in one step
 MIN_RETURN = 1.2
 MATCH_PRIOR = 4.0         # drafts' weight of the pooled rate in a match length's rate (shrinkage)
+# what a sequence's rates start from before its own evidence: [accepted, trials] at the first
+# drafted position and at later ones (the pool's rates replace them where they are higher)
+PRIOR_FIRST = (1.0, 2.0)
+PRIOR_LATER = (1.4, 2.0)
+SEQ_DECAY = 0.9           # per verify step, on a sequence's own evidence
+TOKEN_COST_DECAY = 0.9    # per step, on the host seconds per yielded token
+FIT_DECAY = 0.97          # per step, on the measured steps behind the cost fit
+POOL_DECAY = 0.995        # per draft, on every sequence's pooled evidence
+
+
+@dataclass
+class Rates:
+    """One sequence's decayed evidence: drafts accepted at the first position of their trials,
+    at later positions of those reached (every earlier token accepted), and how often the drafter
+    had a draft when asked."""
+
+    first_accepted: float
+    first_trials: float
+    later_accepted: float
+    later_trials: float
+    hits: float = 0.0
+    asks: float = 0.0
+
+
+@dataclass
+class Reached:
+    """Decayed counts at one draft position: drafts that reached it and were accepted there."""
+
+    accepted: float = 0.0
+    reached: float = 0.0
+
+    def observe(self, is_reached: bool, is_accepted: bool, decay: float) -> None:
+        self.accepted = self.accepted * decay + (is_reached and is_accepted)
+        self.reached = self.reached * decay + is_reached
+
+
+@dataclass
+class LineFit:
+    """A decayed least-squares line y = alpha + beta * x through the measured steps: running sums
+    of weight, x, x^2, y and x * y."""
+
+    weight: float = 0.0
+    x: float = 0.0
+    xx: float = 0.0
+    y: float = 0.0
+    xy: float = 0.0
+
+    def add(self, x: float, y: float, decay: float) -> None:
+        self.weight, self.x, self.xx = self.weight * decay + 1.0, self.x * decay + x, self.xx * decay + x * x
+        self.y, self.xy = self.y * decay + y, self.xy * decay + x * y
+
+    def line(self, slope_prior: float) -> tuple[float, float]:
+        """(alpha, beta), the slope shrunk toward 0 by slope_prior (in units of x^2)."""
+        beta = (self.xy - self.x * self.y / self.weight) / (self.xx - self.x * self.x / self.weight + slope_prior)
+        return (self.y - beta * self.x) / self.weight, beta
 
 
 class DraftController:
-    def __init__(self, max_draft: int, cost: dict[int, list] | None = None, packed: bool = False,
-                 prior_accepted: float = 1.0, prior_drafted: float = 2.0, decay: float = 0.9,
-                 step_decay: float = 0.9, fit_decay: float = 0.97, prior_follow: tuple[float, float] = (1.4, 2.0),
-                 match_decay: float = 0.995):
+    def __init__(self, num_draft_tokens: int, cost: dict[int, list] | None = None, packed: bool = False,
+                 draft_cost=None):
         """cost: forward seconds by batch-size bucket b, as calibrate.measure_verify_cost gives them:
         cost[b][s-1] for b rows of s tokens (packed False: rows padded to the longest), or
         cost[b] = [[e, seconds], ...] for b rows holding e drafted tokens (packed True). None =
-        flat, no timing."""
-        self.max_draft = max_draft
+        flat, no timing. draft_cost(batch_size): the drafter's own seconds per drafted token in a
+        step of that many rows (Drafter.cost_per_token), charged on top of the verify forward."""
+        self.num_draft_tokens = num_draft_tokens
         self.packed = packed
+        self.draft_cost = draft_cost
         # curves[b]: (x, seconds) points, x a step's tokens per row (padded) or drafted tokens (packed)
         self.curves = {b: [tuple(p) for p in curve] if packed else [(s + 1, t) for s, t in enumerate(curve)]
                        for b, curve in (cost or {}).items()}
         self.buckets = sorted(self.curves)
         self.tables: dict[int, list[float]] = {}       # packed: bucket -> forward seconds by drafted tokens
-        self.prior = (prior_accepted, prior_drafted, *prior_follow)
-        self._prior_counts: tuple[float, float, float, float] | None = None     # _prior(), while the pool holds
-        self.decay = decay
-        self.step_decay = step_decay
-        self.fit_decay = fit_decay
-        # seq_id -> decayed counts [accepted, trials] at position 1, [accepted, trials] at later
-        # positions reached, [hits, asks] of the drafter
-        self.counts: dict[int, list[float]] = {}
+        self._prior_rates: Rates | None = None          # _prior(), while the pool holds
+        self.rates: dict[int, Rates] = {}               # by seq_id
         # bucket -> what a step takes beyond the calibrated forward, alpha + beta * x, x its drafting
         # (drafted tokens where rows are packed, whose attention over each row's own cache follows
         # its tokens; 1 for a drafting step where rows are padded to a captured shape; 0 for a
-        # plain step): decayed sums [weight, x, x^2, y, x * y] of the measured steps, and the fit
-        self.sums: dict[int, list[float]] = {}
+        # plain step), and its line
+        self.sums: dict[int, LineFit] = {}
         self.fit: dict[int, tuple[float, float]] = {}
         self.token_cost = 0.0       # running mean of host seconds per token a step yields
-        # verified drafts of every sequence, pooled and by the drafter's match length: per draft
-        # position j, decayed [accepted, reached] (reached: drafted with every earlier token accepted)
-        self.match_decay = match_decay
-        self.pool = [[0.0, 0.0] for _ in range(max_draft)]
-        self.by_match: dict[int, list[list[float]]] = {}
+        # verified drafts of every sequence, pooled and by the drafter's match length, per position
+        self.pool = [Reached() for _ in range(num_draft_tokens)]
+        self.by_match: dict[int, list[Reached]] = {}
 
     @property
     def is_timed(self) -> bool:
         """Whether step costs were calibrated: without them observe_step and observe_tokens learn nothing."""
         return bool(self.buckets)
 
-    def _counts(self, seq_id: int) -> list[float]:
-        return self.counts.get(seq_id) or [*self._prior(), 0.0, 0.0]
+    def _rates(self, seq_id: int) -> Rates:
+        return self.rates.get(seq_id) or self._prior()
 
-    def _prior(self) -> tuple[float, float, float, float]:
-        """What a sequence's rates start from and relax toward while it drafts nothing, as counts
-        [accepted, trials] at the first position and at later ones: the pool's rates (every
-        sequence's drafts), where they beat the static prior. A new sequence then starts at its
-        population's rate: from a prior of one half, the best estimate at 32 rows for a draft
-        after a 4-token match was 0.66 though such drafts were accepted 89% of the time, and the
-        controller drafted nothing in many full 32-row steps. Never below the static prior, so
+    def _prior(self) -> Rates:
+        """What a sequence's rates start from and relax toward while it drafts nothing: the pool's
+        rates (every sequence's drafts), where they beat the static prior, so a new sequence
+        starts at its population's rate rather than at one half. Never below the static prior, so
         that sequences are probed again where every sequence's drafts were rejected."""
-        if self._prior_counts is None:
-            acc1, tr1, accf, trf = self.prior
-            first = (self.pool[0][0] + acc1) / (self.pool[0][1] + tr1)
-            later = (sum(a for a, _ in self.pool[1:]) + accf) / (sum(r for _, r in self.pool[1:]) + trf)
-            self._prior_counts = (max(first, acc1 / tr1) * tr1, tr1, max(later, accf / trf) * trf, trf)
-        return self._prior_counts
+        if self._prior_rates is None:
+            (acc1, tr1), (accf, trf) = PRIOR_FIRST, PRIOR_LATER
+            first = (self.pool[0].accepted + acc1) / (self.pool[0].reached + tr1)
+            later = (sum(p.accepted for p in self.pool[1:]) + accf) / (sum(p.reached for p in self.pool[1:]) + trf)
+            self._prior_rates = Rates(max(first, acc1 / tr1) * tr1, tr1, max(later, accf / trf) * trf, trf)
+        return self._prior_rates
 
     def acceptance(self, seq_id: int) -> float:
         """P(first drafted token accepted)."""
-        accepted, trials = self._counts(seq_id)[:2]
-        return accepted / trials
+        r = self._rates(seq_id)
+        return r.first_accepted / r.first_trials
 
     def follow_rate(self, seq_id: int) -> float:
         """P(a drafted token accepted | the one before it was)."""
-        accepted, trials = self._counts(seq_id)[2:4]
-        return accepted / trials
+        r = self._rates(seq_id)
+        return r.later_accepted / r.later_trials
 
     def hit_rate(self, seq_id: int) -> float:
-        """Share of asks for which the drafter had a draft (1 until the sequence was asked)."""
-        hits, asks = self._counts(seq_id)[4:]
-        return hits / asks if asks else 1.0
+        """Share of asks for which the drafter had a draft (1 until the sequence was budget)."""
+        r = self._rates(seq_id)
+        return r.hits / r.asks if r.asks else 1.0
 
     def _bucket(self, batch_size: int) -> int:
         return self.buckets[min(bisect.bisect_left(self.buckets, batch_size), len(self.buckets) - 1)]
@@ -129,7 +174,9 @@ class DraftController:
             return lambda tokens: 1.0
         b = self._bucket(batch_size)
         alpha, beta = self.fit.get(b, (0.0, 0.0))
-        return lambda tokens: self._forward(b, batch_size, tokens) + alpha + beta * self._drafting(batch_size, tokens)
+        per_draft = self.draft_cost(batch_size) if self.draft_cost is not None else 0.0
+        return lambda tokens: (self._forward(b, batch_size, tokens) + alpha + beta * self._drafting(batch_size, tokens)
+                               + per_draft * (tokens - batch_size))
 
     def _forward(self, bucket: int, batch_size: int, tokens: int) -> float:
         if not self.packed:
@@ -157,10 +204,10 @@ class DraftController:
         table = self.by_match.get(match_len)
         if table is None:
             return 1.0
-        accepted, reached = self.pool[position - 1]
-        pooled = (accepted + 1.0) / (reached + 2.0)
-        accepted, reached = table[position - 1]
-        return (accepted + MATCH_PRIOR * pooled) / (reached + MATCH_PRIOR) / pooled
+        pool = self.pool[position - 1]
+        pooled = (pool.accepted + 1.0) / (pool.reached + 2.0)
+        mine = table[position - 1]
+        return (mine.accepted + MATCH_PRIOR * pooled) / (mine.reached + MATCH_PRIOR) / pooled
 
     def _gains(self, seq_ids: list[int], available: list[int] | None,
                matches: list[int] | None = None) -> list[list[float]]:
@@ -174,7 +221,7 @@ class DraftController:
             match = matches[i] if matches else 0
             rate = min(self.acceptance(s), 0.99) * (1.0 if available is not None else self.hit_rate(s))
             reach, row = 1.0, []
-            for j in range(1, 1 + (self.max_draft if available is None else min(self.max_draft, available[i]))):
+            for j in range(1, 1 + (self.num_draft_tokens if available is None else min(self.num_draft_tokens, available[i]))):
                 reach *= min(rate * self.match_factor(match, j), 0.99)
                 row.append(reach)
                 rate = self.follow_rate(s)
@@ -203,7 +250,7 @@ class DraftController:
         if self.packed and available is not None:
             return self._best_tokens(seq_ids, batch_size, available, matches)
         k = self.num_draft(seq_ids, batch_size, available, matches)
-        return [min(k, n) for n in (available or [self.max_draft] * len(seq_ids))]
+        return [min(k, n) for n in (available or [self.num_draft_tokens] * len(seq_ids))]
 
     def _best_tokens(self, seq_ids: list[int], batch_size: int, available: list[int],
                      matches: list[int] | None) -> list[int]:
@@ -235,41 +282,42 @@ class DraftController:
                 best_n, best_rate = n, rate
         return best_n
 
-    def observe(self, seq_id: int, asked: int, num_draft: int, num_accepted: int, match_len: int = 0) -> None:
-        """After a step that asked the drafter for `asked` tokens and verified num_draft of them.
-        Acceptance counts decay so the estimate follows the sequence's recent behaviour. A step
-        that asked for nothing carries no evidence: the estimate relaxes toward the prior instead,
+    def observe(self, seq_id: int, budget: int, num_draft: int, num_accepted: int, match_len: int = 0) -> None:
+        """After a step that gave the sequence a budget of `budget` drafted tokens and verified
+        num_draft of them. Acceptance counts decay so the estimate follows the sequence's recent
+        behaviour. A step
+        with a budget of 0 carries no evidence: the estimate relaxes toward the prior instead,
         so a sequence whose drafting was switched off is probed again after a few steps (without
         this, one bad stretch would end speculation for the rest of the sequence)."""
-        acc1, trials1, accf, trialsf, hits, asks = self._counts(seq_id)
-        d, p = self.decay, self._prior()
-        if asked == 0:
-            self.counts[seq_id] = [acc1 * d + p[0] * (1 - d), trials1 * d + p[1] * (1 - d),
-                                   accf * d + p[2] * (1 - d), trialsf * d + p[3] * (1 - d),
-                                   hits * d + (1 - d), asks * d + (1 - d)]
+        r, d, p = self._rates(seq_id), SEQ_DECAY, self._prior()
+        if budget == 0:
+            self.rates[seq_id] = Rates(r.first_accepted * d + p.first_accepted * (1 - d),
+                                       r.first_trials * d + p.first_trials * (1 - d),
+                                       r.later_accepted * d + p.later_accepted * (1 - d),
+                                       r.later_trials * d + p.later_trials * (1 - d),
+                                       r.hits * d + (1 - d), r.asks * d + (1 - d))
             return
-        hits, asks = hits * d + (num_draft > 0), asks * d + 1
+        r = Rates(r.first_accepted, r.first_trials, r.later_accepted, r.later_trials,
+                  r.hits * d + (num_draft > 0), r.asks * d + 1)
         if num_draft:
             self._observe_positions(self.pool, num_draft, num_accepted)
-            self._prior_counts = None
+            self._prior_rates = None
             if match_len:
-                table = self.by_match.setdefault(match_len, [[0.0, 0.0] for _ in range(self.max_draft)])
+                table = self.by_match.setdefault(match_len, [Reached() for _ in range(self.num_draft_tokens)])
                 self._observe_positions(table, num_draft, num_accepted)
-            acc1, trials1 = acc1 * d + (num_accepted > 0), trials1 * d + 1
+            r.first_accepted, r.first_trials = r.first_accepted * d + (num_accepted > 0), r.first_trials * d + 1
             # later positions reached: 2..num_accepted + 1 (a rejection ends the draft)
             reached = min(num_accepted + 1, num_draft) - 1
             if reached > 0:
-                accf, trialsf = accf * d + num_accepted - 1, trialsf * d + reached
-        self.counts[seq_id] = [acc1, trials1, accf, trialsf, hits, asks]
+                r.later_accepted = r.later_accepted * d + num_accepted - 1
+                r.later_trials = r.later_trials * d + reached
+        self.rates[seq_id] = r
 
-    def _observe_positions(self, table: list[list[float]], num_draft: int, num_accepted: int) -> None:
-        d = self.match_decay
+    @staticmethod
+    def _observe_positions(table: list[Reached], num_draft: int, num_accepted: int) -> None:
         for j, counts in enumerate(table[:num_draft]):
-            counts[0] *= d
-            counts[1] *= d
-            if j <= num_accepted:           # reached: every earlier position was accepted
-                counts[0] += j < num_accepted
-                counts[1] += 1
+            # reached: every earlier position was accepted
+            counts.observe(j <= num_accepted, j < num_accepted, POOL_DECAY)
 
     def observe_step(self, batch_size: int, tokens: int, seconds: float) -> None:
         """A decode step of batch_size rows holding `tokens` tokens in all took `seconds` (propose
@@ -277,36 +325,28 @@ class DraftController:
         work, drafting and acceptance math, contexts longer than the calibration's, whose attention
         grows with each drafted token where rows are packed) is fitted per bucket as alpha + beta *
         x over the recent steps, plain and drafting alike (a decayed least-squares line, its slope
-        shrunk toward none by SLOPE_PRIOR). One fit rather than a plain steps' mean and a drafting
-        steps' mean beside it: where nearly every step drafted, the plain mean went stale, the
-        drafting one came out negative to make up for it, and drafted tokens looked a third
-        cheaper than they were (16 rows: the controller drafted 17 tokens a step, 53% accepted,
-        and lost to plain steps). One slow step (a first call, a collection pause) counts as at
-        most a few forwards."""
+        shrunk toward none by SLOPE_PRIOR). One fit rather than separate means of plain and
+        drafting steps: where nearly every step drafts, a plain steps' mean goes stale and the
+        drafting one absorbs its error, so drafted tokens look cheaper than they are. One slow
+        step (a first call, a collection pause) counts as at most a few forwards."""
         if not self.buckets:
             return
         b = self._bucket(batch_size)
         forward = self._forward(b, batch_size, tokens)
         x, y = self._drafting(batch_size, tokens), min(seconds - forward, OUTLIER_FORWARDS * forward)
-        d = self.fit_decay
-        sums = [v * d for v in self.sums.get(b, [0.0] * 5)]
-        for i, value in enumerate((1.0, x, x * x, y, x * y)):
-            sums[i] += value
-        self.sums[b] = sums
-        weight, sx, sxx, sy, sxy = sums
-        prior = SLOPE_PRIOR * (self.max_draft ** 2 if self.packed else 1)
-        beta = (sxy - sx * sy / weight) / (sxx - sx * sx / weight + prior)
-        self.fit[b] = ((sy - beta * sx) / weight, beta)
+        sums = self.sums.setdefault(b, LineFit())
+        sums.add(x, y, FIT_DECAY)
+        self.fit[b] = sums.line(SLOPE_PRIOR * (self.num_draft_tokens ** 2 if self.packed else 1))
 
     def observe_tokens(self, num_tokens: int, seconds: float) -> None:
         """A step's host work on its num_tokens new tokens took `seconds`. It grows with the
         tokens a step yields, so where it is large (many rows, a fast device) drafting gains less."""
         if self.buckets and num_tokens:
-            d = self.step_decay
+            d = TOKEN_COST_DECAY
             self.token_cost = d * self.token_cost + (1 - d) * seconds / num_tokens
 
     def end(self, seq_id: int) -> None:
-        self.counts.pop(seq_id, None)
+        self.rates.pop(seq_id, None)
 
 
 def _interpolate(points: list[tuple[float, float]], x: float) -> float:

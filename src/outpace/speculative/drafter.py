@@ -1,7 +1,12 @@
-"""The drafter interface: every drafter (n-gram, trie, draft model, EAGLE/MTP head) implements it.
+"""The drafter interface: every drafter (n-gram, draft model, EAGLE/MTP head, trees) implements it.
 
-The decode loop only ever calls begin / propose / accept / end, so a new drafter plugs in without
-touching the loop. Sequences are named by an integer id that the engine owns.
+The step calls begin / propose / accept / verified / end and nothing else, whatever the drafter is
+or where its state lives; what a drafter needs from the engine it says once, at construction
+(`hidden_layers`, `bind`). Sequences are named by an integer id that the engine owns.
+
+A step's drafts travel as one record, `Drafts`, for every drafter: tensors on the drafter's device
+(a host drafter's are CPU tensors, which the host reads for free), whose lengths the host learns at
+the step's one synchronisation unless the drafter knew them when it drafted (`num_draft_host`).
 """
 from __future__ import annotations
 
@@ -12,77 +17,168 @@ import torch
 
 
 @dataclass
-class Draft:
-    """Drafted tokens for one sequence.
+class DraftBatch:
+    """What propose drafts for: one row per decoding sequence.
 
-    A chain when parents is None; a tree otherwise, parents[i] being the index of token i's parent
-    in `tokens` or -1 for a child of the sequence's last token. probs, when given, is the drafter's
-    distribution at each drafted position, [len(tokens), vocab]; without it, verification treats
-    the draft as one-hot (the drafter was certain). match_len, for drafters that find their draft
-    by matching the sequence's tail (n-gram, suffix structures), is how many tail tokens matched:
-    longer matches are accepted far more often, and the draft controller learns by how much.
+    budget[i]: the most tokens row i may draft (0: none; the controller's choice within the row's
+    room in the context and in max_tokens). slots[i], positions[i]: the row's KV slot and the
+    position of its last token (a drafter with a cache of its own keeps it in the same slots,
+    valid up to that position: positions past it hold rejected tokens and are overwritten).
     """
 
-    tokens: list[int]
-    parents: list[int] | None = None
-    probs: torch.Tensor | None = None
-    match_len: int = 0
+    seq_ids: list[int]
+    budget: list[int]
+    slots: list[int]
+    positions: list[int]
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self.seq_ids)
 
-    def truncated(self, n: int) -> "Draft":
-        """The first n tokens (a tree's first n nodes: parents come before their children)."""
-        return Draft(self.tokens[:n], None if self.parents is None else self.parents[:n],
-                     None if self.probs is None else self.probs[:n], self.match_len)
+
+@dataclass
+class Drafts:
+    """One step's drafts for the B rows of a DraftBatch.
+
+    tokens [B, K] int64, num_draft [B] int64 on the drafter's device: row i's draft is
+        tokens[i, :num_draft[i]] (num_draft[i] <= budget[i]); entries past it are padding (valid
+        ids, never accepted). K may be 0.
+    parents [B, K] int64 or None: a token tree, parents[i, j] the index of node j's parent
+        (< j) or -1 for a child of the row's last token; None: every row is a chain.
+    num_draft_host: num_draft as host ints when the drafter knew them while drafting (host
+        drafters); None when they stay on the device until the step's synchronisation.
+    match_len: per row, how many tail tokens the draft's match rested on (0: not a matching
+        drafter); longer matches are accepted far more often and the controller learns by how much.
+    """
+
+    tokens: torch.Tensor
+    num_draft: torch.Tensor
+    parents: torch.Tensor | None = None
+    num_draft_host: list[int] | None = None
+    match_len: list[int] | None = None
+
+    @classmethod
+    def from_lists(cls, rows: Sequence[Sequence[int] | None], match_len: Sequence[int] | None = None,
+                   device: torch.device | str = "cpu") -> "Drafts":
+        """Chains given as host lists (None or [] for no draft), padded with zeros."""
+        lengths = [len(r) if r else 0 for r in rows]
+        width = max(lengths, default=0)
+        padded = [list(r or ()) + [0] * (width - n) for r, n in zip(rows, lengths)]
+        tokens = torch.tensor(padded, dtype=torch.long).view(len(rows), width)
+        return cls(tokens.to(device), torch.tensor(lengths, dtype=torch.long).to(device),
+                   num_draft_host=lengths, match_len=list(match_len) if match_len is not None else None)
+
+    @classmethod
+    def empty(cls, num_rows: int, device: torch.device | str = "cpu") -> "Drafts":
+        return cls.from_lists([None] * num_rows, device=device)
+
+    def truncated(self, lengths: Sequence[int]) -> "Drafts":
+        """Each row cut to its first lengths[i] tokens (host lengths known: num_draft_host). A
+        tree keeps its first nodes, whose parents come before them."""
+        kept = [min(n, m) for n, m in zip(lengths, self.num_draft_host)]
+        width = max(kept, default=0)
+        return Drafts(self.tokens[:, :width], torch.tensor(kept, dtype=torch.long, device=self.tokens.device),
+                      None if self.parents is None else self.parents[:, :width], kept, self.match_len)
+
+    def host_rows(self) -> list[list[int]]:
+        """The drafts as host lists (drafts on the CPU, lengths known: no synchronisation)."""
+        return [row[:n] for row, n in zip(self.tokens.tolist(), self.num_draft_host)]
+
+
+@dataclass
+class Verified:
+    """What verification gave a step's rows, still on the device, for drafters that keep device
+    state (a token buffer, a draft model's cache, a head's features): out_tokens[i, :num_out[i]]
+    were appended to row i (accepted drafts then the target's own token), positions starting at
+    positions[i] + 1. hidden [B, S, len(hidden_layers), H]: the target's hidden states of the
+    layers the drafter asked for at the verified inputs (the row's last token and its drafts); the
+    first num_out[i] of row i are those of accepted positions. None when nobody asked."""
+
+    batch: DraftBatch
+    out_tokens: torch.Tensor
+    num_out: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+
+@dataclass
+class Prefilled:
+    """Prompt chunks the target cached in one forward: chunk i holds positions starts[i] ..
+    starts[i] + lengths[i] - 1 of sequence seq_ids[i] (KV slot slots[i]), token_ids[i] its
+    tokens. hidden [C, S, len(hidden_layers), H]: the target's hidden states of the asked layers
+    at those positions (chunk i's first lengths[i] entries), None when nobody asked."""
+
+    seq_ids: list[int]
+    slots: list[int]
+    starts: list[int]
+    token_ids: list[list[int]]
+    hidden: torch.Tensor | None = None
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(t) for t in self.token_ids]
+
+
+@dataclass
+class DraftContext:
+    """What the engine lends a drafter at construction (Drafter.bind): the target's slots and
+    context length, its device and dtype, and how to allocate caches beside the target's."""
+
+    num_slots: int
+    max_len: int
+    max_step_tokens: int            # the most tokens a row's verify forward holds (1 + num_draft_tokens)
+    device: torch.device
+    dtype: torch.dtype
+    target: torch.nn.Module         # the target model (its config, embedding and LM head may be shared)
+    allocate_kv_cache: object       # (num_layers, num_kv_heads, head_dim) -> KVCache with the target's slots
 
 
 class Drafter:
-    """Base class. Subclasses override what they need; the defaults keep no state."""
+    """Base class. Subclasses override what they need; the defaults keep no state.
+
+    Class attributes a drafter may set:
+      hidden_layers: target layers whose hidden states `verified` receives (empty: none, at no cost).
+      priced_after_drafting: whether drafting at a row's whole room costs next to nothing (a
+        lookup), so propose drafts at the full budget and the draft controller prices the drafts
+        that exist (their lengths and match lengths) and cuts them; otherwise (a model that pays
+        per drafted token, drafts that stay on the device) the budget is the controller's length,
+        decided before drafting.
+    """
 
     name = "drafter"
+    hidden_layers: tuple[int, ...] = ()
+    priced_after_drafting = True
+
+    def bind(self, context: DraftContext) -> None:
+        """Called once before the first request: allocate device state here."""
 
     def begin(self, seq_id: int, token_ids: Sequence[int]) -> None:
         """A sequence starts with these tokens (the prompt)."""
 
-    def propose(self, seq_ids: Sequence[int], max_tokens: Sequence[int]) -> list[Draft | None]:
-        """Draft at most max_tokens[i] tokens for each sequence; None (or an empty draft) = no draft."""
-        return [None] * len(seq_ids)
+    def propose(self, batch: DraftBatch) -> Drafts:
+        """Drafts of at most batch.budget[i] tokens for each row."""
+        return Drafts.empty(len(batch))
+
+    def prefilled(self, chunks: Prefilled) -> None:
+        """After the target cached prompt chunks (a drafter with a cache of its own caches the
+        same chunks here)."""
+
+    def verified(self, result: Verified) -> None:
+        """After verification, before the step's host synchronisation: the step's outcome on the
+        device (for drafters whose state lives there). Host drafters wait for accept."""
 
     def accept(self, seq_id: int, token_ids: Sequence[int]) -> None:
-        """Tokens appended to a sequence after verification (accepted drafts plus the target's token)."""
+        """Tokens appended to a sequence after verification (accepted drafts plus the target's
+        token), on the host, tokens past a stop already dropped."""
 
     def end(self, seq_id: int) -> None:
         """The sequence finished or was cancelled: drop its state."""
 
+    def cost_per_token(self, batch_size: int) -> float:
+        """Seconds one drafted token costs in a step of batch_size rows, beyond the verify
+        forward's share (a draft model's forward): the controller charges it. 0: drafting is free
+        next to the target (lookups)."""
+        return 0.0
 
-class DrafterChain(Drafter):
-    """Drafters in priority order: the first that proposes for a sequence wins that step."""
-
-    name = "chain"
-
-    def __init__(self, drafters: Sequence[Drafter]):
-        self.drafters = list(drafters)
-
-    def begin(self, seq_id, token_ids):
-        for d in self.drafters:
-            d.begin(seq_id, token_ids)
-
-    def propose(self, seq_ids, max_tokens):
-        drafts: list[Draft | None] = [None] * len(seq_ids)
-        for d in self.drafters:
-            pending = [i for i, dr in enumerate(drafts) if not dr]
-            if not pending:
-                break
-            proposed = d.propose([seq_ids[i] for i in pending], [max_tokens[i] for i in pending])
-            for i, dr in zip(pending, proposed):
-                drafts[i] = dr
-        return drafts
-
-    def accept(self, seq_id, token_ids):
-        for d in self.drafters:
-            d.accept(seq_id, token_ids)
-
-    def end(self, seq_id):
-        for d in self.drafters:
-            d.end(seq_id)
+    def graph_step(self, max_rows: int, max_tokens: int):
+        """A part of the runner's captured CUDA graph step that drafts into each row's input
+        tokens and verifies greedy rows itself (speculative/ngram_device.py's GraphStep), or None."""
+        return None

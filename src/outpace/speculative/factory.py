@@ -1,10 +1,16 @@
-"""Build the drafter a SpecConfig names."""
+"""Build the drafter a SpecConfig names: adding a drafter is its file plus one line here."""
+from __future__ import annotations
+
 from outpace.config import SpecConfig
 from outpace.speculative.drafter import Drafter
 from outpace.speculative.ngram import NgramDrafter
+from outpace.speculative.ngram_device import DeviceNgramDrafter
 
 
-def make_drafter(spec: SpecConfig) -> Drafter:
+def make_drafter(spec: SpecConfig, device: str, max_seqs: int, max_len: int, cuda_graphs: bool) -> Drafter:
+    if spec.method == "ngram" and device.startswith("cuda"):
+        # prompt lookup over a device token buffer: no host round trip per step
+        return DeviceNgramDrafter(spec, max_seqs, max_len, device, use_graph=cuda_graphs)
     if spec.method == "ngram":
         return NgramDrafter(spec)
     return Drafter()

@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from outpace.config import SpecConfig
-from outpace.speculative.drafter import Draft, Drafter
+from outpace.speculative.drafter import DraftBatch, Drafter, Drafts
 
 
 class _SeqIndex:
@@ -72,18 +72,20 @@ class NgramDrafter(Drafter):
                     table[key] = c
             tokens.append(token)
 
-    def propose(self, seq_ids: Sequence[int], max_tokens: Sequence[int]) -> list[Draft | None]:
-        return [self._propose_one(self._seqs[s], k) for s, k in zip(seq_ids, max_tokens)]
+    def propose(self, batch: DraftBatch) -> Drafts:
+        found = [self._propose_one(self._seqs[s], k) for s, k in zip(batch.seq_ids, batch.budget)]
+        return Drafts.from_lists([tokens for tokens, _ in found], [n for _, n in found])
 
-    def _propose_one(self, seq: _SeqIndex, max_tokens: int) -> Draft | None:
+    def _propose_one(self, seq: _SeqIndex, max_tokens: int) -> tuple[list[int], int]:
+        """(draft, match length); ([], 0) when no suffix matches."""
         if max_tokens <= 0:
-            return None
+            return [], 0
         tokens = seq.tokens
         for n, table in zip(reversed(self._ns), reversed(seq.tables)):
             c = table.get(tuple(tokens[-n:])) if n < len(tokens) else None
             if c is not None:
-                return Draft(tokens[c:c + max_tokens], match_len=n)
-        return None
+                return tokens[c:c + max_tokens], n
+        return [], 0
 
     def end(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)

@@ -11,13 +11,12 @@ a draft, so requests waiting in the queue or decoding plainly hold no row, and a
 (the running sequences) ever do. One more row, the scratch row, takes the writes of graph rows
 that have no row of their own.
 
-With CUDA graphs and greedy rows the whole step is one graph: GraphStep is the drafter's part of
+With CUDA graphs and greedy rows the whole step is one graph: GraphDrafting is the drafter's part of
 the runner's captured step (drafting into each row's input tokens before the forward, greedy
 verification and the append after it), replacing some forty small launches from the host.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -26,36 +25,18 @@ from outpace.config import SpecConfig
 from outpace.kernels.fused import cuda_compiled
 from outpace.runner.staging import to_device
 from outpace.speculative import ngram_gpu
-from outpace.speculative.drafter import Drafter
+from outpace.speculative.drafter import DraftBatch, Drafter, Drafts, Verified
 from outpace.sampling.rejection import verify_greedy
-
-
-@dataclass
-class DeviceDrafts:
-    """One step's drafts on the device, one row per decoding sequence.
-
-    tokens [n, K] int64: entries at i >= num_draft[r] are padding (valid ids, never accepted).
-    num_draft [n] int64 in [0, K]; 0 = no draft (no match, or the sequence did not ask).
-    """
-
-    tokens: torch.Tensor
-    num_draft: torch.Tensor
-
-
-@dataclass
-class GraphDrafts:
-    """A step whose drafts the runner's graph makes itself (GraphStep): room[i] tokens at most per row."""
-
-    room: list[int]
 
 
 class DeviceNgramDrafter(Drafter):
     name = "ngram-device"
+    priced_after_drafting = False
 
     def __init__(self, spec: SpecConfig, max_seqs: int, max_len: int, device: torch.device | str,
                  use_graph: bool = True):
         self.min_ngram, self.max_ngram, self.match = spec.min_ngram, spec.max_ngram, spec.match
-        self.max_draft = spec.num_draft_tokens
+        self.num_draft_tokens = spec.num_draft_tokens
         self.device = torch.device(device)
         self.tokens, self.lengths = ngram_gpu.new_buffer(max_seqs + 1, max_len, self.device)
         self.scratch = max_seqs                        # the last row: writes nobody reads
@@ -63,15 +44,15 @@ class DeviceNgramDrafter(Drafter):
         self.rows: dict[int, int] = {}                 # seq_id -> buffer row
         self.free_rows = list(range(max_seqs - 1, -1, -1))
         self.pending: dict[int, list[int]] = {}        # seq_id -> host tokens, no row yet
-        # propose's output for every row, [max_seqs, max_draft] and [max_seqs]: graph outputs
-        self.draft_all = torch.zeros(max_seqs, self.max_draft, dtype=torch.long, device=self.device)
+        # propose's output for every row, [max_seqs, num_draft_tokens] and [max_seqs]: graph outputs
+        self.draft_all = torch.zeros(max_seqs, self.num_draft_tokens, dtype=torch.long, device=self.device)
         self.num_all = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
         self.graph = None
         if use_graph and self.device.type == "cuda":
             self._capture()
 
     def _propose_all(self) -> None:
-        draft, num = ngram_gpu.propose(self.tokens, self.lengths, self.all_rows, self.max_draft,
+        draft, num = ngram_gpu.propose(self.tokens, self.lengths, self.all_rows, self.num_draft_tokens,
                                        self.min_ngram, self.max_ngram, self.match)
         self.draft_all.copy_(draft)
         self.num_all.copy_(num)
@@ -97,56 +78,38 @@ class DeviceNgramDrafter(Drafter):
         if row is not None:
             self.free_rows.append(row)
 
-    def propose(self, seq_ids, max_tokens):
-        raise NotImplementedError("DeviceNgramDrafter drafts on the device: the engine calls propose_device "
-                                  "and feeds verified tokens back with append")
-
-    # ---- the device path -----------------------------------------------------------------------
     @torch.inference_mode()
-    def propose_device(self, seq_ids: Sequence[int], max_tokens: Sequence[int]) -> DeviceDrafts:
-        """Drafts of at most max_tokens[i] (<= num_draft_tokens) tokens; K = max(max_tokens)."""
-        for seq_id, k in zip(seq_ids, max_tokens):
+    def propose(self, batch: DraftBatch) -> Drafts:
+        """Drafts of at most budget[i] (<= num_draft_tokens) tokens, on the device; K = max(budget)."""
+        for seq_id, k in zip(batch.seq_ids, batch.budget):
             if k > 0 and seq_id not in self.rows:
                 self._take_row(seq_id)
         if self.graph is not None:
             self.graph.replay()
         else:
             self._propose_all()
-        num_draft_tokens = max(max_tokens)
-        rows = [self.rows.get(s, 0) for s in seq_ids]    # a sequence without a row asks for 0
-        rows_t, room = to_device([rows, list(max_tokens)], self.device)
-        tokens = self.draft_all.index_select(0, rows_t)[:, :num_draft_tokens]       # [n, K]
-        num = torch.minimum(self.num_all.index_select(0, rows_t), room)             # [n]
-        return DeviceDrafts(tokens, num)
+        rows = [self.rows.get(s, 0) for s in batch.seq_ids]     # a sequence without a row asks for 0
+        rows_t, budget = to_device([rows, list(batch.budget)], self.device)
+        tokens = self.draft_all.index_select(0, rows_t)[:, :max(batch.budget)]       # [B, K]
+        num = torch.minimum(self.num_all.index_select(0, rows_t), budget)             # [B]
+        return Drafts(tokens, num)
 
     @torch.inference_mode()
-    def append(self, seq_ids: Sequence[int], out_tokens: torch.Tensor, num_out: torch.Tensor) -> None:
-        """After verification: out_tokens[i, :num_out[i]] join sequence seq_ids[i]'s row, on the
-        device. Tokens past a stop the host finds later are appended too: that sequence ends."""
+    def verified(self, result: Verified) -> None:
+        """out_tokens[i, :num_out[i]] join sequence i's row, on the device. Tokens past a stop the
+        host finds later are appended too: that sequence ends."""
+        seq_ids = result.batch.seq_ids
         index = [i for i, s in enumerate(seq_ids) if s in self.rows]
         if not index:
             return
         rows_t, index_t = to_device([[self.rows[seq_ids[i]] for i in index], index], self.device)
+        out_tokens, num_out = result.out_tokens, result.num_out
         if len(index) < len(seq_ids):
             out_tokens, num_out = out_tokens.index_select(0, index_t), num_out.index_select(0, index_t)
         ngram_gpu.append(self.tokens, self.lengths, rows_t, out_tokens, num_out)
 
-    def graph_step(self, max_rows: int, max_tokens: int) -> GraphStep:
-        return GraphStep(self, max_rows, max_tokens)
-
-    def step_inputs(self, seq_ids: Sequence[int], room: Sequence[int],
-                    claim: Sequence[bool] | None = None) -> list[tuple[int, int, int]]:
-        """GraphStep's host inputs per row of a greedy step: (row to draft from, row to append to,
-        room). A sequence without a buffer row takes one now if it asks (room > 0) or claims one
-        (claim[i]). (A sampled step verifies and appends on the host; its graph
-        rows get GraphStep.neutral(), so the graph touches only the scratch row.)"""
-        out = []
-        for i, (seq_id, k) in enumerate(zip(seq_ids, room)):
-            if (k > 0 or (claim is not None and claim[i])) and seq_id not in self.rows:
-                self._take_row(seq_id)
-            row = self.rows.get(seq_id, self.scratch)
-            out.append((row if k > 0 else self.scratch, row, k))
-        return out
+    def graph_step(self, max_rows: int, max_tokens: int) -> "GraphDrafting":
+        return GraphDrafting(self, max_rows, max_tokens)
 
     def _take_row(self, seq_id: int) -> None:
         if not self.free_rows:
@@ -156,7 +119,7 @@ class DeviceNgramDrafter(Drafter):
         self.rows[seq_id] = row
 
 
-class GraphStep:
+class GraphDrafting:
     """The drafter's part of CudaGraphRunner's step, for graph rows r < b holding t tokens:
     before the forward, row r drafts up to room[r] <= t-1 tokens from buffer row src[r] into its
     input tokens 1..t-1 (room 0 leaves what the host wrote there); after it, greedy verification
@@ -170,12 +133,31 @@ class GraphStep:
     def __init__(self, drafter: DeviceNgramDrafter, max_rows: int, max_tokens: int):
         self.drafter = drafter
         device = drafter.device
-        self.inputs: torch.Tensor | None = None         # [3, rows], bound by the runner
+        self.inputs_view: torch.Tensor | None = None    # [3, rows], bound by the runner
         self.num_draft = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.result = torch.zeros(max_rows, 2 + max_tokens, dtype=torch.long, device=device)
 
+    def inputs(self, seq_ids: Sequence[int], room: Sequence[int],
+               claim: Sequence[bool] | None = None) -> list[tuple[int, int, int]]:
+        """The host inputs per row of a greedy step: (row to draft from, row to append to, room).
+        A sequence without a buffer row takes one now if it asks (room > 0) or claims one
+        (claim[i]). (A sampled step verifies and appends on the host; its graph rows get
+        neutral(), so the graph touches only the scratch row.)"""
+        d = self.drafter
+        out = []
+        for i, (seq_id, k) in enumerate(zip(seq_ids, room)):
+            if (k > 0 or (claim is not None and claim[i])) and seq_id not in d.rows:
+                d._take_row(seq_id)
+            row = d.rows.get(seq_id, d.scratch)
+            out.append((row if k > 0 else d.scratch, row, k))
+        return out
+
+    def has_row(self, seq_id: int) -> bool:
+        """Whether the sequence holds a buffer row (a launched step can draft only for those)."""
+        return seq_id in self.drafter.rows
+
     def bind(self, inputs: torch.Tensor) -> None:
-        self.inputs = inputs.view(3, -1)
+        self.inputs_view = inputs.view(3, -1)
 
     def neutral(self) -> tuple[int, int, int]:
         return self.drafter.scratch, self.drafter.scratch, 0
@@ -186,12 +168,12 @@ class GraphStep:
         if t == 1:
             self.num_draft[:b].zero_()
             return
-        _draft_into(input_ids, d.tokens, d.lengths, self.inputs[0, :b], self.inputs[2, :b], self.num_draft[:b],
+        _draft_into(input_ids, d.tokens, d.lengths, self.inputs_view[0, :b], self.inputs_view[2, :b], self.num_draft[:b],
                     d.min_ngram, d.max_ngram, d.match)
 
     def after(self, b: int, t: int, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
         d = self.drafter
-        _verify_append(logits, input_ids, self.num_draft[:b], d.tokens, d.lengths, self.inputs[1, :b], self.result[:b])
+        _verify_append(logits, input_ids, self.num_draft[:b], d.tokens, d.lengths, self.inputs_view[1, :b], self.result[:b])
 
 
 @cuda_compiled

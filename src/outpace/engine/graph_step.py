@@ -1,0 +1,130 @@
+"""GraphStep: the step on a CUDA graph runner (runner/cuda_graphs.py).
+
+Beyond EagerStep it does two things captured graphs make possible:
+  - a greedy step whose rows fit a captured shape is drafted, verified and appended to the
+    drafter's device state inside the graph (the drafter's graph_step, bound into the runner as
+    its extension), replacing some forty small launches from the host;
+  - overlap: once a greedy graph step is queued, the step after it is launched before the host
+    reads the first one's tokens (each row's start and last token derived on the device from the
+    first step's result), so the GPU never idles while the host reads and accepts a step.
+A launched step holds the same rows as the step before it; the next engine step reads it
+(resume) instead of scheduling. Rows whose sequence ended meanwhile are dropped, tokens and all.
+"""
+from __future__ import annotations
+
+import time
+
+from outpace.engine.scheduler import PrefillChunk, Scheduler, StepPlan
+from outpace.engine.sequence import Sequence
+from outpace.engine.step import EagerStep, Launched, Proposal, StepResult
+from outpace.runner.cuda_graphs import CudaGraphRunner
+from outpace.runner.model_runner import Row
+from outpace.runner.staging import to_device
+
+
+class GraphStep(EagerStep):
+    def __init__(self, runner: CudaGraphRunner, *args, scheduler: Scheduler, overlap: bool):
+        super().__init__(runner, *args)
+        self.extension = runner.extension           # the drafter's part of every graph, or None
+        self.scheduler = scheduler
+        self.overlap = overlap
+        self._read_at = 0.0                         # when the host last read a graph step's tokens
+
+    # ---- propose ------------------------------------------------------------------------------
+    def propose(self, plan: StepPlan) -> Proposal:
+        if plan.launched is not None:               # drafted in its graph already
+            return Proposal(plan.launched.budget, in_graph=True)
+        return super().propose(plan)
+
+    def _draft(self, seqs: list[Sequence], budget: list[int]) -> Proposal:
+        """The graph drafts and verifies itself where the rows are greedy and a captured shape
+        holds them; elsewhere the drafter drafts on the device (EagerStep)."""
+        if self.extension is not None and all(s.params.is_greedy for s in seqs):
+            rows = [Row(s.slot, [0], len(s.token_ids) - 1) for s in seqs]
+            if self.runner.shape_for(rows, max(budget)) is not None:
+                return Proposal(budget, in_graph=True)
+        return super()._draft(seqs, budget)
+
+    # ---- verify -------------------------------------------------------------------------------
+    def verify(self, plan: StepPlan, proposal: Proposal, chunks: list[PrefillChunk]) -> StepResult:
+        t0 = time.perf_counter()
+        if plan.launched is not None:
+            launched = plan.launched
+            read_before = self._read_at
+            result = self._read_back(plan.decode, proposal.budget, launched.shape, t0,
+                                     may_launch=len(plan.decode) == launched.num_rows)
+            # what a launched step costs is the time between two reads, the longer of the device's
+            # step and the host's loop; the host's work on the tokens overlaps the device's
+            result.period = self._read_at - read_before
+            result.step_rows, result.step_tokens = launched.num_rows, launched.num_rows * launched.shape[1]
+            return result
+        if proposal.in_graph:
+            seqs = plan.decode
+            # every speculating sequence takes its buffer row now, drafting or not: a launched
+            # step cannot take one (the host lacks the tokens of the step before it)
+            inputs = self.extension.inputs([s.seq_id for s in seqs], proposal.budget, [s.speculate for s in seqs])
+            self.runner.forward(self._last_rows(seqs), step_inputs=inputs, num_device_tokens=max(proposal.budget))
+            return self._read_back(seqs, proposal.budget, self.runner.last_shape, t0)
+        return super().verify(plan, proposal, chunks)
+
+    def _plain_greedy(self, seqs, logits, hidden, t0) -> StepResult:
+        """A plain greedy step a graph ran is read like any graph step (its successor launched
+        first where it may be); the drafter's device state needs no append where nobody drafts."""
+        if self.runner.last_shape is not None and (self.extension is None or not any(s.speculate for s in seqs)):
+            return self._read_back(seqs, [0] * len(seqs), self.runner.last_shape, t0)
+        return super()._plain_greedy(seqs, logits, hidden, t0)
+
+    def _read_back(self, seqs: list[Sequence], budget: list[int], shape: tuple[int, int, int], t0: float,
+                   may_launch: bool = True) -> StepResult:
+        """A greedy graph step's result rows, read with the step's one host synchronisation. With
+        overlap the next step is launched first, so the device works on it while the host reads
+        this one and accepts its tokens."""
+        runner = self.runner
+        result = runner.step_result(shape)
+        runner.start_read(result)
+        if may_launch and self.overlap:
+            self.launched = self._launch_next(seqs, shape, result)
+        host = runner.read_back()                       # the step's one host synchronisation
+        self._read_at = time.perf_counter()
+        return self._result(seqs, [host[s.slot] for s in seqs], budget, t0)
+
+    # ---- overlap ------------------------------------------------------------------------------
+    def _launch_next(self, seqs: list[Sequence], shape: tuple[int, int, int], result):
+        """Launch the step after a greedy graph step whose tokens are not read yet, when that step
+        holds the same rows (no request waits for a free slot, no prompt is being cached) and
+        every row's positions, however many tokens the step being read adds, stay in the context.
+        Rows draft up to what they have room for after that many tokens."""
+        scheduler = self.scheduler
+        if (scheduler.waiting and scheduler.free_slots) or len(scheduler.running) != len(seqs):
+            return None
+        ahead = shape[1]                                # the most tokens the step being read adds to a row
+        speculating = [s.seq_id for s in seqs if s.speculate]
+        drafts = bool(speculating) and self.extension is not None
+        k = self.controller.num_draft(speculating, len(seqs)) if drafts else 0
+        # a launched step cannot take a buffer row: only rows that have one draft
+        budget = [min(k, self.budget_for(s, ahead)) if drafts and self.extension.has_row(s.seq_id) else 0 for s in seqs]
+        rows = [Row(s.slot, [0], len(s.token_ids) - 1 + ahead) for s in seqs]     # starts, at the most
+        if max(r.start for r in rows) + 1 + max(budget) > self.max_model_len:
+            return None
+        next_shape = self.runner.shape_for(rows, max(budget))
+        if next_shape is None or next_shape[0] != shape[0]:
+            return None
+        slots = {s.slot for s in seqs}
+        active = to_device([int(r in slots) for r in range(shape[0])], result.device)
+        inputs = self.extension.inputs([s.seq_id for s in seqs], budget) if drafts else None
+        self.runner.replay_next(result, active, next_shape, rows, inputs)
+        return Launched(seqs, budget, next_shape, len(seqs))
+
+    def resume(self) -> StepPlan | None:
+        """The step launched ahead, as a plan of its rows whose sequences still run."""
+        launched, self.launched = self.launched, None
+        if launched is None or all(s.is_finished for s in launched.seqs):
+            return None
+        live = [i for i, s in enumerate(launched.seqs) if not s.is_finished]
+        seqs = [launched.seqs[i] for i in live]
+        return StepPlan(decode=seqs, launched=Launched(seqs, [launched.budget[i] for i in live], launched.shape,
+                                                       launched.num_rows))
+
+    def drop_launched(self) -> None:
+        if self.launched is not None and all(s.is_finished for s in self.launched.seqs):
+            self.launched = None                        # nobody reads it; the device finishes it unread

@@ -1,0 +1,210 @@
+"""How a step proposes and verifies: one interface, two implementations chosen at construction.
+
+EagerStep: rows built on the host and run through runner.forward (the CPU, and CUDA steps no graph
+holds); the drafter's propose gives the drafts; verification is batched tensor math whose result
+reaches the host at the step's one synchronisation. GraphStep (runner/cuda_graphs.py's runner)
+adds what captured CUDA graphs make possible: greedy steps whose drafts the graph makes and
+verifies itself (the drafter's graph_step), and overlap, a greedy step launched before the host
+has read the step before it.
+
+propose gives a Proposal, verify a StepResult; what a step cost (for the draft controller) travels
+with the result, so the engine's step reads the same whatever ran it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from outpace.engine.scheduler import PrefillChunk, StepPlan
+from outpace.engine.sequence import Sequence
+from outpace.runner.model_runner import ModelRunner, Row
+from outpace.sampling.rejection import greedy_tokens, verify_greedy, verify_sampling
+from outpace.sampling.sampler import SamplingState
+from outpace.speculative.controller import DraftController
+from outpace.speculative.drafter import DraftBatch, Drafter, Drafts, Verified
+
+
+@dataclass
+class Proposal:
+    """What a step verifies: budget[i] is the most drafted tokens row i verifies (0: a plain row).
+    drafts: the drafter's (None: no row drafts); in_graph: the runner's graph step drafts for the
+    rows itself (GraphStep), drafts None."""
+
+    budget: list[int]
+    drafts: Drafts | None = None
+    in_graph: bool = False
+
+    @property
+    def match_len(self) -> list[int]:
+        if self.drafts is None or self.drafts.match_len is None:
+            return [0] * len(self.budget)
+        return self.drafts.match_len
+
+
+@dataclass
+class StepResult:
+    """A step's outcome on the host: tokens[i] to append to row i (accepted drafts then the
+    target's own), num_draft[i] drafted tokens verified. step_rows, step_tokens: the step's size
+    as the runner laid it out (the controller fits costs by it). period: for a step launched
+    ahead, its cost, the time between two reads (None: the engine times the step itself)."""
+
+    tokens: list[list[int]]
+    num_draft: list[int]
+    step_rows: int
+    step_tokens: int
+    period: float | None = None
+
+    @property
+    def counts(self) -> list[int]:
+        return [len(t) for t in self.tokens]
+
+
+@dataclass
+class Launched:
+    """A greedy graph step queued on the device whose tokens the host has not read yet (overlap):
+    its rows' sequences (those still running, when resumed) and the most each may verify."""
+
+    seqs: list[Sequence]
+    budget: list[int]
+    shape: tuple[int, int, int]         # its graph shape (batch bucket, tokens per row, key length)
+    num_rows: int                       # the rows it was launched with
+
+
+class EagerStep:
+    def __init__(self, runner: ModelRunner, drafter: Drafter, controller: DraftController, max_model_len: int,
+                 num_draft_tokens: int):
+        self.runner, self.drafter, self.controller = runner, drafter, controller
+        self.max_model_len = max_model_len
+        self.num_draft_tokens = num_draft_tokens        # 0: speculation off
+        self.launched: Launched | None = None           # GraphStep's overlap; never set here
+
+    # ---- propose ------------------------------------------------------------------------------
+    def budget_for(self, seq: Sequence, ahead: int = 0) -> int:
+        """The most tokens a sequence may draft: its verify step must stay within max_tokens and
+        the context (ahead: tokens a step not read yet adds first)."""
+        if not seq.speculate:
+            return 0
+        return max(0, min(self.num_draft_tokens, seq.params.max_tokens - seq.num_output_tokens - ahead - 1,
+                          self.max_model_len - len(seq.token_ids) - ahead - 1))
+
+    def propose(self, plan: StepPlan) -> Proposal:
+        """Drafts for the plan's decoding rows, each at most what its budget allows."""
+        seqs = plan.decode
+        if not self.num_draft_tokens or not any(s.speculate for s in seqs):
+            return Proposal([0] * len(seqs))
+        t0 = time.perf_counter()
+        budget = [self.budget_for(s) for s in seqs]
+        if not self.drafter.priced_after_drafting:
+            # drafts the host never sees: the controller's length is given up front
+            k = self.controller.num_draft([s.seq_id for s in seqs if s.speculate], len(seqs))
+            budget = [min(r, k) for r in budget]
+        proposal = self._draft(seqs, budget)
+        self._charge(seqs, "draft_s", time.perf_counter() - t0)
+        return proposal
+
+    def _draft(self, seqs: list[Sequence], budget: list[int]) -> Proposal:
+        """The drafter drafts within budget. Where it knew its drafts' lengths while drafting, the
+        controller then weighs the drafts that exist (their lengths and match lengths) and cuts
+        them; a row verifies nothing where it drafts nothing, so its estimates relax toward
+        their priors."""
+        if not any(budget):
+            return Proposal([0] * len(seqs))
+        drafts = self.drafter.propose(self._draft_batch(seqs, budget))
+        if not self.drafter.priced_after_drafting:
+            return Proposal(budget, drafts)
+        asking = [i for i, r in enumerate(budget) if r > 0]
+        match = drafts.match_len or [0] * len(seqs)
+        lengths = self.controller.draft_lengths([seqs[i].seq_id for i in asking], len(seqs),
+                                                [drafts.num_draft_host[i] for i in asking], [match[i] for i in asking])
+        budget = [0] * len(seqs)
+        for i, n in zip(asking, lengths):
+            budget[i] = n
+        return Proposal(budget, drafts.truncated(budget)) if any(budget) else Proposal(budget)
+
+    @staticmethod
+    def _draft_batch(seqs: list[Sequence], budget: list[int]) -> DraftBatch:
+        return DraftBatch([s.seq_id for s in seqs], list(budget), [s.slot for s in seqs],
+                          [len(s.token_ids) - 1 for s in seqs])
+
+    # ---- verify -------------------------------------------------------------------------------
+    def verify(self, plan: StepPlan, proposal: Proposal, chunks: list[PrefillChunk]) -> StepResult:
+        """One target forward over [last token + draft] of every decoding sequence (and, on a
+        packing runner, the step's prompt chunks), then the acceptance rule (greedy or rejection
+        sampling) as batched tensor math, read on the host with the step's one synchronisation."""
+        seqs, drafts = plan.decode, proposal.drafts
+        t0 = time.perf_counter()
+        greedy = all(s.params.is_greedy for s in seqs)
+        hidden_layers = self.drafter.hidden_layers
+        if drafts is not None and drafts.num_draft_host is None:
+            # drafts on the device never visit the host: the runner appends them to each row's last token
+            logits, hidden = self.runner.forward(self._last_rows(seqs), hidden_layers=hidden_layers,
+                                                 draft_tokens=drafts.tokens)                     # [B, S, V]
+        else:
+            host = drafts.host_rows() if drafts is not None else [[] for _ in seqs]
+            rows = [Row(s.slot, s.token_ids[-1:] + d, len(s.token_ids) - 1) for s, d in zip(seqs, host)]
+            # [B, S, V], or for greedy rows on the CPU their argmax [B, S]
+            logits, hidden = self.runner.forward(rows, self.runner.greedy_logits if greedy else "all",
+                                                 hidden_layers, chunks=chunk_rows(chunks))
+        K = logits.shape[1] - 1
+        if K == 0 and greedy:
+            return self._plain_greedy(seqs, logits, hidden, t0)
+        if drafts is None:
+            draft_tokens = logits.new_zeros((len(seqs), K), dtype=torch.long)
+            num_draft = logits.new_zeros(len(seqs), dtype=torch.long)
+        else:       # exact mode pads S beyond the drafts
+            draft_tokens = F.pad(drafts.tokens, (0, K - drafts.tokens.shape[1])).to(logits.device, non_blocking=True)
+            num_draft = drafts.num_draft.to(logits.device, non_blocking=True)
+        if greedy:
+            out, num_out = verify_greedy(logits, draft_tokens, num_draft)
+        else:
+            state = SamplingState.from_params([s.params for s in seqs], [s.generator for s in seqs], logits.device)
+            out, num_out = verify_sampling(logits, draft_tokens, num_draft, state)
+        self.drafter.verified(Verified(self._draft_batch(seqs, proposal.budget), out, num_out, hidden))
+        # the one host synchronisation of the step: accepted tokens return to the scheduler
+        host = torch.cat([num_out[:, None], num_draft[:, None], out], dim=1).tolist()
+        return self._result(seqs, host, proposal.budget, t0)
+
+    def _plain_greedy(self, seqs: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None,
+                      t0: float) -> StepResult:
+        """A step without drafts whose rows are all greedy (logits [B, 1, V], or their argmax
+        [B, 1]): each row's argmax is its one token, nothing to check."""
+        tokens = greedy_tokens(logits)
+        batch = self._draft_batch(seqs, [0] * len(seqs))
+        self.drafter.verified(Verified(batch, tokens, torch.ones_like(tokens[:, 0]), hidden))
+        host = tokens.tolist()                          # the step's one host synchronisation
+        return self._result(seqs, [[1, 0, t] for (t,) in host], [0] * len(seqs), t0)
+
+    def _result(self, seqs: list[Sequence], host: list[list[int]], budget: list[int], t0: float,
+                period: float | None = None) -> StepResult:
+        """A StepResult from host rows [tokens out, tokens drafted, tokens...]; the step's time is
+        charged to its rows. A packing runner's step holds its rows' tokens, a padding one's rows
+        of the longest."""
+        self._charge(seqs, "verify_s", time.perf_counter() - t0)
+        rows = len(seqs)
+        step_tokens = rows + (sum(budget) if self.runner.packs_rows else rows * max(budget, default=0))
+        return StepResult([h[2:2 + h[0]] for h in host], [h[1] for h in host], rows, step_tokens, period)
+
+    @staticmethod
+    def _charge(seqs: list[Sequence], what: str, seconds: float) -> None:
+        for s in seqs:
+            setattr(s.stats, what, getattr(s.stats, what) + seconds / len(seqs))
+
+    @staticmethod
+    def _last_rows(seqs: list[Sequence]) -> list[Row]:
+        return [Row(s.slot, s.token_ids[-1:], len(s.token_ids) - 1) for s in seqs]
+
+    # ---- overlap (GraphStep) ------------------------------------------------------------------
+    def resume(self) -> StepPlan | None:
+        """The plan of a step launched ahead whose tokens the host has not read; None here."""
+        return None
+
+    def drop_launched(self) -> None:
+        """Nobody will read the launched step (all its sequences ended)."""
+
+
+def chunk_rows(chunks: list[PrefillChunk]) -> list[Row]:
+    """Prompt chunks as the runner's rows."""
+    return [Row(c.seq.slot, c.seq.token_ids[c.start:c.end], c.start) for c in chunks]
