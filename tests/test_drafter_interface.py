@@ -2,7 +2,7 @@
 
 Guards: hidden states a drafter asks for must be the target's own at every accepted position
 (prompt chunks and verify steps alike, rejected drafts never among them); a cache allocated
-through the DraftContext must have the target's slots, length and dtype; a drafter's reported
+a runner made through the DraftContext must have a cache of the target's slots, length and dtype; a drafter's reported
 cost per drafted token must reach the controller (an expensive drafter is not drafted for); a
 drafter whose drafts stay on the device (priced_after_drafting False) must keep greedy output.
 """
@@ -47,7 +47,7 @@ class HiddenProbe(Drafter):
 
     def bind(self, context):
         self.context = context
-        self.cache = context.allocate_kv_cache(1, 2, 16)
+        self.runner = context.make_runner(context.target)
 
     def begin(self, seq_id, token_ids):
         self.by_position[seq_id] = {}
@@ -80,9 +80,8 @@ def test_hidden_states_are_the_targets_at_accepted_positions(tiny_folder, plain)
         _, want = reference.forward([Row(0, tokens[:-1], 0)], hidden_layers=(0, 1))
         got = torch.stack([drafter.by_position[seq_id][p] for p in range(len(tokens) - 1)])
         torch.testing.assert_close(got, want[0], rtol=1e-9, atol=1e-9)
-    target = llm.engine.runner.cache
-    assert (drafter.cache.num_slots, drafter.cache.max_len, drafter.cache.k.dtype) == \
-        (target.num_slots, target.max_len, target.k.dtype)
+    target, own = llm.engine.runner.cache, drafter.runner.cache
+    assert (own.num_slots, own.max_len, own.k.dtype) == (target.num_slots, target.max_len, target.k.dtype)
     assert drafter.context.max_step_tokens == 4 and drafter.context.target is llm.engine.model
 
 

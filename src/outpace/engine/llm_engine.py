@@ -16,7 +16,6 @@ from outpace.engine.stopping import StopChecker
 from outpace.errors import InvalidParameterError, PromptTooLongError
 from outpace.runner.calibrate import measure_verify_cost
 from outpace.runner.cuda_graphs import CudaGraphRunner
-from outpace.runner.kv_cache import KVCache
 from outpace.runner.model_runner import ModelRunner
 from outpace.sampling.sampler import make_generator
 from outpace.speculative.controller import DraftController
@@ -54,12 +53,13 @@ class LLMEngine:
         self.model = load_model(folder, self.dtype, self.device, config.max_model_len)
         spec = config.spec
         num_draft_tokens = spec.num_draft_tokens if spec.enabled or drafter is not None else 0
+        self.num_draft_tokens = num_draft_tokens
         exact_width = spec.num_draft_tokens + 1 if spec.exact else None     # exact mode's one width
         self.drafter = drafter if drafter is not None else make_drafter(
             spec, self.device, config.max_num_seqs, config.max_model_len, config.cuda_graphs)
         self.runner = self._make_runner(config, num_draft_tokens, exact_width)
         self.drafter.bind(DraftContext(config.max_num_seqs, config.max_model_len, num_draft_tokens + 1,
-                                       self.runner.device, self.dtype, self.model, self._allocate_kv_cache))
+                                       self.runner.device, self.dtype, self.model, self._draft_runner))
         cost = None
         if num_draft_tokens and config.calibrate and not spec.exact:
             # measure_verify_cost waits for the device after each forward, so host clocks time it
@@ -70,7 +70,6 @@ class LLMEngine:
         parts = (self.drafter, self.controller, config.max_model_len, num_draft_tokens)
         self.steps = (GraphStep(self.runner, *parts, scheduler=self.scheduler, overlap=config.overlap)
                       if self.device.startswith("cuda") else EagerStep(self.runner, *parts))
-        self.num_draft_tokens = num_draft_tokens
         self.stats = SpecStats()
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
@@ -87,11 +86,16 @@ class LLMEngine:
                                num_draft_tokens=num_draft_tokens, use_graphs=config.cuda_graphs,
                                extension=extension, max_prefill_tokens=config.max_prefill_tokens)
 
-    def _allocate_kv_cache(self, num_layers: int, num_kv_heads: int, head_dim: int) -> KVCache:
-        """A drafter's KV cache beside the target's: the same slots and length, the same dtype."""
-        target = self.runner.cache
-        return KVCache(num_layers, target.num_slots, num_kv_heads, target.max_len, head_dim, self.dtype,
-                       self.runner.device)
+    def _draft_runner(self, model) -> ModelRunner:
+        """A runner for a drafter's own model, beside the target's: the same slots and context,
+        rows of up to 1 + num_draft_tokens tokens (a draft model catching up on the tokens it has
+        not seen, then a token a row); CUDA graphs on a GPU."""
+        config = self.config
+        spare = self.runner.cache.max_len - config.max_model_len        # the target's spare positions
+        if not self.device.startswith("cuda"):
+            return ModelRunner(model, config.max_num_seqs, config.max_model_len, spare)
+        return CudaGraphRunner(model, config.max_num_seqs, config.max_model_len, spare,
+                               num_draft_tokens=self.num_draft_tokens, use_graphs=config.cuda_graphs, progress=False)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True) -> Sequence:
@@ -173,9 +177,9 @@ class LLMEngine:
         if not self.controller.is_timed:
             return
         if result.period is not None:
-            self.controller.observe_step(result.step_rows, result.exact_width, result.period)
+            self.controller.observe_step(result.step_rows, result.step_tokens, result.period)
         elif not plan.prefill and self.steps.launched is None:
-            self.controller.observe_step(result.step_rows, result.exact_width, elapsed)
+            self.controller.observe_step(result.step_rows, result.step_tokens, elapsed)
 
     def accept(self, seqs: list[Sequence], proposal: Proposal, result: StepResult) -> None:
         """Append each row's verified tokens (up to a stop) and tell the controller and drafter."""

@@ -120,7 +120,11 @@ class Prefilled:
 @dataclass
 class DraftContext:
     """What the engine lends a drafter at construction (Drafter.bind): the target's slots and
-    context length, its device and dtype, and how to allocate caches beside the target's."""
+    context length, its device and dtype, and how to run a model of its own beside the target.
+    make_runner(model) gives a runner of the target's kind (CUDA graphs on a GPU) whose KV cache
+    has the target's slots and length: a sequence's rows sit in the same slot in both, and a
+    drafter rolls its cache back as the target's is, by the sequence's length (entries past it
+    are overwritten)."""
 
     num_slots: int
     max_len: int
@@ -128,7 +132,7 @@ class DraftContext:
     device: torch.device
     dtype: torch.dtype
     target: torch.nn.Module         # the target model (its config, embedding and LM head may be shared)
-    allocate_kv_cache: object       # (num_layers, num_kv_heads, head_dim) -> KVCache with the target's slots
+    make_runner: object             # (model) -> ModelRunner with the target's slots and length
 
 
 class Drafter:
