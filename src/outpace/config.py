@@ -42,13 +42,15 @@ class SamplingParams:
         return self.temperature == 0
 
 
-SPEC_METHODS = ("none", "ngram")
+SPEC_METHODS = ("none", "ngram", "draft")
 MAX_NUM_DRAFT_TOKENS = 32       # the most tokens drafted per step, wherever a bound is needed
 
 
 @dataclass
 class SpecConfig:
-    """Speculative decoding. method 'ngram' drafts by prompt lookup over prompt plus output.
+    """Speculative decoding. method 'ngram' drafts by prompt lookup over prompt plus output;
+    'draft' by a small model of the same tokenizer (draft_model: a known name, a Hugging Face
+    folder or a .gguf file), which stops drafting a row when its top probability falls below p_min.
 
     num_draft_tokens: most tokens drafted per step (TensorRT-LLM's max_draft_len).
     min_ngram / max_ngram: suffix lengths tried, longest first (max_matching_ngram_size).
@@ -63,6 +65,8 @@ class SpecConfig:
     max_ngram: int = 4
     match: str = "recent"
     exact: bool = False
+    draft_model: str | None = None
+    p_min: float = 0.0
 
     def __post_init__(self) -> None:
         _check(self.method in SPEC_METHODS, f"spec method must be one of {SPEC_METHODS}, got {self.method!r}")
@@ -72,6 +76,9 @@ class SpecConfig:
         _check(self.max_ngram >= self.min_ngram,
                f"max_ngram ({self.max_ngram}) must be >= min_ngram ({self.min_ngram})")
         _check(self.match in ("recent", "first"), f"match must be 'recent' or 'first', got {self.match!r}")
+        _check(self.method != "draft" or bool(self.draft_model),
+               "method 'draft' needs draft_model: a known model name, a Hugging Face folder or a .gguf file")
+        _check(0.0 <= self.p_min < 1.0, f"p_min must be in [0, 1), got {self.p_min}")
 
     @property
     def enabled(self) -> bool:

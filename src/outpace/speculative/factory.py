@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from outpace.config import SpecConfig
+from outpace.speculative.draft_model import DraftModelDrafter
 from outpace.speculative.drafter import Drafter
 from outpace.speculative.ngram import NgramDrafter
 from outpace.speculative.ngram_device import DeviceNgramDrafter
@@ -13,4 +14,6 @@ def make_drafter(spec: SpecConfig, device: str, max_seqs: int, max_len: int, cud
         return DeviceNgramDrafter(spec, max_seqs, max_len, device, use_graph=cuda_graphs)
     if spec.method == "ngram":
         return NgramDrafter(spec)
+    if spec.method == "draft":
+        return DraftModelDrafter(spec.draft_model, spec.p_min)
     return Drafter()

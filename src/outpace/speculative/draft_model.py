@@ -1,0 +1,138 @@
+"""DraftModelDrafter: a small model of the target's vocabulary drafts, in one batched draft context.
+
+The draft model runs beside the target with a KV cache of its own in the same slots (a runner
+from DraftContext.make_runner). Each step drafts for every row at once: one forward over all rows
+per draft position, never a loop over sequences. The first forward of a step also catches each
+row up on the tokens its cache lacks (the target's own token of the last step, and any tokens of
+steps it did not draft in), so a row's input is [uncached tokens..., last token]; later forwards
+feed one drafted token a row. A row stops drafting at its budget or when the draft's top
+probability falls below p_min (it is unlikely to be accepted).
+
+Cache invariant, per sequence: positions [0, valid) of its slot hold this model's keys and values
+of the sequence's own tokens. Drafting writes entries past `valid` for the drafted tokens fed
+back; after verification those that equal the accepted tokens stay valid, the rest are stale and
+are overwritten by the next catch-up (the target's rollback rule, by length). Prompt chunks are
+cached in the same chunks as the target's (prefilled), so the first draft needs no long catch-up.
+
+Drafts are greedy (the draft's argmax): a one-hot draft is verified exactly under greedy and
+under rejection sampling, so sampled output keeps the target's distribution.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from outpace.errors import InvalidParameterError
+from outpace.runner.calibrate import batch_buckets
+from outpace.runner.model_runner import Row
+from outpace.speculative.drafter import DraftBatch, DraftContext, Drafter, Drafts, Prefilled
+from outpace.weights.hub import resolve_model
+from outpace.weights.loader import load_model
+
+
+class DraftModelDrafter(Drafter):
+    name = "draft"
+    priced_after_drafting = False       # every drafted token costs a forward: the controller's budget first
+
+    def __init__(self, model: str, p_min: float = 0.0):
+        """model: a known name, a Hugging Face folder or a .gguf file of the draft model."""
+        self.source = model
+        self.p_min = p_min
+        self.tokens: dict[int, list[int]] = {}      # seq_id -> prompt and accepted tokens
+        self.valid: dict[int, int] = {}             # seq_id -> cached prefix (the invariant above)
+        self.fed: dict[int, list[int]] = {}         # seq_id -> drafted tokens written past valid
+        self.per_token: dict[int, float] = {}       # batch bucket -> seconds per drafted token
+
+    def bind(self, context: DraftContext) -> None:
+        self.model = load_model(resolve_model(self.source), context.dtype, str(context.device), context.max_len)
+        target, draft = context.target.cfg, self.model.cfg
+        if draft.vocab_size > target.vocab_size:
+            raise InvalidParameterError(f"the draft model {self.source!r} has a vocabulary of {draft.vocab_size} "
+                                        f"tokens, more than the target's {target.vocab_size}: pair models of "
+                                        "the same tokenizer")
+        self.vocab = draft.vocab_size
+        self.runner = context.make_runner(self.model)
+        self._measure(context.num_slots)
+
+    def _measure(self, num_slots: int) -> None:
+        """Seconds per drafted token by batch bucket: one forward of b rows of one token, over b.
+        Writes scratch keys past position 0 of the slots it uses; prefills overwrite them."""
+        for b in batch_buckets(num_slots):
+            rows = [Row(slot, [0], 1) for slot in range(b)]
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                self.runner.forward(rows)
+                if self.runner.device.type == "cuda":
+                    torch.cuda.synchronize(self.runner.device)
+                best = min(best, time.perf_counter() - t0)
+            self.per_token[b] = best / b
+
+    def cost_per_token(self, batch_size: int) -> float:
+        bucket = min((b for b in self.per_token if b >= batch_size), default=max(self.per_token))
+        return self.per_token[bucket]
+
+    # ---- sequences ----------------------------------------------------------------------------
+    def begin(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        self.tokens[seq_id] = list(token_ids)
+        self.valid[seq_id], self.fed[seq_id] = 0, []
+
+    def prefilled(self, chunks: Prefilled) -> None:
+        """The target's prompt chunks, cached in this model's slots too (one forward)."""
+        rows = [Row(slot, tokens, start) for slot, tokens, start in zip(chunks.slots, chunks.token_ids, chunks.starts)]
+        self.runner.forward(rows, logits="none")
+        for seq_id, start, n in zip(chunks.seq_ids, chunks.starts, chunks.lengths):
+            if self.valid[seq_id] == start:
+                self.valid[seq_id] = start + n
+
+    def accept(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        """Drafted entries past `valid` stay valid as far as they equal the accepted tokens."""
+        tokens = self.tokens[seq_id]
+        if self.valid[seq_id] == len(tokens):       # the entries past valid continue this sequence
+            fed, same = self.fed[seq_id], 0
+            while same < min(len(fed), len(token_ids)) and fed[same] == token_ids[same]:
+                same += 1
+            self.valid[seq_id] += same
+        tokens += token_ids
+        self.fed[seq_id] = []
+
+    def end(self, seq_id: int) -> None:
+        for state in (self.tokens, self.valid, self.fed):
+            state.pop(seq_id, None)
+
+    # ---- drafting -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, batch: DraftBatch) -> Drafts:
+        """Up to budget[i] greedy tokens for each row: the first forward catches rows up and
+        drafts one token each; every further forward feeds each still drafting row its last
+        drafted token."""
+        drafts: list[list[int]] = [[] for _ in range(len(batch))]
+        active = [i for i, k in enumerate(batch.budget) if k > 0]
+        rows = []
+        for i in active:
+            seq_id = batch.seq_ids[i]
+            tokens, valid = self.tokens[seq_id], min(self.valid[seq_id], len(self.tokens[seq_id]) - 1)
+            rows.append(Row(batch.slots[i], tokens[valid:], valid))
+            self.valid[seq_id] = len(tokens)        # every real token is cached after this forward
+            self.fed[seq_id] = []
+        while active:
+            logits, _ = self.runner.forward(rows)                           # [B, S, V]
+            last = torch.tensor([len(r.token_ids) - 1 for r in rows], device=logits.device)
+            probs = torch.softmax(logits[torch.arange(len(rows), device=logits.device), last].float(), -1)
+            best, token = probs.max(-1)
+            best, token = best.tolist(), token.tolist()                     # one host read per draft position
+            still, rows = [], []
+            for i, p, t in zip(active, best, token):
+                if p < self.p_min or t >= self.vocab:
+                    continue
+                drafts[i].append(t)
+                seq_id = batch.seq_ids[i]
+                if len(drafts[i]) < batch.budget[i]:
+                    # feeds the drafted token: its entry lands past `valid` (fed, checked in accept)
+                    self.fed[seq_id].append(t)
+                    still.append(i)
+                    rows.append(Row(batch.slots[i], [t], batch.positions[i] + len(drafts[i])))
+            active = still
+        return Drafts.from_lists(drafts)

@@ -1,0 +1,84 @@
+"""Draft-model speculation on tiny random float64 models: whatever the draft model drafts, greedy
+output equals plain greedy output, batched, with chunked prefill and rollback in every step.
+
+Guards: the draft model's cache must stay consistent through rollback (a draft model that is the
+target itself drafts the target's own continuation, so every draft must be accepted: any stale
+or misplaced cache entry would show as a rejection); a draft model with other random weights (an
+adversary) must not change the output; sampled output with a seed must stay reproducible; an
+incompatible vocabulary is refused with a clear error.
+"""
+import pytest
+import torch
+
+from outpace import LLM, SamplingParams, SpecConfig
+from outpace.errors import InvalidParameterError
+from tiny import make_tiny
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [100, 200, 300, 100, 200], [7] * 30, [42],
+           list(range(500, 520)) * 2]
+PARAMS = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+OPTIONS = dict(dtype="float64", device="cpu", max_num_seqs=3, max_model_len=256, max_prefill_tokens=8,
+               calibrate=False)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, default_model_dir):
+    target = tmp_path_factory.mktemp("tiny-target")
+    make_tiny("llama", target, vocab_size=49152, tokenizer_from=default_model_dir, dtype=torch.float64)
+    other = tmp_path_factory.mktemp("tiny-draft")
+    make_tiny("qwen2", other, vocab_size=49152, tokenizer_from=default_model_dir, dtype=torch.float64, seed=3)
+    small = tmp_path_factory.mktemp("tiny-small-vocab")
+    make_tiny("llama", small, vocab_size=50000, tokenizer_from=default_model_dir, dtype=torch.float64)
+    return target, other, small
+
+
+@pytest.fixture(scope="module")
+def plain(folders):
+    llm = LLM(str(folders[0]), spec="none", **OPTIONS)
+    return [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+
+
+def test_the_target_as_its_own_draft_is_always_accepted(folders, plain):
+    spec = SpecConfig(method="draft", draft_model=str(folders[0]), num_draft_tokens=4)
+    llm = LLM(str(folders[0]), spec=spec, **OPTIONS)
+    out = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in out] == plain
+    drafted = sum(o.spec["num_draft_tokens"] for o in out)
+    assert drafted > 0 and sum(o.spec["num_accepted_tokens"] for o in out) == drafted
+    drafter = llm.engine.drafter
+    assert not drafter.tokens and sorted(llm.engine.scheduler.free_slots) == [0, 1, 2]
+
+
+def test_another_draft_model_keeps_greedy_output(folders, plain):
+    spec = SpecConfig(method="draft", draft_model=str(folders[1]), num_draft_tokens=5)
+    out = LLM(str(folders[0]), spec=spec, **OPTIONS).generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in out] == plain
+    assert sum(o.spec["num_draft_tokens"] for o in out) > 0
+
+
+def test_confidence_stop_drafts_less(folders, plain):
+    spec = SpecConfig(method="draft", draft_model=str(folders[1]), num_draft_tokens=5, p_min=0.9)
+    out = LLM(str(folders[0]), spec=spec, **OPTIONS).generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in out] == plain
+    full = LLM(str(folders[0]), spec=SpecConfig(method="draft", draft_model=str(folders[1]), num_draft_tokens=5),
+               **OPTIONS).generate(PROMPTS, PARAMS)
+    assert sum(o.spec["num_draft_tokens"] for o in out) < sum(o.spec["num_draft_tokens"] for o in full)
+
+
+def test_seeded_sampling_with_a_draft_model_is_reproducible(folders):
+    params = SamplingParams(temperature=0.8, seed=11, max_tokens=20, ignore_eos=True)
+    spec = SpecConfig(method="draft", draft_model=str(folders[0]), num_draft_tokens=3)
+    llm = LLM(str(folders[0]), spec=spec, **OPTIONS)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == \
+        [o.token_ids for o in llm.generate(PROMPTS[::-1], params)][::-1]
+
+
+def test_a_larger_draft_vocabulary_is_refused(folders):
+    spec = SpecConfig(method="draft", draft_model=str(folders[2]))
+    with pytest.raises(InvalidParameterError, match="vocabulary of 50000 tokens, more than the target's 49152"):
+        LLM(str(folders[0]), spec=spec, **OPTIONS)
+
+
+def test_draft_needs_a_model():
+    with pytest.raises(InvalidParameterError, match="method 'draft' needs draft_model"):
+        SpecConfig(method="draft")
