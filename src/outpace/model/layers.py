@@ -145,9 +145,9 @@ class Attention(nn.Module):
             pk = batch.packed
             out = self._kernel_rows(qkv, qk, cos, sin, batch.slots if pk is None else pk.slots,
                                     batch.positions if pk is None else pk.positions, k_cache, v_cache)
-            return linear(out, self.o)
+            return self.output(out, x)
         if batch.packed is not None:
-            return linear(self._packed(qkv, qk, v, cos, sin, batch, k_cache, v_cache).flatten(-2), self.o)
+            return self.output(self._packed(qkv, qk, v, cos, sin, batch, k_cache, v_cache).flatten(-2), x)
         # q and k rotated together; the new keys/values written at their positions (stale entries
         # past a sequence's length are never attended (mask) and get overwritten by later writes)
         if batch.write_start is not None:                 # one row at known positions: plain copies
@@ -164,6 +164,11 @@ class Attention(nn.Module):
             keys, values = self._caches(batch, k_cache, v_cache)
             out = self._attend(q, keys, values, batch.mask, batch.causal, batch.span_rows, prompt=not batch.logits)
             out = out.transpose(1, 2).reshape(B, S, -1)
+        return self.output(out, x)
+
+    def output(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The o projection of the heads' outputs out [..., H * D] (x: the layer's input, which a
+        gated variant reads)."""
         return linear(out, self.o)
 
     def _caches(self, batch: ForwardBatch, k_cache, v_cache):

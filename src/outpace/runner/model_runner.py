@@ -21,7 +21,6 @@ import torch
 
 from outpace.kernels import cpu_kernels
 from outpace.model.decoder import DecoderLM
-from outpace.runner.kv_cache import KVCache
 from outpace.model.layers import ForwardBatch, Packed, PromptChunk
 
 
@@ -65,8 +64,7 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.max_len = max_len
-        self.cache = KVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, max_len + max_step_tokens,
-                             cfg.head_dim, self.dtype, self.device)
+        self.cache = model.make_cache(num_slots, max_len + max_step_tokens, self.dtype, self.device)
         self.exact_tokens = exact_tokens
         self.window = cfg.sliding_window
         self.prefill_dtype = (torch.float32 if self.device.type == "cpu" and self.dtype == torch.bfloat16
