@@ -12,6 +12,8 @@ import torch
 
 from outpace import LLM, SamplingParams
 from outpace.errors import UnsupportedModelError
+from outpace.bench.models import QWEN35_08B
+from outpace.model import delta_rule
 from outpace.model.config import ModelConfig
 from outpace.model.hybrid_config import hybrid_fields
 from outpace.runner.model_runner import ModelRunner, Row
@@ -47,6 +49,30 @@ def tokens(n, seed):
 def prefill(runner, slot, ids, chunk):
     for start in range(0, len(ids), chunk):
         runner.forward([Row(slot, ids[start:start + chunk], start)], logits="none")
+
+
+def test_delta_rule_forms_agree():
+    """The blockwise form gives the token-by-token form's outputs and last state for any block
+    size, the per-token states end in the last state, and tokens with g = b = 0 (padding) leave
+    the state exactly as it was."""
+    g = torch.Generator().manual_seed(0)
+    B, S, H, dk, dv = 2, 45, 3, 8, 5
+    q, k = (torch.nn.functional.normalize(torch.randn(B, S, H, dk, generator=g, dtype=torch.float64), dim=-1)
+            for _ in range(2))
+    v = torch.randn(B, S, H, dv, generator=g, dtype=torch.float64)
+    decay = -3 * torch.rand(B, S, H, generator=g, dtype=torch.float64)
+    strength = torch.rand(B, S, H, generator=g, dtype=torch.float64)
+    start = torch.randn(B, H, dk, dv, generator=g, dtype=torch.float64)
+    out, last = delta_rule.steps(q, k, v, decay, strength, start)
+    for block in (1, 4, 16, 64):
+        got, got_last = delta_rule.chunks(q, k, v, decay, strength, start, block=block)
+        torch.testing.assert_close(got, out, atol=1e-12, rtol=0)
+        torch.testing.assert_close(got_last, last, atol=1e-12, rtol=0)
+    _, states = delta_rule.steps(q, k, v, decay, strength, start, keep_states=True)
+    assert torch.equal(states[:, -1], last)
+    padded = delta_rule.steps(q, k, v, decay.index_fill(1, torch.arange(40, 45), 0),
+                              strength.index_fill(1, torch.arange(40, 45), 0), start, keep_states=True)[1]
+    assert torch.equal(padded[:, 40:], padded[:, 39:40].expand(-1, 5, -1, -1, -1))
 
 
 @pytest.mark.parametrize("chunk", [1, 9, 40])
@@ -185,6 +211,16 @@ def test_rollback_needs_commit_and_room(ours64):
         runner.forward([Row(0, [1], 11)])
     runner.cache.commit([0], [0])
     runner.forward([Row(0, [1], 11)])
+
+
+def test_qwen35_08b_shape_parses():
+    """The published Qwen3.5-0.8B text config (bench.models, as transformers writes it) reads as
+    18 DeltaNet and 6 attention layers rotating 64 of 256 head dims."""
+    import transformers
+    cfg = transformers.Qwen3_5TextConfig(**QWEN35_08B).to_dict() | dict(architectures=["Qwen3_5ForCausalLM"])
+    parsed = ModelConfig.from_dict(cfg)
+    assert parsed.layer_types == (["deltanet"] * 3 + ["attention"]) * 6
+    assert (parsed.rotary_dim, parsed.head_dim, parsed.delta_num_value_heads, parsed.rope_theta) == (64, 256, 16, 1e7)
 
 
 def test_unsupported_configs_say_what_to_change():

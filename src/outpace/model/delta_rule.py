@@ -20,19 +20,20 @@ import torch
 def steps(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor,
           state: torch.Tensor, keep_states: bool = False):
     """Token by token. Returns (o [B, S, H, dv], or None when q is None, and the states after each
-    token [B, S, H, dk, dv] with keep_states, else the last one [B, H, dk, dv])."""
-    outs, states = [], []
-    for t in range(k.shape[1]):
-        state = state * g[:, t].exp()[..., None, None]
-        k_t = k[:, t, :, :, None]                                           # [B, H, dk, 1]
-        delta = b[:, t, :, None] * (v[:, t] - (k_t * state).sum(-2))        # [B, H, dv]: b (v - S^T k)
-        state = state + k_t * delta[:, :, None, :]
+    token [B, S, H, dk, dv] with keep_states, else the last one [B, H, dk, dv]). `state` itself is
+    not written."""
+    B, S = k.shape[:2]
+    out = v.new_empty(v.shape) if q is not None else None
+    states = state.new_empty(B, S, *state.shape[1:]) if keep_states else None
+    decay = g.exp()[..., None, None]                                        # [B, S, H, 1, 1]
+    for t in range(S):
+        state = torch.mul(state, decay[:, t], out=states[:, t] if keep_states else None)
+        k_t = k[:, t, :, None, :]                                           # [B, H, 1, dk]
+        delta = b[:, t, :, None, None] * (v[:, t, :, None, :] - k_t @ state)    # [B, H, 1, dv]: b (v - S^T k)
+        state.addcmul_(k_t.transpose(-1, -2), delta)                        # + k delta^T
         if q is not None:
-            outs.append((q[:, t, :, :, None] * state).sum(-2))
-        if keep_states:
-            states.append(state)
-    out = torch.stack(outs, 1) if q is not None else None
-    return out, (torch.stack(states, 1) if keep_states else state)
+            out[:, t] = (q[:, t, :, None, :] @ state)[:, :, 0]
+    return out, (states if keep_states else state)
 
 
 def chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from outpace.errors import UnsupportedModelError
 from outpace.model.layers import ForwardBatch
 
 
@@ -41,6 +42,11 @@ class RowGroup:
 def row_groups(batch: ForwardBatch, cache) -> list[RowGroup]:
     """The forward's groups, each with its StateRows from `cache` (a StateCache), which moves its
     slots to their state after this forward. Rows that return logits are verify rows."""
+    if batch.positional or (batch.mask is not None and batch.mask.dtype != torch.bool):
+        # the CUDA graph runner's static steps: they pad prompt chunks to a tier and run idle slots'
+        # rows, which a recurrent layer would take as tokens of those sequences
+        raise UnsupportedModelError("hybrid models do not run in the CUDA graph runner's padded steps yet: "
+                                    "run them on the CPU (device='cpu')")
     cache.begin_forward()
     B, S = batch.positions.shape
     device = batch.positions.device

@@ -149,7 +149,7 @@ class StateCache:
 
     def state_before(self, layer: int, rows: StateRows) -> torch.Tensor:
         """[B, H, dk, dv] each row's state before its first token."""
-        return self.state[layer][rows.slots, rows.read].masked_fill(rows.fresh[:, None, None, None], 0)
+        return self.state[layer][rows.slots, rows.read].masked_fill_(rows.fresh[:, None, None, None], 0)
 
     def save_states(self, layer: int, rows: StateRows, states: torch.Tensor) -> None:
         """states [B, width, H, dk, dv]: after each token (snapshot mode's verify rows)."""
