@@ -12,7 +12,7 @@ from torch import nn
 from outpace.model.config import ModelConfig
 from outpace.model.decoder import DecoderLM
 from outpace.model.layers import MLP, ForwardBatch
-from outpace.model.recurrent_rows import row_groups
+from outpace.model.recurrent_rows import RowGroup, row_groups
 from outpace.runner.hybrid_cache import HybridCache
 from outpace.runner.kv_cache import KVCache
 from outpace.runner.state_cache import StateCache
@@ -31,7 +31,7 @@ class HybridLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.is_attention, self.cache_index = is_attention, cache_index
 
-    def forward(self, h, delta, cos, sin, batch: ForwardBatch, cache: HybridCache, groups):
+    def forward(self, h, delta, cos, sin, batch: ForwardBatch, cache: HybridCache, groups: list[RowGroup]):
         """(h, delta) -> (h', delta'), the residual stream h + delta as in DecoderLayer."""
         h, x = self.input_norm.add_forward(h, delta, batch.cpu_pointwise)
         i = self.cache_index

@@ -15,6 +15,7 @@ import torch
 
 from outpace.errors import UnsupportedModelError
 from outpace.model.layers import ForwardBatch
+from outpace.runner.state_cache import StateCache, StateRows
 
 
 @dataclass
@@ -24,7 +25,7 @@ class RowGroup:
     num_rows: int
     width: int
     index: torch.Tensor | None      # [stop - start] each token's flat index into [num_rows * width]; None: all real
-    state: object                   # StateRows: where the rows' recurrent state is read and written
+    state: StateRows                # where the rows' recurrent state is read and written
 
     def lay_out(self, x: torch.Tensor) -> torch.Tensor:
         """The stream's x [N, ...] -> the group's [B, S, ...], padding zero."""
@@ -39,7 +40,7 @@ class RowGroup:
         return y if self.index is None else y.index_select(0, self.index)
 
 
-def row_groups(batch: ForwardBatch, cache) -> list[RowGroup]:
+def row_groups(batch: ForwardBatch, cache: StateCache) -> list[RowGroup]:
     """The forward's groups, each with its StateRows from `cache` (a StateCache), which moves its
     slots to their state after this forward. Rows that return logits are verify rows."""
     if batch.positional or (batch.mask is not None and batch.mask.dtype != torch.bool):

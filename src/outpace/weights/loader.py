@@ -36,7 +36,13 @@ def load_model(folder: Path, dtype: torch.dtype, device: str, max_len: int) -> D
                 for hf_name in f.keys():
                     if model.map_weight(hf_name) is None:
                         continue
-                    for part_name, part in model.convert_weight(hf_name, f.get_tensor(hf_name)):
+                    tensor = f.get_tensor(hf_name)
+                    try:
+                        parts = model.convert_weight(hf_name, tensor)
+                    except RuntimeError:        # a fused tensor that does not split as config.json's sizes do
+                        raise CorruptModelError(f"tensor {hf_name} has shape {tuple(tensor.shape)}, which does "
+                                                f"not split as config.json implies") from None
+                    for part_name, part in parts:
                         name, shard = model.map_weight(part_name)
                         if name not in params:
                             raise CorruptModelError(f"{file.name}: tensor {hf_name} has no place in {cfg.architecture}")
