@@ -23,18 +23,43 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
 }
 
+# Hybrid families: recurrent layers beside attention (4 layers, so both kinds appear). Qwen3.5 as
+# its text model and as the vision-language model its checkpoints are published as; Qwen3-Next
+# with its dense MLP (num_experts 0). Their 1-D weights (norms, decays) are perturbed at random:
+# left at their initial ones and zeros they would hide a misplaced or misordered norm weight.
+_DELTANET = dict(num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                 linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4)
+HYBRID_FAMILIES = {
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _DELTANET),
+    "qwen3_5-vl": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", dict(
+        text_config=_DELTANET | dict(tie_word_embeddings=True), tie_word_embeddings=True,
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=4, temporal_patch_size=1, num_position_embeddings=16))),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", _DELTANET | dict(num_experts=0)),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(num_hidden_layers=4, full_attn_idxs=[1, 3])),
+}
+
 
 def make_tiny(family: str, folder: Path, vocab_size: int = 256, tokenizer_from: Path | None = None,
               seed: int = 0, dtype=torch.float32):
     """Write a random-weight model of `family` to `folder`; returns the transformers model."""
     import transformers
-    config_cls, model_cls, extra = FAMILIES[family]
-    config = getattr(transformers, config_cls)(vocab_size=vocab_size, **COMMON, **extra)
+    config_cls, model_cls, extra = FAMILIES.get(family) or HYBRID_FAMILIES[family]
+    if "text_config" in extra:
+        text = dict(vocab_size=vocab_size, **COMMON) | extra["text_config"]
+        config = getattr(transformers, config_cls)(**extra | dict(text_config=text))
+    else:
+        config = getattr(transformers, config_cls)(**dict(vocab_size=vocab_size, **COMMON) | extra)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).to(dtype).eval()
     # random init leaves logits nearly flat; widen them so greedy decoding has clear winners
     with torch.no_grad():
-        model.lm_head.weight.mul_(20.0) if not config.tie_word_embeddings else model.model.embed_tokens.weight.mul_(8.0)
+        tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        model.get_input_embeddings().weight.mul_(8.0) if tied else model.get_output_embeddings().weight.mul_(20.0)
+        if family in HYBRID_FAMILIES:
+            for p in model.parameters():
+                if p.dim() == 1:
+                    p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(folder)
     if tokenizer_from is not None:
         for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):

@@ -99,6 +99,9 @@ class EngineConfig:
     calibrate: bool = True          # measure verify cost per batch size at start (draft controller)
     cuda_graphs: bool = True        # CUDA: decode/verify steps replay graphs captured at start
     overlap: bool = True            # CUDA graphs: a greedy step's successor launches before its tokens are read
+    # hybrid models: roll recurrent state back from a snapshot per verified token (False: keep a
+    # checkpoint and replay the accepted tokens' state updates, less memory)
+    recurrent_snapshots: bool = True
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16", "float64"),

@@ -1,5 +1,5 @@
-"""Model files for the benchmarks: the GGUF behind a model name, and a random-weight model of
-Llama-3-8B's shape (speed depends on shapes, not on weight values)."""
+"""Model files for the benchmarks: the GGUF behind a model name, and random-weight models of
+Llama-3-8B's and Qwen3.5-0.8B's shapes (speed depends on shapes, not on weight values)."""
 from __future__ import annotations
 
 import shutil
@@ -14,6 +14,19 @@ from outpace.weights.hub import REGISTRY, resolve_model
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
                  rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu")
+# Qwen3.5-0.8B's text model (a hybrid: 18 Gated DeltaNet layers, 6 gated attention layers), its
+# dimensions exactly, from the text_config of its published config.json as quoted in public code
+# (mlx-community/Qwen3.5-0.8B-OptiQ-4bit's, "trimmed"; Qwen/Qwen3.5-0.8B's model card and spec pages
+# agree: 24 layers of hidden size 1024, 3 DeltaNet to 1 attention, 8 query / 2 KV heads of 256,
+# DeltaNet 16 heads of 128 for q, k and v, ffn 3584, vocabulary 248320, tied embeddings, rope
+# theta 1e7 over a quarter of each head)
+QWEN35_08B = dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4,
+                  linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                  linear_num_value_heads=16, max_position_embeddings=262144, rms_norm_eps=1e-6,
+                  tie_word_embeddings=True, hidden_act="silu",
+                  layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(24)],
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25})
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
@@ -32,17 +45,35 @@ def random_llama3_8b(folder: str | Path | None = None, device: str = "cpu", seed
     built by transformers and saved once. The tokenizer is the default model's (or the one in the
     folder `tokenizer_from`): its ids are all inside the 8B vocabulary, so the same prompts run on both."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    folder = Path(folder) if folder else outpace_home() / "models" / "random-llama3-8b"
+    config = LlamaConfig(**LLAMA3_8B, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    return _random_model(LlamaForCausalLM, config, folder or outpace_home() / "models" / "random-llama3-8b",
+                         device, seed, tokenizer_from)
+
+
+def random_qwen35_08b(folder: str | Path | None = None, device: str = "cpu", seed: int = 0,
+                      tokenizer_from: str | Path | None = None) -> Path:
+    """As random_llama3_8b, for Qwen3.5-0.8B's text model (about 1.5 GB): a Qwen3_5ForCausalLM
+    folder, which outpace loads as a published Qwen3.5 checkpoint's text model."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    config = Qwen3_5TextConfig(**QWEN35_08B, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    return _random_model(Qwen3_5ForCausalLM, config, folder or outpace_home() / "models" / "random-qwen3.5-0.8b",
+                         device, seed, tokenizer_from)
+
+
+def _random_model(model_cls, config, folder: str | Path, device: str, seed: int,
+                  tokenizer_from: str | Path | None) -> Path:
+    """`model_cls(config)` with random bfloat16 weights saved to `folder` once, with the tokenizer
+    of `tokenizer_from` (default: the default model's)."""
+    folder = Path(folder)
     if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
         return folder
     tokenizer_from = Path(tokenizer_from) if tokenizer_from else resolve_model("smollm2-135m")
-    config = LlamaConfig(**LLAMA3_8B, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)     # never materialise 32 GB of float32
+    torch.set_default_dtype(torch.bfloat16)     # never materialise the float32 weights
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(config)
+            model = model_cls(config)
     finally:
         torch.set_default_dtype(previous)
     partial = folder.with_name(folder.name + ".partial")

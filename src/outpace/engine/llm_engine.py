@@ -51,6 +51,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.tokenizer = Tokenizer.from_folder(folder)
         self.model = load_model(folder, self.dtype, self.device, config.max_model_len)
+        # the CUDA graph runner on a GPU (its padded steps do not suit recurrent state yet)
+        self.uses_graphs = self.device.startswith("cuda") and not self.model.is_recurrent
         spec = config.spec
         num_draft_tokens = spec.num_draft_tokens if spec.enabled or drafter is not None else 0
         self.num_draft_tokens = num_draft_tokens
@@ -69,7 +71,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.max_num_seqs, config.max_prefill_tokens)
         parts = (self.drafter, self.controller, config.max_model_len, num_draft_tokens)
         self.steps = (GraphStep(self.runner, *parts, scheduler=self.scheduler, overlap=config.overlap)
-                      if self.device.startswith("cuda") else EagerStep(self.runner, *parts))
+                      if self.uses_graphs else EagerStep(self.runner, *parts))
         self.stats = SpecStats()
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
@@ -79,8 +81,9 @@ class LLMEngine:
         """CUDA: decode/verify steps replay captured CUDA graphs (run eagerly with cuda_graphs
         off), which draft and verify themselves where the drafter has a graph step."""
         max_step_tokens = max(config.max_prefill_tokens, num_draft_tokens + 1, exact_width or 0)
-        if not self.device.startswith("cuda"):
-            return ModelRunner(self.model, config.max_num_seqs, config.max_model_len, max_step_tokens, exact_width)
+        if not self.uses_graphs:
+            return ModelRunner(self.model, config.max_num_seqs, config.max_model_len, max_step_tokens, exact_width,
+                               num_draft_tokens + 1, config.recurrent_snapshots)
         extension = self.drafter.graph_step(config.max_num_seqs, max(num_draft_tokens + 1, exact_width or 0))
         return CudaGraphRunner(self.model, config.max_num_seqs, config.max_model_len, max_step_tokens, exact_width,
                                num_draft_tokens=num_draft_tokens, use_graphs=config.cuda_graphs,
@@ -92,7 +95,7 @@ class LLMEngine:
         not seen, then a token a row); CUDA graphs on a GPU."""
         config = self.config
         spare = self.runner.cache.max_len - config.max_model_len        # the target's spare positions
-        if not self.device.startswith("cuda"):
+        if not self.device.startswith("cuda") or model.is_recurrent:
             return ModelRunner(model, config.max_num_seqs, config.max_model_len, spare)
         return CudaGraphRunner(model, config.max_num_seqs, config.max_model_len, spare,
                                num_draft_tokens=self.num_draft_tokens, use_graphs=config.cuda_graphs, progress=False)

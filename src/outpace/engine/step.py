@@ -162,6 +162,8 @@ class EagerStep:
         else:
             state = SamplingState.from_params([s.params for s in seqs], [s.generator for s in seqs], logits.device)
             out, num_out = verify_sampling(logits, draft_tokens, num_draft, state)
+        # a recurrent model's state becomes the one after each row's last accepted token
+        self.runner.cache.commit([s.slot for s in seqs], num_out - 1)
         self.drafter.verified(Verified(self._draft_batch(seqs, proposal.budget), out, num_out, hidden))
         # the one host synchronisation of the step: accepted tokens return to the scheduler
         host = torch.cat([num_out[:, None], num_draft[:, None], out], dim=1).tolist()

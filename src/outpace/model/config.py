@@ -5,7 +5,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from outpace.errors import CorruptModelError, UnsupportedModelError
+from outpace.errors import CorruptModelError, OutpaceError, UnsupportedModelError
+from outpace.model.hybrid_config import HYBRID_FAMILIES, hybrid_fields
 
 # architecture name in config.json -> model family implemented in outpace.model
 ARCHITECTURES = {
@@ -13,6 +14,10 @@ ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",     # its text model; the vision tower is not loaded
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Lfm2ForCausalLM": "lfm2",
 }
 
 
@@ -37,6 +42,16 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # hybrid families (model/hybrid_config.py); empty for the dense ones: each layer's token
+    # mixer, "attention", "deltanet" (Gated DeltaNet) or "short_conv" (gated short convolution)
+    layer_types: list[str] = field(default_factory=list)
+    rotary_dim: int | None = None       # head dims that rotate (None: all of them)
+    conv_kernel: int = 0                # taps of the recurrent layers' causal convolution
+    conv_bias: bool = False
+    delta_num_key_heads: int = 0        # Gated DeltaNet: query/key heads and value heads, their sizes
+    delta_num_value_heads: int = 0
+    delta_key_dim: int = 0
+    delta_value_dim: int = 0
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
@@ -47,6 +62,8 @@ class ModelConfig:
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; "
                 f"outpace supports {', '.join(ARCHITECTURES)}")
         family = ARCHITECTURES[arch]
+        if isinstance(cfg.get("text_config"), dict):     # a vision-language checkpoint: its text model's fields
+            cfg = {**cfg, **cfg["text_config"]}
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -59,7 +76,7 @@ class ModelConfig:
             eos = cfg.get("eos_token_id")
             eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
             window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-            return cls(
+            fields = dict(
                 architecture=arch,
                 family=family,
                 vocab_size=int(cfg["vocab_size"]),
@@ -80,6 +97,11 @@ class ModelConfig:
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
+            if family in HYBRID_FAMILIES:
+                fields.update(hybrid_fields(family, cfg, fields))
+            return cls(**fields)
+        except OutpaceError:
+            raise
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptModelError(f"config.json is missing or has a bad field: {e}") from None
 

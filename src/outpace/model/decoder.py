@@ -14,6 +14,7 @@ from outpace.model.rope import rope_tables
 
 
 class DecoderLM(nn.Module):
+    is_recurrent = False    # layers with recurrent state (HybridLM): rolled back by cache.commit, no CUDA graphs yet
     # Hugging Face parameter name (per layer, after "model.layers.N.") -> (our name, shard index).
     # Fused matrices take their parts in the listed order: qkv = [q; k; v], gate_up = [gate; up].
     LAYER_WEIGHTS = {
@@ -30,17 +31,28 @@ class DecoderLM(nn.Module):
         "post_attention_layernorm": ("post_norm", None),
     }
     TOP_WEIGHTS = {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "lm_head"}
+    NORM = RMSNorm      # the final norm's class (a hybrid family may scale by 1 + w)
 
     def __init__(self, cfg: ModelConfig, max_len: int):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_layers))
+        self.norm = self.NORM(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_len, cfg.rope_scaling)
+        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_len, cfg.rope_scaling, cfg.rotary_dim)
         self.register_buffer("rope_cos", cos, persistent=False)   # [max_len, D] float32
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def make_layer(self, i: int) -> nn.Module:
+        return DecoderLayer(self.cfg, i)
+
+    def make_cache(self, num_slots: int, max_len: int, dtype: torch.dtype, device, max_row_tokens: int = 1,
+                   snapshots: bool = True) -> KVCache:
+        """The cache this model's forward reads and writes. max_row_tokens and snapshots size a
+        hybrid model's recurrent state (HybridLM.make_cache); keys and values need neither."""
+        c = self.cfg
+        return KVCache(c.num_layers, num_slots, c.num_kv_heads, max_len, c.head_dim, dtype, device)
 
     def tie_weights(self) -> None:
         if self.cfg.tie_word_embeddings:
@@ -61,10 +73,9 @@ class DecoderLM(nn.Module):
         positions = batch.positions if batch.packed is None else batch.packed.positions
         cos = self.rope_cos[positions].to(h.dtype).unsqueeze(-2)         # [B, S, 1, D] or [T, 1, D]
         sin = self.rope_sin[positions].to(h.dtype).unsqueeze(-2)
-        delta, kept = None, []
+        kept = []
         rows = len(batch.packed.index) if batch.packed is not None else None    # the rows' tokens come first
-        for i, layer in enumerate(self.layers):
-            h, delta = layer(h, delta, cos, sin, batch, cache.k[i], cache.v[i])
+        for i, (h, delta) in enumerate(self.run_layers(h, cos, sin, batch, cache)):
             if i in hidden_layers:
                 kept.append((h + delta)[:rows].reshape(-1, h.shape[-1]).to(hidden_dtype))
         hidden = torch.stack(kept, dim=1) if kept else None             # [N, layers, H]
@@ -76,6 +87,19 @@ class DecoderLM(nn.Module):
         # the LM head in the weights' dtype (a float32 forward's rows would widen its whole matrix)
         logits = linear(normed.reshape(-1, normed.shape[-1]).to(hidden_dtype), self.lm_head).float()
         return logits, hidden
+
+    def run_layers(self, h, cos, sin, batch: ForwardBatch, cache: KVCache):
+        """The layers over the embedded tokens, yielding (h, delta) after each: the residual
+        stream is h + delta."""
+        delta = None
+        for i, layer in enumerate(self.layers):
+            h, delta = layer(h, delta, cos, sin, batch, cache.k[i], cache.v[i])
+            yield h, delta
+
+    def convert_weight(self, hf_name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """A checkpoint tensor as the (name, tensor) parts map_weight places: itself here; a family
+        whose checkpoint fuses or orders tensors otherwise splits or reorders them."""
+        return [(hf_name, tensor)]
 
     def map_weight(self, hf_name: str) -> tuple[str, int | None] | None:
         """Our parameter name and shard index for a Hugging Face tensor name; None = not used."""

@@ -151,6 +151,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[..., :H, :]), self.k_norm(qk[..., H:, :])], dim=-2)
         out = self.VARIANTS[batch.attention](self, qkv, qk, v, cos, sin, batch, k_cache, v_cache)
+        return self.output(out, x)
+
+    def output(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The o projection of the heads' outputs out [..., H * D] (x: the layer's input, which a
+        gated variant reads)."""
         return linear(out, self.o)
 
     def _cpu_kernel(self, qkv, qk, v, cos, sin, batch: ForwardBatch, k_cache, v_cache):

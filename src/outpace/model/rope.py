@@ -38,11 +38,15 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, s: dict, dim: int, base: float, max_p
     return inv, mscale
 
 
-def rope_tables(head_dim: int, base: float, max_pos: int, scaling: dict | None):
+def rope_tables(head_dim: int, base: float, max_pos: int, scaling: dict | None, rotary_dim: int | None = None):
     """cos and signed-sin tables [max_pos, head_dim] in float32, for fused.rope's rotate-half
-    layout: the first half of the signed sin is negated."""
+    layout: the first half of the signed sin is negated. rotary_dim < head_dim (partial rotation):
+    the first rotary_dim / 2 dims of each half rotate at the frequencies of a rotary_dim rotation,
+    the others keep angle 0 (cos 1, sin 0); a family that rotates the first rotary_dim dims of a
+    head lays its q and k dims out this way at load (gated_attention.rotary_order)."""
+    rotary = rotary_dim or head_dim
     # float32 throughout, the arithmetic of the reference implementations, so tables match bit for bit
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary, 2, dtype=torch.int64).float() / rotary))
     mscale = 1.0
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
     if kind == "linear":
@@ -54,6 +58,7 @@ def rope_tables(head_dim: int, base: float, max_pos: int, scaling: dict | None):
     elif kind != "default":
         raise UnsupportedModelError(
             f"rope scaling {kind!r} is not supported; outpace supports default, linear, llama3, yarn")
+    inv_freq = torch.cat([inv_freq, inv_freq.new_zeros((head_dim - rotary) // 2)])
     angles = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq.float())
     emb = torch.cat([angles, angles], dim=-1)
     sin = emb.sin() * mscale

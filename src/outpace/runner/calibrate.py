@@ -54,6 +54,7 @@ def measure_verify_cost(runner: ModelRunner, max_seqs: int, num_draft_tokens: in
         shapes = [(b, b * (s - 1)) for b in batch_buckets(max_seqs) for s in range(1, num_draft_tokens + 2)]
     cost: dict[int, list] = {}
     runner.forward([Row(0, [0] * (num_draft_tokens + 1), CONTEXT)])          # warm-up: first calls allocate
+    runner.cache.commit([0], [0])
     for b, extra in tqdm(shapes, desc="outpace: measuring verify cost (once per model and machine)", leave=False):
         if runner.packs_rows:
             rows = [Row(slot, [0] * (1 + min(draft, max(0, extra - slot * draft))), CONTEXT) for slot in range(b)]
@@ -63,6 +64,7 @@ def measure_verify_cost(runner: ModelRunner, max_seqs: int, num_draft_tokens: in
         for _ in range(reps):
             t0 = time.perf_counter()
             runner.forward(rows)
+            runner.cache.commit([r.slot for r in rows], [0] * len(rows))     # a recurrent model's rollback
             if runner.device.type == "cuda":
                 torch.cuda.synchronize(runner.device)
             best = min(best, time.perf_counter() - t0)

@@ -22,3 +22,7 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
+
+    def commit(self, slots, num_accepted) -> None:
+        """Nothing to do after a verify forward: rejected tokens' entries stay, masked, and are
+        overwritten (a hybrid model's cache rolls its recurrent state back here)."""

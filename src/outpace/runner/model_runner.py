@@ -21,7 +21,6 @@ import torch
 
 from outpace.kernels import cpu_kernels
 from outpace.model.decoder import DecoderLM
-from outpace.runner.kv_cache import KVCache
 from outpace.model.layers import AttentionKind, ForwardBatch, Packed, PromptChunk
 
 
@@ -57,16 +56,18 @@ class ModelRunner:
     greedy_logits = "tokens"
 
     def __init__(self, model: DecoderLM, num_slots: int, max_len: int, max_step_tokens: int,
-                 exact_width: int | None = None):
+                 exact_width: int | None = None, max_verify_tokens: int = 1, snapshots: bool = True):
         """exact_width: in exact mode, every decode forward is padded to this many tokens per row
-        and attends over the whole cache, so its arithmetic never depends on the draft length."""
+        and attends over the whole cache, so its arithmetic never depends on the draft length.
+        max_verify_tokens, snapshots: a recurrent model's state rolls back verify rows of up to
+        that many tokens, from a snapshot per token or by replay (model.make_cache)."""
         self.model = model
         cfg = model.cfg
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.max_len = max_len
-        self.cache = KVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, max_len + max_step_tokens,
-                             cfg.head_dim, self.dtype, self.device)
+        self.cache = model.make_cache(num_slots, max_len + max_step_tokens, self.dtype, self.device,
+                                      max(max_verify_tokens, exact_width or 1), snapshots)
         self.exact_width = exact_width
         self.window = cfg.sliding_window
         self.prefill_dtype = (torch.float32 if self.device.type == "cpu" and self.dtype == torch.bfloat16

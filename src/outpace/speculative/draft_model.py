@@ -52,6 +52,9 @@ class DraftModelDrafter(Drafter):
             raise InvalidParameterError(f"the draft model {self.source!r} has a vocabulary of {draft.vocab_size} "
                                         f"tokens, more than the target's {target.vocab_size}: pair models of "
                                         "the same tokenizer")
+        if self.model.is_recurrent:
+            raise InvalidParameterError(f"the draft model {self.source!r} has recurrent layers, whose state "
+                                        "cannot be rolled back across draft steps yet: use an attention-only draft model")
         self.vocab = draft.vocab_size
         self.runner = context.make_runner(self.model)
         self._measure(context.num_slots)

@@ -26,7 +26,7 @@ def load_model(folder: Path, dtype: torch.dtype, device: str, max_len: int) -> D
     model.to_empty(device=device)
     model.to(dtype)
     # rope tables stay float32 whatever the model dtype; to_empty left them uninitialised
-    cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_len, cfg.rope_scaling)
+    cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_len, cfg.rope_scaling, cfg.rotary_dim)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -34,14 +34,20 @@ def load_model(folder: Path, dtype: torch.dtype, device: str, max_len: int) -> D
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for hf_name in f.keys():
-                    target = model.map_weight(hf_name)
-                    if target is None:
+                    if model.map_weight(hf_name) is None:
                         continue
-                    name, shard = target
-                    if name not in params:
-                        raise CorruptModelError(f"{file.name}: tensor {hf_name} has no place in {cfg.architecture}")
-                    _copy_into(model, params[name], name, shard, f.get_tensor(hf_name), hf_name)
-                    loaded.add(name if shard is None else f"{name}#{shard}")
+                    tensor = f.get_tensor(hf_name)
+                    try:
+                        parts = model.convert_weight(hf_name, tensor)
+                    except RuntimeError:        # a fused tensor that does not split as config.json's sizes do
+                        raise CorruptModelError(f"tensor {hf_name} has shape {tuple(tensor.shape)}, which does "
+                                                f"not split as config.json implies") from None
+                    for part_name, part in parts:
+                        name, shard = model.map_weight(part_name)
+                        if name not in params:
+                            raise CorruptModelError(f"{file.name}: tensor {hf_name} has no place in {cfg.architecture}")
+                        _copy_into(model, params[name], name, shard, part, hf_name)
+                        loaded.add(name if shard is None else f"{name}#{shard}")
         except SafetensorError as e:
             raise CorruptModelError(f"{file} is not a readable safetensors file: {e}") from None
     model.tie_weights()

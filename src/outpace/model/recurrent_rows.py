@@ -1,0 +1,69 @@
+"""RowGroup: how a forward's tokens split into sequences for the recurrent layers.
+
+A forward holds rows (decode, verify, or prompt chunks sent alone) laid out as [B, S] or packed
+into their real tokens, and, packed after them, prompt chunks each of its own slot (layers.Packed).
+Attention reads each token's slot and position; a recurrent layer instead runs each sequence's
+tokens in order from its slot's state, so it takes them group by group: the rows as [B, S] (each
+row's tokens first, padding after), then each chunk as [1, n]. The stream's tokens are the groups'
+in order: rows' [0, T), then each chunk's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from outpace.errors import UnsupportedModelError
+from outpace.model.layers import AttentionKind, ForwardBatch
+from outpace.runner.state_cache import StateCache, StateRows
+
+
+@dataclass
+class RowGroup:
+    start: int                      # its tokens are the stream's [start, stop)
+    stop: int
+    num_rows: int
+    width: int
+    index: torch.Tensor | None      # [stop - start] each token's flat index into [num_rows * width]; None: all real
+    state: StateRows                # where the rows' recurrent state is read and written
+
+    def lay_out(self, x: torch.Tensor) -> torch.Tensor:
+        """The stream's x [N, ...] -> the group's [B, S, ...], padding zero."""
+        x = x[self.start:self.stop]
+        if self.index is not None:
+            x = x.new_zeros(self.num_rows * self.width, *x.shape[1:]).index_copy_(0, self.index, x)
+        return x.view(self.num_rows, self.width, *x.shape[1:])
+
+    def tokens(self, y: torch.Tensor) -> torch.Tensor:
+        """The group's y [B, S, ...] -> its real tokens [stop - start, ...], the stream's order."""
+        y = y.reshape(self.num_rows * self.width, *y.shape[2:])
+        return y if self.index is None else y.index_select(0, self.index)
+
+
+def row_groups(batch: ForwardBatch, cache: StateCache) -> list[RowGroup]:
+    """The forward's groups, each with its StateRows from `cache` (a StateCache), which moves its
+    slots to their state after this forward. Rows that return logits are verify rows."""
+    if batch.attention is AttentionKind.GRAPH or (batch.mask is not None and batch.mask.dtype != torch.bool):
+        # the CUDA graph runner's static steps: they pad prompt chunks to a tier and run idle slots'
+        # rows, which a recurrent layer would take as tokens of those sequences
+        raise UnsupportedModelError("hybrid models do not run in the CUDA graph runner's padded steps yet: "
+                                    "run them on the CPU (device='cpu')")
+    cache.begin_forward()
+    B, S = batch.positions.shape
+    device = batch.positions.device
+    fresh = batch.positions[:, 0] == 0
+    packed = batch.packed
+    if packed is None:
+        index, num_tokens = None, B * S
+        lengths = torch.full((B,), S, dtype=torch.long, device=device)
+    else:
+        index, num_tokens = packed.index, len(packed.index)
+        lengths = torch.bincount(index // S, minlength=B)
+    groups = [RowGroup(0, num_tokens, B, S, index, cache.rows(batch.slots, lengths, fresh, S, batch.logits))]
+    for chunk in packed.chunks if packed is not None else []:
+        start = groups[-1].stop
+        slots, lengths = torch.tensor([chunk.slot, chunk.n], device=device).view(2, 1)
+        fresh = torch.tensor([chunk.end == chunk.n], device=device)
+        groups.append(RowGroup(start, start + chunk.n, 1, chunk.n, None,
+                               cache.rows(slots, lengths, fresh, chunk.n, False)))
+    return groups
