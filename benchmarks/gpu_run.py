@@ -97,6 +97,12 @@ def greedy(max_tokens, ignore_eos=True):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
 
 
+def set_overlap(llm, on: bool):
+    """Whether a greedy graph step's successor launches before its tokens are read (the engine's
+    GraphStep reads this on every step)."""
+    llm.engine.steps.overlap = on
+
+
 def set_graphs(llm_or_runner, on: bool):
     runner = getattr(getattr(llm_or_runner, "engine", None), "runner", llm_or_runner)
     if isinstance(runner, CudaGraphRunner):
@@ -113,10 +119,10 @@ def decode_modes(llm, ids, n) -> dict[str, list[float]]:
     rates = {}
     for label, graphs, overlap in DECODE_MODES:
         set_graphs(llm, graphs)
-        llm.engine.config.overlap = overlap
+        set_overlap(llm, overlap)
         rates.setdefault(label, []).append(decode_rate(llm, ids, n)[0])
     set_graphs(llm, True)
-    llm.engine.config.overlap = True
+    set_overlap(llm, True)
     return rates
 
 
@@ -363,9 +369,9 @@ def default_model(args, model, gguf, prompts):
     out["controller_cost_ratio_b1"] = [t / curve[0][1] for _, t in curve] if curve else None
     log(f"[default] calibrated verify cost ratio, batch 1: {out['controller_cost_ratio_b1']}")
     out["spec_bench"] = spec_bench(llm, prompts, 64 if args.quick else 256)
-    llm.engine.config.overlap = False
+    set_overlap(llm, False)
     out["spec_bench_no_overlap"] = spec_bench(llm, prompts, 64 if args.quick else 256, target=False)
-    llm.engine.config.overlap = True
+    set_overlap(llm, True)
     out["verify"] = verify_table(llm.engine.model, device, "default model, bf16", args.quick)
     del llm
     free()
@@ -386,7 +392,7 @@ def default_transformers(gguf, device, ids, n) -> float:
 def spec_bench(llm, prompts, max_tokens, target=True):
     """First turns, batch 1, greedy with EOS; speculative and plain alternate which goes first.
     target: this run's overall speedup is the target's figure (else reported only)."""
-    overlap = "" if llm.engine.config.overlap else ", no overlap"
+    overlap = "" if llm.engine.steps.overlap else ", no overlap"
     params = greedy(max_tokens, ignore_eos=False)
     per_cat, count = {}, 0
     for category, texts in prompts.items():
