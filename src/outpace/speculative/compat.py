@@ -15,8 +15,10 @@ and merge ranks may differ; that costs acceptance, never correctness). Compared,
              <|im_start|>, fill-in-the-middle markers, ...): same id, same text, same special flag
   texts      the token text of every shared id
 
-The result is the number of shared ids: ids below it mean the same token to both models; a
-drafter keeps its proposals below it.
+Chat templates are not compared: the target's template renders the prompt, and the draft reads
+the ids that come of it (Qwen2.5-Coder's 0.5B and 1.5B templates differ in one line of the tool
+instructions). The result is the number of shared ids: ids below it mean the same token to both
+models; a drafter keeps its proposals below it.
 """
 from __future__ import annotations
 

