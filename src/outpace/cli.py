@@ -7,13 +7,15 @@ import sys
 
 from outpace.errors import OutpaceError
 
+# the names in outpace.weights.hub.REGISTRY (tests/test_release.py keeps them in step)
+KNOWN_MODELS = "smollm2-135m (the default), qwen2.5-coder-1.5b-instruct, qwen2.5-coder-0.5b-instruct"
 DTYPE_HELP = ("float32, bfloat16 or auto (default): bfloat16 on CUDA and on CPUs with native bf16 "
               "(AVX-512 bf16 / AMX), float32 on other CPUs")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m",
-                   help="a known name (smollm2-135m, the default), a Hugging Face folder, or a .gguf file")
+                   help=f"a known name ({KNOWN_MODELS}), a Hugging Face folder, or a .gguf file")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
     p.add_argument("--max-model-len", type=int, default=2048, help="prompt plus output tokens (default 2048)")
@@ -164,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("pull", help="fetch a known model into the cache")
-    p.add_argument("name", nargs="?", default="smollm2-135m")
+    p.add_argument("name", nargs="?", default="smollm2-135m", help=f"a known name: {KNOWN_MODELS}")
     p.set_defaults(func=cmd_pull)
 
     b = sub.add_parser("bench", help="Spec-Bench prompts with and without speculation: tokens/s, speedup, acceptance")

@@ -17,6 +17,10 @@ class CorruptModelError(OutpaceError):
     pass
 
 
+class IncompatibleModelsError(OutpaceError):
+    """A draft model whose vocabulary is not the target's."""
+
+
 class PromptTooLongError(OutpaceError):
     pass
 

@@ -27,9 +27,11 @@ import torch
 from outpace.errors import InvalidParameterError
 from outpace.runner.calibrate import batch_buckets
 from outpace.runner.model_runner import Row
+from outpace.speculative.compat import check_vocab_compatible
 from outpace.speculative.drafter import DraftBatch, DraftContext, Drafter, Drafts, Prefilled
 from outpace.weights.hub import resolve_model
 from outpace.weights.loader import load_model
+from outpace.weights.tokenizer import Tokenizer
 
 
 class DraftModelDrafter(Drafter):
@@ -46,16 +48,14 @@ class DraftModelDrafter(Drafter):
         self.per_token: dict[int, float] = {}       # batch bucket -> seconds per drafted token
 
     def bind(self, context: DraftContext) -> None:
-        self.model = load_model(resolve_model(self.source), context.dtype, str(context.device), context.max_len)
-        target, draft = context.target.cfg, self.model.cfg
-        if draft.vocab_size > target.vocab_size:
-            raise InvalidParameterError(f"the draft model {self.source!r} has a vocabulary of {draft.vocab_size} "
-                                        f"tokens, more than the target's {target.vocab_size}: pair models of "
-                                        "the same tokenizer")
+        folder = resolve_model(self.source)
+        # ids below `vocab` mean the same token to both models; drafts stay below it
+        shared = check_vocab_compatible(context.tokenizer, Tokenizer.from_folder(folder))
+        self.model = load_model(folder, context.dtype, str(context.device), context.max_len)
         if self.model.is_recurrent:
             raise InvalidParameterError(f"the draft model {self.source!r} has recurrent layers, whose state "
                                         "cannot be rolled back across draft steps yet: use an attention-only draft model")
-        self.vocab = draft.vocab_size
+        self.vocab = min(shared, self.model.cfg.vocab_size, context.target.cfg.vocab_size)
         self.runner = context.make_runner(self.model)
         self._measure(context.num_slots)
 

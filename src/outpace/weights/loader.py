@@ -56,6 +56,7 @@ def load_model(folder: Path, dtype: torch.dtype, device: str, max_len: int) -> D
         raise CorruptModelError(f"weights missing from {folder}: {', '.join(missing[:5])}"
                                 f"{' ...' if len(missing) > 5 else ''}")
     model.eval().requires_grad_(False)
+    del params  # packing replaces each linear's weight: the replaced ones must not outlive it
     if str(device) == "cpu":
         cpu_linear.pack_linears(model)
     return model
