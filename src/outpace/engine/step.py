@@ -23,6 +23,7 @@ from outpace.engine.sequence import Sequence
 from outpace.runner.model_runner import ModelRunner, Row
 from outpace.sampling.rejection import greedy_tokens, verify_greedy, verify_sampling
 from outpace.sampling.sampler import SamplingState
+from outpace.sampling.tree import verify_tree
 from outpace.speculative.controller import DraftController
 from outpace.speculative.drafter import DraftBatch, Drafter, Drafts, Verified
 
@@ -136,6 +137,8 @@ class EagerStep:
         sampling) as batched tensor math, read on the host with the step's one synchronisation."""
         seqs, drafts = plan.decode, proposal.drafts
         t0 = time.perf_counter()
+        if drafts is not None and drafts.parents is not None:
+            return self._verify_tree(seqs, proposal, chunks, t0)
         greedy = all(s.params.is_greedy for s in seqs)
         hidden_layers = self.drafter.hidden_layers
         if drafts is not None and drafts.num_draft_host is None:
@@ -167,6 +170,41 @@ class EagerStep:
         self.drafter.verified(Verified(self._draft_batch(seqs, proposal.budget), out, num_out, hidden))
         # the one host synchronisation of the step: accepted tokens return to the scheduler
         host = torch.cat([num_out[:, None], num_draft[:, None], out], dim=1).tolist()
+        return self._result(seqs, host, proposal.budget, t0)
+
+    def _verify_tree(self, seqs: list[Sequence], proposal: Proposal, chunks: list[PrefillChunk],
+                     t0: float) -> StepResult:
+        """verify() for token trees (drafts with parents, lengths on the host): one forward with
+        the tree's mask (the step's prompt chunks in a forward of their own before it), the
+        longest path of the target's own tokens (sampling/tree.py), and the path's keys and
+        values moved to consecutive positions."""
+        drafts = proposal.drafts
+        if not all(s.params.is_greedy for s in seqs):
+            raise ValueError("token trees are verified for greedy rows only; draft chains for sampled rows")
+        if chunks:
+            self.runner.forward(chunk_rows(chunks), logits="none")
+        nodes = drafts.host_rows()
+        parents = [p[:n] for p, n in zip(drafts.parents.tolist(), drafts.num_draft_host)]
+        rows = [Row(s.slot, s.token_ids[-1:] + d, len(s.token_ids) - 1) for s, d in zip(seqs, nodes)]
+        logits, hidden = self.runner.forward_tree(rows, parents, "tokens", self.drafter.hidden_layers)  # [B, S]
+        K = logits.shape[1] - 1
+        device = logits.device
+        tokens = F.pad(drafts.tokens, (0, K - drafts.tokens.shape[1])).to(device)
+        tree = F.pad(drafts.parents, (0, K - drafts.parents.shape[1]), value=-1).to(device)
+        num_draft = drafts.num_draft.to(device)
+        out, num_out, path = verify_tree(logits, tokens, tree, num_draft)
+        # the path's entries into consecutive positions: depth d's node to start + d
+        starts = torch.tensor([len(s.token_ids) - 1 for s in seqs], device=device)[:, None]
+        slots = torch.tensor([s.slot for s in seqs], device=device)[:, None].expand(-1, K)
+        depth = torch.arange(1, K + 1, device=device)[None, :]
+        moved = depth < num_out[:, None]
+        self.runner.cache.compact(slots.flatten(), (starts + torch.where(moved, path, depth)).flatten(),
+                                  (starts + depth).flatten())
+        if hidden is not None:      # the accepted positions' hidden states in path order
+            order = torch.cat([torch.zeros_like(path[:, :1]), path], dim=1)
+            hidden = hidden.gather(1, order.view(*order.shape, *[1] * (hidden.dim() - 2)).expand_as(hidden))
+        self.drafter.verified(Verified(self._draft_batch(seqs, proposal.budget), out, num_out, hidden))
+        host = torch.cat([num_out[:, None], num_draft[:, None], out], dim=1).tolist()   # the step's one sync
         return self._result(seqs, host, proposal.budget, t0)
 
     def _plain_greedy(self, seqs: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None,

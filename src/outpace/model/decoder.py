@@ -71,6 +71,8 @@ class DecoderLM(nn.Module):
         if compute_dtype is not None:
             h = h.to(compute_dtype)
         positions = batch.positions if batch.packed is None else batch.packed.positions
+        if batch.rope_positions is not None:
+            positions = batch.rope_positions
         cos = self.rope_cos[positions].to(h.dtype).unsqueeze(-2)         # [B, S, 1, D] or [T, 1, D]
         sin = self.rope_sin[positions].to(h.dtype).unsqueeze(-2)
         kept = []

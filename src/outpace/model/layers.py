@@ -99,6 +99,9 @@ class ForwardBatch:
     span_rows: torch.Tensor | None = None
     causal: bool = False           # one row from position 0: mask None, keys j <= query i (faster kernels)
     window: int | None = None      # GRAPH: the sliding window the kernel applies
+    # a token tree's rotary positions (each node's depth past the row's start) where they differ
+    # from `positions`, where its keys and values are written (one entry a node); None: the same
+    rope_positions: torch.Tensor | None = None
     # the norms, SwiGLU and (outside the kernel's attention) rotation run as cpu_kernels: every CPU
     # forward whose activations' dtype the kernels serve
     cpu_pointwise: bool = False

@@ -23,6 +23,13 @@ class KVCache:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
+    def compact(self, slots: torch.Tensor, sources: torch.Tensor, destinations: torch.Tensor) -> None:
+        """Move entries (every layer, keys and values) of slot slots[i] from position sources[i] to
+        destinations[i]: a token tree's accepted path into consecutive positions. All entries are
+        read before any is written, so a destination may be another pair's source."""
+        self.k[:, slots, :, destinations] = self.k[:, slots, :, sources]
+        self.v[:, slots, :, destinations] = self.v[:, slots, :, sources]
+
     def commit(self, slots, num_accepted) -> None:
         """Nothing to do after a verify forward: rejected tokens' entries stay, masked, and are
         overwritten (a hybrid model's cache rolls its recurrent state back here)."""

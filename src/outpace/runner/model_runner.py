@@ -164,6 +164,50 @@ class ModelRunner:
             return None, hidden
         return out.view(B, S, -1) if logits == "all" else out.view(B, S), hidden
 
+    @torch.inference_mode()
+    def forward_tree(self, rows: list[Row], parents: list[list[int]], logits: str = "all",
+                     hidden_layers: tuple[int, ...] = ()):
+        """A verify forward of token trees: row i is its last token then its draft's nodes, node
+        j's parent parents[i][j] (an earlier node, or -1 for the row's last token). Node j's keys
+        and values are written at position start + 1 + j, one entry a node; it is rotated at its
+        depth (start + its depth) and attends to the cache up to the row's start and to its
+        ancestors and itself. Rows are padded (no packing) and attend in PyTorch through the tree's
+        mask. Returns as forward: (logits [B, S, V] or tokens [B, S], hidden or None)."""
+        if self.exact_width is not None or self.model.is_recurrent:
+            raise ValueError("token trees need a model without recurrent state, outside exact mode")
+        B, S = len(rows), max(len(r.token_ids) for r in rows)
+        kv_len = max(r.start for r in rows) + S
+        depth, allowed = [], torch.zeros(B, S, kv_len, dtype=torch.bool)
+        for b, (row, nodes) in enumerate(zip(rows, parents)):
+            d = [0]                                     # the row's last token, then each node's depth
+            allowed[b, :, :row.start + 1] = True        # the cache up to the row's last token
+            for j, parent in enumerate(nodes):
+                d.append(d[parent + 1] + 1)
+                allowed[b, j + 1] = allowed[b, parent + 1]      # its parent's keys (a parent comes first)
+                allowed[b, j + 1, row.start + 1 + j] = True     # and its own
+            # padding: causal keys, never read
+            for j in range(len(row.token_ids), S):
+                allowed[b, j, :row.start + j + 1] = True
+            depth.append(d + list(range(len(d), S)))
+        starts = torch.tensor([r.start for r in rows], device=self.device)
+        slots = [r.slot for r in rows]
+        batch = ForwardBatch(
+            input_ids=torch.tensor([r.token_ids + [0] * (S - len(r.token_ids)) for r in rows], device=self.device),
+            positions=starts[:, None] + self._arange[None, :S],
+            slots=torch.tensor(slots, device=self.device),
+            kv_len=kv_len,
+            mask=allowed.to(self.device).unsqueeze(1),                       # [B, 1, S, kv_len]
+            write_start=rows[0].start if B == 1 else None,
+            slot_start=slots[0] if B == 1 else None,
+            rope_positions=starts[:, None] + torch.tensor(depth, device=self.device),
+            cpu_pointwise=cpu_kernels.pointwise_fits(self.dtype, self.device),
+        )
+        out, hidden = self.model(batch, self.cache, hidden_layers=hidden_layers)
+        out = out.view(B, S, -1)
+        if logits == "tokens":
+            out = out.argmax(-1)
+        return out, (hidden.view(B, S, *hidden.shape[1:]) if hidden is not None else None)
+
     def _attention(self, packed: bool, compute: torch.dtype | None, has_chunks: bool) -> AttentionKind:
         """The forward's attention variant, decided here once. The CPU kernels' attention finds
         each token's keys from its slot and position (no mask, no slot span), prompt chunks too,

@@ -1,0 +1,51 @@
+"""Verification of token trees: the longest path whose every node is the target's own token.
+
+Shapes: B rows, K draft nodes (padded), S = K + 1 row positions (position 0: the row's last token,
+the tree's root; position j + 1: node j).
+  target_tokens [B, S] int64: the token the target emits after each row position: its argmax
+                (greedy), or its sample with the position's noise (seeded sampling: every node of
+                one depth shares that output position's u, so the sample is the one plain
+                sampling would draw there given the path).
+  draft_tokens  [B, K] int64, parents [B, K] int64 (node j's parent node, < j, or -1 for the
+                root), num_draft [B]: nodes at j >= num_draft[b] are padding.
+Rule: from the root, move to a child whose token equals the target's token at the current node
+(the first such child in node order; children with equal tokens carry the same prefix, so any
+would do), while there is one; then emit the target's token at the node reached. Every emitted
+token is the target's own at a path it would have taken itself, so greedy output is plain greedy
+output and seeded sampled output is plain seeded sampling's, token for token; a chain (parents
+j - 1) reduces to rejection.verify_greedy.
+Outputs: out_tokens [B, S] (out_tokens[b, :num_out[b]] are appended), num_out [B] in
+[1, depth + 1], path [B, K] (path[b, d] the row position of the node accepted at depth d + 1,
+for the cache's compaction; entries at d >= num_out[b] - 1 are 0).
+No host synchronisation: a loop over depths in Python, tensor math over rows.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def verify_tree(target_tokens: torch.Tensor, draft_tokens: torch.Tensor, parents: torch.Tensor,
+                num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, K = draft_tokens.shape
+    device = draft_tokens.device
+    nodes = torch.arange(K, device=device)
+    is_node = nodes[None, :] < num_draft[:, None]                                    # [B, K]
+    at = torch.zeros(B, dtype=torch.long, device=device)                             # current row position
+    alive = torch.ones(B, dtype=torch.bool, device=device)
+    out = torch.zeros(B, K + 1, dtype=torch.long, device=device)
+    path = torch.zeros(B, K, dtype=torch.long, device=device)
+    num_accepted = torch.zeros(B, dtype=torch.long, device=device)
+    for d in range(K + 1):
+        token = target_tokens.gather(1, at[:, None]).squeeze(1)                       # [B]
+        out[:, d] = torch.where(alive, token, out[:, d])
+        if d == K:
+            break
+        # children of the current node carrying the target's token
+        match = is_node & (parents + 1 == at[:, None]) & (draft_tokens == token[:, None]) & alive[:, None]
+        found = match.any(-1)
+        child = match.long().argmax(-1) + 1                                           # its row position
+        alive = alive & found
+        path[:, d] = torch.where(alive, child, 0)
+        at = torch.where(alive, child, at)
+        num_accepted += alive.long()
+    return out, num_accepted + 1, path

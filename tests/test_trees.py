@@ -1,0 +1,137 @@
+"""Token trees: one verify forward over a tree, the longest path of the target's own tokens, and
+the path's cache entries moved into place.
+
+Guards: a tree forward must give each node the logits of a plain forward of its root-to-node path
+(its mask and rotary positions); the acceptance rule must reduce to greedy chain verification on
+chains and walk the right branch of a tree; through the engine, trees whose right branch is not
+the first (so the accepted path's entries must move) and random trees must keep greedy output,
+batched, with prompt chunks and slot reuse.
+"""
+import random
+
+import pytest
+import torch
+
+from outpace import LLM, SamplingParams, SpecConfig
+from outpace.runner.model_runner import ModelRunner, Row
+from outpace.sampling.rejection import verify_greedy
+from outpace.sampling.tree import verify_tree
+from outpace.speculative.drafter import Drafter, Drafts
+from outpace.weights.loader import load_model
+from tiny import make_tiny
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [100, 200, 300, 100, 200], [7] * 30, [42],
+           list(range(500, 520)) * 2]
+PARAMS = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+OPTIONS = dict(dtype="float64", device="cpu", max_num_seqs=3, max_model_len=256, max_prefill_tokens=8,
+               calibrate=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, default_model_dir):
+    folder = tmp_path_factory.mktemp("tiny-llama-trees")
+    make_tiny("llama", folder, vocab_size=49152, tokenizer_from=default_model_dir, dtype=torch.float64)
+    return folder
+
+
+def test_each_node_sees_its_path(tiny_folder):
+    model = load_model(tiny_folder, torch.float64, "cpu", 128)
+    runner, chain = ModelRunner(model, 2, 128, 16), ModelRunner(model, 1, 128, 16)
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    # root, then nodes: 0 and 1 children of the root, 2 a child of 1, 3 a child of 0, 4 a child of 2
+    nodes, parents = [20, 21, 22, 23, 24], [-1, -1, 1, 0, 2]
+    for r in (runner, chain):
+        r.forward([Row(1 if r is runner else 0, prompt[:-1], 0)], logits="none")
+    tree, _ = runner.forward_tree([Row(1, [prompt[-1]] + nodes, len(prompt) - 1)], [parents])
+    for j in range(len(nodes)):
+        path, at = [], j
+        while at >= 0:
+            path.insert(0, nodes[at])
+            at = parents[at]
+        want, _ = chain.forward([Row(0, [prompt[-1]] + path, len(prompt) - 1)])
+        torch.testing.assert_close(tree[0, j + 1], want[0, -1], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(tree[0, 0], want[0, 0], rtol=1e-10, atol=1e-10)
+
+
+def test_chains_verify_as_greedy_chains():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        B, K = 4, 6
+        target = torch.randint(0, 3, (B, K + 1), generator=gen)
+        drafts = torch.randint(0, 3, (B, K), generator=gen)
+        num = torch.randint(0, K + 1, (B,), generator=gen)
+        chain = torch.arange(-1, K - 1).expand(B, K)
+        out, num_out, path = verify_tree(target, drafts, chain, num)
+        want, want_num = verify_greedy(target, drafts, num)
+        assert torch.equal(num_out, want_num)
+        for b in range(B):
+            n = int(num_out[b])
+            assert out[b, :n].tolist() == want[b, :n].tolist()
+            assert path[b, :n - 1].tolist() == list(range(1, n))
+
+
+def test_the_matching_branch_is_taken():
+    # target after root: 7; after node 1 (token 7): 8; after node 3 (token 8): 9, which no node carries
+    target = torch.tensor([[7, 0, 8, 0, 9, 0]])
+    drafts = torch.tensor([[5, 7, 6, 8, 8]])
+    parents = torch.tensor([[-1, -1, 0, 1, 0]])
+    out, num_out, path = verify_tree(target, drafts, parents, torch.tensor([5]))
+    assert num_out.tolist() == [3] and out[0, :3].tolist() == [7, 8, 9] and path[0, :2].tolist() == [2, 4]
+
+
+class TreeDrafter(Drafter):
+    """Trees of up to `budget` nodes: at each depth the true token (when `truth` is given) and
+    decoys, the true one placed at a random position among its siblings, so the accepted path
+    usually runs through later nodes; the chain continues below the true node."""
+
+    def __init__(self, truth=None, branching: int = 2, seed: int = 0):
+        self.truth, self.branching, self.rng = truth, branching, random.Random(seed)
+        self.tokens = {}
+
+    def begin(self, seq_id, token_ids):
+        self.tokens[seq_id] = [tuple(token_ids), 0]
+
+    def accept(self, seq_id, token_ids):
+        self.tokens[seq_id][1] += len(token_ids)
+
+    def propose(self, batch):
+        rows, parents = [], []
+        for seq_id, budget in zip(batch.seq_ids, batch.budget):
+            prompt, done = self.tokens[seq_id]
+            truth = self.truth[prompt][done:] if self.truth else []
+            nodes, tree, parent, depth = [], [], -1, 0
+            while len(nodes) < budget:
+                siblings = [self.rng.randrange(49152) for _ in range(self.branching)]
+                true_at = self.rng.randrange(self.branching)
+                if depth < len(truth):
+                    siblings[true_at] = truth[depth]
+                siblings = siblings[:budget - len(nodes)]
+                first = len(nodes)
+                nodes += siblings
+                tree += [parent] * len(siblings)
+                parent = first + min(true_at, len(siblings) - 1)
+                depth += 1
+            rows.append(nodes)
+            parents.append(tree + [-1] * (max(batch.budget) - len(tree)))
+        drafts = Drafts.from_lists(rows)
+        width = drafts.tokens.shape[1]
+        drafts.parents = torch.tensor([p[:width] for p in parents], dtype=torch.long).view(len(rows), width)
+        return drafts
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_folder):
+    return [o.token_ids for o in LLM(str(tiny_folder), spec="none", **OPTIONS).generate(PROMPTS, PARAMS)]
+
+
+@pytest.mark.parametrize("kind", ["true-branch", "random"])
+def test_tree_speculation_keeps_greedy_output(tiny_folder, plain, kind):
+    truth = {tuple(p): o for p, o in zip(PROMPTS, plain)} if kind == "true-branch" else None
+    drafter = TreeDrafter(truth, branching=3 if kind == "random" else 2)
+    llm = LLM(str(tiny_folder), spec=SpecConfig(num_draft_tokens=6), drafter=drafter, **OPTIONS)
+    out = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in out] == plain
+    steps = sum(o.spec["num_verify_steps"] for o in out)
+    if kind == "true-branch":       # every depth's true node accepted: 3 a step (6 nodes, 2 a depth) + 1
+        assert steps < sum(len(p) for p in plain) / 3
+    assert sorted(llm.engine.scheduler.free_slots) == [0, 1, 2]
