@@ -64,6 +64,28 @@ def test_another_draft_model_keeps_greedy_output(folders, plain):
     assert sum(o.spec["num_draft_tokens"] for o in out) > 0
 
 
+def test_ngram_first_then_the_draft_model(folders, plain):
+    """The chain: n-gram lookup where the tail matches, the draft model elsewhere; the draft
+    model catches up on the rows n-gram drafted, so its drafts stay the target's own."""
+    spec = SpecConfig(method="draft", draft_model=str(folders[0]), num_draft_tokens=4, ngram_first=True)
+    llm = LLM(str(folders[0]), spec=spec, **OPTIONS)
+    chain = llm.engine.drafter
+    model = chain.drafters[1]
+    drafted = {"model": 0}
+    model_propose = model.propose
+
+    def counted(batch):
+        drafts = model_propose(batch)
+        drafted["model"] += sum(drafts.num_draft_host)
+        return drafts
+    model.propose = counted
+    out = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in out] == plain
+    total = sum(o.spec["num_draft_tokens"] for o in out)
+    assert 0 < drafted["model"] < total                  # both drafted; the model's were all accepted
+    assert not model.tokens
+
+
 def test_confidence_stop_drafts_less(folders, plain):
     spec = SpecConfig(method="draft", draft_model=str(folders[1]), num_draft_tokens=5, p_min=0.9)
     out = LLM(str(folders[0]), spec=spec, **OPTIONS).generate(PROMPTS, PARAMS)

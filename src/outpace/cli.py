@@ -33,6 +33,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="with --spec draft: a small model of the target's tokenizer (a known name, a folder or a .gguf)")
     p.add_argument("--p-min", type=float, default=0.0,
                    help="with --spec draft: stop drafting a row when the draft's top probability falls below this")
+    p.add_argument("--ngram-first", action="store_true",
+                   help="with --spec draft: n-gram lookup drafts where the tail matches, the draft model elsewhere")
     p.add_argument("--num-draft-tokens", type=int, default=8, help="most tokens drafted per step (default 8)")
     p.add_argument("--min-ngram", type=int, default=1, help="shortest suffix matched (default 1)")
     p.add_argument("--max-ngram", type=int, default=4, help="longest suffix matched, tried first (default 4)")
@@ -43,7 +45,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
 def spec_config(args):
     from outpace.config import SpecConfig
     return SpecConfig(method=args.spec, num_draft_tokens=args.num_draft_tokens, min_ngram=args.min_ngram,
-                      max_ngram=args.max_ngram, exact=args.exact, draft_model=args.draft_model, p_min=args.p_min)
+                      max_ngram=args.max_ngram, exact=args.exact, draft_model=args.draft_model, p_min=args.p_min,
+                      ngram_first=args.ngram_first)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -50,7 +50,8 @@ MAX_NUM_DRAFT_TOKENS = 32       # the most tokens drafted per step, wherever a b
 class SpecConfig:
     """Speculative decoding. method 'ngram' drafts by prompt lookup over prompt plus output;
     'draft' by a small model of the same tokenizer (draft_model: a known name, a Hugging Face
-    folder or a .gguf file), which stops drafting a row when its top probability falls below p_min.
+    folder or a .gguf file), which stops drafting a row when its top probability falls below p_min;
+    with ngram_first, n-gram lookup drafts where the sequence's tail matches, the model elsewhere.
 
     num_draft_tokens: most tokens drafted per step (TensorRT-LLM's max_draft_len).
     min_ngram / max_ngram: suffix lengths tried, longest first (max_matching_ngram_size).
@@ -67,6 +68,7 @@ class SpecConfig:
     exact: bool = False
     draft_model: str | None = None
     p_min: float = 0.0
+    ngram_first: bool = False
 
     def __post_init__(self) -> None:
         _check(self.method in SPEC_METHODS, f"spec method must be one of {SPEC_METHODS}, got {self.method!r}")

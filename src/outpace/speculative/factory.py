@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from outpace.config import SpecConfig
+from outpace.speculative.chain import DrafterChain
 from outpace.speculative.draft_model import DraftModelDrafter
 from outpace.speculative.drafter import Drafter
 from outpace.speculative.ngram import NgramDrafter
@@ -15,5 +16,6 @@ def make_drafter(spec: SpecConfig, device: str, max_seqs: int, max_len: int, cud
     if spec.method == "ngram":
         return NgramDrafter(spec)
     if spec.method == "draft":
-        return DraftModelDrafter(spec.draft_model, spec.p_min)
+        model = DraftModelDrafter(spec.draft_model, spec.p_min)
+        return DrafterChain([NgramDrafter(spec), model]) if spec.ngram_first else model
     return Drafter()

@@ -1,0 +1,63 @@
+"""DrafterChain: drafters in priority order, the first that drafts for a row wins that step.
+
+The use: n-gram lookup where the sequence's tail matches an earlier span (free, and long accepted
+runs), a draft model elsewhere. Every drafter sees every sequence's whole life (begin, prefilled,
+verified, accept, end), so a later drafter's state stays current for rows an earlier one drafted
+(a draft model catches up on the tokens it did not draft). Drafts must come with host lengths.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from outpace.speculative.drafter import DraftBatch, Drafter, Drafts
+
+
+class DrafterChain(Drafter):
+    name = "chain"
+
+    def __init__(self, drafters: Sequence[Drafter]):
+        self.drafters = list(drafters)
+        self.hidden_layers = tuple(sorted({i for d in self.drafters for i in d.hidden_layers}))
+        # a paying drafter in the chain: the controller's budget comes first
+        self.priced_after_drafting = all(d.priced_after_drafting for d in self.drafters)
+
+    def bind(self, context):
+        for d in self.drafters:
+            d.bind(context)
+
+    def begin(self, seq_id, token_ids):
+        for d in self.drafters:
+            d.begin(seq_id, token_ids)
+
+    def propose(self, batch: DraftBatch) -> Drafts:
+        rows: list[list[int]] = [[] for _ in range(len(batch))]
+        match = [0] * len(batch)
+        for d in self.drafters:
+            pending = [i for i, r in enumerate(rows) if not r and batch.budget[i] > 0]
+            if not pending:
+                break
+            part = DraftBatch(*([getattr(batch, f)[i] for i in pending]
+                                for f in ("seq_ids", "budget", "slots", "positions")))
+            drafts = d.propose(part)
+            for i, tokens, m in zip(pending, drafts.host_rows(), drafts.match_len or [0] * len(pending)):
+                rows[i], match[i] = tokens, m
+        return Drafts.from_lists(rows, match)
+
+    def prefilled(self, chunks):
+        for d in self.drafters:
+            d.prefilled(chunks)
+
+    def verified(self, result):
+        for d in self.drafters:
+            d.verified(result)
+
+    def accept(self, seq_id, token_ids):
+        for d in self.drafters:
+            d.accept(seq_id, token_ids)
+
+    def end(self, seq_id):
+        for d in self.drafters:
+            d.end(seq_id)
+
+    def cost_per_token(self, batch_size):
+        return max(d.cost_per_token(batch_size) for d in self.drafters)
