@@ -14,7 +14,7 @@ from outpace.runner.calibrate import measure_verify_cost
 from outpace.runner.cuda_graphs import CudaGraphRunner
 from outpace.runner.staging import to_device
 from outpace.runner.model_runner import ModelRunner, Row
-from outpace.sampling.sampler import SamplingState, make_generator
+from outpace.sampling.sampler import SamplingState, request_seed
 from outpace.engine.scheduler import PrefillChunk, Scheduler, StepPlan
 from outpace.engine.sequence import Sequence, SpecStats
 from outpace.engine.stopping import StopChecker
@@ -115,7 +115,7 @@ class LLMEngine:
             raise InvalidParameterError(f"prompt token ids must be in [0, {vocab})")
         seq = Sequence(next(self._ids), prompt_ids, params)
         seq.speculate = speculate and self.max_draft > 0
-        seq.generator = make_generator(params.seed, self.device)
+        seq.seed = request_seed(params)
         seq.stopper = StopChecker(self.tokenizer, params, self.model.cfg.eos_token_ids, limit)
         self.sequences[seq.seq_id] = seq
         self.scheduler.add(seq)
@@ -284,7 +284,8 @@ class LLMEngine:
         if all(s.params.is_greedy for s in seqs):
             out, num_out = verify_greedy(logits, draft_tokens, draft_lens)
         else:
-            state = SamplingState.from_params([s.params for s in seqs], [s.generator for s in seqs], logits.device)
+            state = SamplingState.from_params([s.params for s in seqs], [s.seed for s in seqs],
+                                              [s.num_output_tokens for s in seqs], logits.device)
             out, num_out = verify_sampling(logits, draft_tokens, draft_lens, state)
         if isinstance(self.drafter, DeviceNgramDrafter):
             # the device token buffer takes the verified tokens, queued ahead of the sync
