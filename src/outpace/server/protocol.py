@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from outpace.config import SamplingParams
+from outpace.config import MAX_NUM_STOP, MAX_STOP_CHARS, SamplingParams
 from outpace.errors import OutpaceError
 
 MISSING = object()
@@ -165,6 +165,12 @@ def _stop(body: dict) -> list[str]:
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) and s for s in stop):
         raise ApiError(400, "stop must be a non-empty string or a list of non-empty strings", "stop")
+    if len(stop) > MAX_NUM_STOP:
+        raise ApiError(400, f"stop holds {len(stop)} strings; send at most {MAX_NUM_STOP}", "stop")
+    longest = max(map(len, stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ApiError(400, f"stop holds a string of {longest} characters; each may have at most {MAX_STOP_CHARS}",
+                       "stop")
     return stop
 
 
