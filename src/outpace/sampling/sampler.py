@@ -36,6 +36,7 @@ GOLDEN = 0x9E3779B97F4A7C15     # splitmix64's increment: 2**64 / golden ratio
 MIX1, MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 MASK64 = (1 << 64) - 1
 CDF_BLOCK = 256                 # inverse_cdf sums the vocabulary in blocks of this many tokens
+TOP_K_OFF = 2**24               # top-k above any vocabulary (and exact in float32): larger ones act as it
 # Temperatures are clamped to this: logits / T stays finite for |logits| < 3e8 (an inf would make
 # softmax NaN), and a logit 1e-27 or more below the maximum gets e**-1000 = 0, as in the limit.
 MIN_TEMPERATURE = 1e-30
@@ -125,7 +126,7 @@ class SamplingState:
         host = torch.tensor(
             [
                 [p.temperature for p in params],
-                [p.top_k for p in params],  # exact in float32 below 2**24
+                [min(p.top_k, TOP_K_OFF) for p in params],  # exact in float32; any k >= V keeps all
                 [p.top_p for p in params],
                 [p.min_p for p in params],
                 is_greedy_rows,
@@ -151,7 +152,8 @@ class SamplingState:
             use_top_k=any(p.top_k > 0 for p in sampled),
             use_top_p=any(p.top_p < 1 for p in sampled),
             use_min_p=any(p.min_p > 0 for p in sampled),
-            top_k_bound=max(p.top_k for p in sampled) if sampled and all(p.top_k > 0 for p in sampled) else 0,
+            top_k_bound=min(max(p.top_k for p in sampled), TOP_K_OFF) if sampled and all(p.top_k > 0 for p in sampled)
+            else 0,
         )
 
     def uniforms(self, num_positions: int) -> torch.Tensor:
