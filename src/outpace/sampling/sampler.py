@@ -57,14 +57,14 @@ def _mix(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def seed_key(seed: int) -> int:
-    """The row key of a seed (any integer, taken mod 2**64), as a signed int64."""
-    key = _mix(seed & MASK64)
-    return key - (1 << 64) if key >> 63 else key
-
-
 def _as_int64(value: int) -> int:
+    """An integer in [0, 2**64) as the int64 with the same bits."""
     return value - (1 << 64) if value >> 63 else value
+
+
+def seed_key(seed: int) -> int:
+    """The row key of a seed (any integer, taken mod 2**64), as an int64."""
+    return _as_int64(_mix(seed & MASK64))
 
 
 def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
