@@ -6,8 +6,8 @@ generator, so the number of verify steps (which drafts decide) changed the text:
 temperature 0.8 gave two different texts in three identical runs. Tiny random models in float64
 (logits of a verify forward equal a decode step's but for the last bits), a vocabulary of 2,048
 (shaping a 49,152-token one dominates a CPU step), the adversarial drafters of
-test_spec_lossless.py, fewer slots than requests, small prompt chunks, and unseeded neighbours
-joining mid-way.
+test_spec_lossless.py (the true continuation, corrupted, random tokens), fewer slots than requests,
+small prompt chunks, and unseeded neighbours joining mid-way.
 """
 import random
 
@@ -18,6 +18,7 @@ from outpace import LLM, SamplingParams, SpecConfig
 from outpace.config import EngineConfig
 from outpace.engine.llm_engine import LLMEngine
 from outpace.speculative.drafter import Draft, Drafter
+from test_spec_lossless import RandomDrafter
 from tiny import make_tiny
 
 VOCAB = 2048
@@ -40,7 +41,8 @@ NEIGHBOUR_PARAMS = [SamplingParams(temperature=1.3, max_tokens=MAX_TOKENS, ignor
 
 class OracleDrafter(Drafter):
     """Drafts the plain run's continuation (nothing for other prompts); `corrupt_after` replaces
-    tokens past that many with others."""
+    tokens past that many with others of this vocabulary (test_spec_lossless's oracle knows
+    neither neighbours nor vocabularies other than the default model's)."""
 
     def __init__(self, plain: dict[tuple, list[int]], corrupt_after: int | None = None, seed: int = 0):
         self.plain, self.corrupt_after = plain, corrupt_after
@@ -65,14 +67,6 @@ class OracleDrafter(Drafter):
                          for i, t in enumerate(truth)]
             drafts.append(Draft(truth) if truth else None)
         return drafts
-
-
-class RandomDrafter(Drafter):
-    def __init__(self, seed: int = 0):
-        self.rng = random.Random(seed)
-
-    def propose(self, seq_ids, max_tokens):
-        return [Draft([self.rng.randrange(VOCAB) for _ in range(k)]) for k in max_tokens]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -136,7 +130,7 @@ def test_speculative_sampling_equals_plain_sampling(name, tiny_folder, plain):
         "oracle": OracleDrafter(plain),
         "corrupt-after-0": OracleDrafter(plain, corrupt_after=0),
         "corrupt-after-2": OracleDrafter(plain, corrupt_after=2),
-        "random": RandomDrafter(),
+        "random": RandomDrafter(VOCAB),
         "ngram": None,
     }[name]
     engine = make_engine(tiny_folder, spec="ngram", drafter=drafter)

@@ -1,6 +1,7 @@
 """ServerConfig: how the HTTP server guards itself, validated on construction."""
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 
 from outpace.errors import InvalidParameterError
@@ -51,6 +52,15 @@ class ServerConfig:
 
     def for_bind_host(self, host: str) -> "ServerConfig":
         """This config, serving loopback names only when bound to loopback and no hosts were given."""
-        if self.allowed_hosts is not None or host not in LOOPBACK_HOSTS:
+        if self.allowed_hosts is not None or not is_loopback(host):
             return self
         return ServerConfig(**{**self.__dict__, "allowed_hosts": list(LOOPBACK_HOSTS)})
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:          # a name other than localhost, or "" (every address)
+        return False
