@@ -241,24 +241,26 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     block_sums = blocks.sum(-1)
     if tail.shape[-1]:
         block_sums = torch.cat([block_sums, tail.sum(-1, keepdim=True)], -1)
-    block_cum = block_sums.double().cumsum(-1)  # [..., nb'], nb' = ceil(V / C)
-    point = u * block_cum[..., -1]  # [...], below the total but for rounding
+    block_cum = block_sums.cumsum(-1, dtype=torch.float64)  # [..., nb'], nb' = ceil(V / C)
+    point = (u * block_cum[..., -1])[..., None]  # [..., 1], below the total but for rounding
     # The first block whose cumulative weight exceeds the point has weight > 0. A point rounded up
-    # to the total would count every block: the block that reaches the total is taken instead.
-    block = torch.minimum((block_cum <= point[..., None]).sum(-1), (block_cum < block_cum[..., -1:]).sum(-1))
-    start = torch.where(block > 0, block_cum.gather(-1, (block - 1).clamp_min(0)[..., None]).squeeze(-1), 0.0)
+    # to the total would pass every block: the block that reaches the total is taken instead.
+    block = torch.minimum(torch.searchsorted(block_cum, point, right=True),
+                          torch.searchsorted(block_cum, block_cum[..., -1:].contiguous()))  # [..., 1]
+    start = torch.where(block > 0, block_cum.gather(-1, (block - 1).clamp_min(0)), 0.0)  # [..., 1]
     inside = None  # [..., C]: the chosen block's weights
     if num_full:
-        index = block.clamp_max(num_full - 1)[..., None, None].expand(*block.shape, 1, CDF_BLOCK)
+        index = block.clamp_max(num_full - 1)[..., None].expand(*block.shape[:-1], 1, CDF_BLOCK)
         inside = blocks.gather(-2, index).squeeze(-2)
     if inside is None:
         inside = tail  # V < C: the whole row is one block
     elif tail.shape[-1]:
         tail = torch.nn.functional.pad(tail, (0, CDF_BLOCK - tail.shape[-1]))  # zeros are never drawn
-        inside = torch.where((block == num_full)[..., None], tail, inside)
-    inside_cum = inside.double().cumsum(-1)  # [..., C]
-    offset = (inside_cum <= (point - start)[..., None]).sum(-1)
-    return block * CDF_BLOCK + torch.minimum(offset, (inside_cum < inside_cum[..., -1:]).sum(-1))
+        inside = torch.where(block == num_full, tail, inside)
+    inside_cum = inside.cumsum(-1, dtype=torch.float64)  # [..., C]
+    offset = torch.minimum(torch.searchsorted(inside_cum, point - start, right=True),
+                           torch.searchsorted(inside_cum, inside_cum[..., -1:].contiguous()))  # likewise within the block
+    return (block * CDF_BLOCK + offset).squeeze(-1)
 
 
 def sample(probs: torch.Tensor, state: SamplingState) -> torch.Tensor:
