@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chisquare
 
 from outpace.config import SamplingParams
-from outpace.sampling.sampler import SamplingState, inverse_cdf, logits_to_probs, sample, seed_key, uniforms
+from outpace.sampling.sampler import SamplingState, inverse_cdf, logits_to_probs, sample, uniforms
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 ALPHA = 0.001
@@ -64,17 +64,19 @@ FILTERS = [
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_noise_is_a_pure_function_of_seed_and_position(device):
-    """u(seed, i) on the device equals splitmix64 on Python integers, for seeds anywhere in the
-    int64 range and beyond it (taken mod 2**64) and positions far into a long output."""
+    """u(seed, i), as the state sends it to the device, equals splitmix64 on Python integers, for
+    seeds anywhere in the int64 range and beyond it (taken mod 2**64) and positions far into a
+    long output."""
     rng = random.Random(0)
     seeds = [0, 1, 2**63 - 1, -1, 2**64 + 5] + [rng.getrandbits(63) for _ in range(11)]
-    positions = [[rng.randrange(2**40) for _ in range(5)] + [0, 1, 2] for _ in seeds]
-    keys = torch.tensor([seed_key(s) for s in seeds], device=device)
-    got = uniforms(keys, torch.tensor(positions, device=device)).cpu()
-    expected = torch.tensor([[reference_uniform(s, i) for i in row] for s, row in zip(seeds, positions)],
+    starts = [rng.randrange(2**40) for _ in seeds[:-3]] + [0, 1, 2]
+    state = SamplingState.from_params([SamplingParams()] * len(seeds), seeds, starts, device)
+    got = state.uniforms(7).cpu()
+    expected = torch.tensor([[reference_uniform(s, p + i) for i in range(7)] for s, p in zip(seeds, starts)],
                             dtype=torch.float64)
     assert torch.equal(got, expected)
     assert ((got >= 0) & (got < 1)).all()
+    assert torch.equal(torch.from_numpy(uniforms(seeds, starts, 7)), expected)
 
 
 @pytest.mark.parametrize("device", DEVICES)

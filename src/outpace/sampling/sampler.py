@@ -5,10 +5,12 @@ request's own, or 63 bits from the system's entropy drawn once when the request 
 (`request_seed`). The token at output position i of a request (i = 0 for its first new token) is
 decided by one number
 
-    u(seed, i) = top 53 bits of splitmix64(key(seed) + (i + 1) * 0x9E3779B97F4A7C15) / 2**53,
+    u(seed, i) = (mix(mix(seed) + (i + 1) * 0x9E3779B97F4A7C15) >> 11) / 2**53,
 
-a pure function of the seed and i in [0, 1), computed on the device from the row's key and
-position (host values that travel with the step's inputs, `SamplingState`). The token is the
+mix being splitmix64's finalizer and the arithmetic mod 2**64: a pure function of the seed and i,
+in [0, 1). Both are host values, so u is computed on the host
+(numpy, a few microseconds a step) and reaches the device in one asynchronous copy with the step's
+other sampling inputs (`SamplingState.uniforms`); nothing is drawn on the device. The token is the
 inverse CDF of the row's shaped distribution at u: the first token v, in vocabulary order, whose
 cumulative probability exceeds u (`inverse_cdf`). Nothing else is random, so a request's tokens
 depend only on its seed, its logits and its positions: never on the batch, its padding, the draft
@@ -27,10 +29,10 @@ import secrets
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from outpace.config import SamplingParams
-from outpace.runner.staging import to_device
 
 GOLDEN = 0x9E3779B97F4A7C15     # splitmix64's increment: 2**64 / golden ratio
 MIX1, MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -50,35 +52,20 @@ def request_seed(params: SamplingParams) -> int | None:
     return params.seed if params.seed is not None else secrets.randbits(63)
 
 
-def _mix(z: int) -> int:
-    """splitmix64's finalizer on a host integer in [0, 2**64)."""
-    z = ((z ^ (z >> 30)) * MIX1) & MASK64
-    z = ((z ^ (z >> 27)) * MIX2) & MASK64
-    return z ^ (z >> 31)
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer, elementwise on uint64 (numpy's uint64 arithmetic wraps mod 2**64)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(MIX1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(MIX2)
+    return z ^ (z >> np.uint64(31))
 
 
-def _as_int64(value: int) -> int:
-    """An integer in [0, 2**64) as the int64 with the same bits."""
-    return value - (1 << 64) if value >> 63 else value
-
-
-def seed_key(seed: int) -> int:
-    """The row key of a seed (any integer, taken mod 2**64), as an int64."""
-    return _as_int64(_mix(seed & MASK64))
-
-
-def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
-    # logical shift of int64 (torch's >> copies the sign bit); multiplies below wrap mod 2**64
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """keys [N] int64, positions [N, S] int64 -> u(seed, position) [N, S] float64 in [0, 1)."""
-    z = keys[:, None] + (positions + 1) * _as_int64(GOLDEN)
-    z = (z ^ _shift_right(z, 30)) * _as_int64(MIX1)
-    z = (z ^ _shift_right(z, 27)) * _as_int64(MIX2)
-    z = z ^ _shift_right(z, 31)
-    return _shift_right(z, 11).double() * 2.0**-53
+def uniforms(seeds: Sequence[int], positions: Sequence[int], num_positions: int) -> np.ndarray:
+    """u(seed, i) [N, S] float64 in [0, 1) for i = positions[n] .. positions[n] + S - 1 of each row
+    n (seeds: any integers, taken mod 2**64)."""
+    keys = _mix(np.array([seed & MASK64 for seed in seeds], dtype=np.uint64))
+    counters = np.array(positions, dtype=np.uint64)[:, None] + np.arange(1, num_positions + 1, dtype=np.uint64)
+    z = _mix(keys[:, None] + counters * np.uint64(GOLDEN))
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
 @dataclass
@@ -90,8 +77,8 @@ class SamplingState:
     top_p: torch.Tensor  # [N] float32, 1 = off
     min_p: torch.Tensor  # [N] float32, 0 = off
     is_greedy: torch.Tensor  # [N] bool
-    keys: torch.Tensor  # [N] int64, seed_key(seed); 0 on greedy rows
-    positions: torch.Tensor  # [N] int64, the output position of the row's first token this call
+    seeds: list[int]  # [N] host, each row's seed (0 on greedy rows, whose u is never used)
+    positions: list[int]  # [N] host, the output position of the row's first token this call
     num_rows: int
     all_greedy: bool
     any_greedy: bool
@@ -122,7 +109,7 @@ class SamplingState:
             if seed is None and not is_greedy:
                 raise ValueError(f"row {row} samples but has no seed: give it one (request_seed draws one)")
         sampled = [p for p, g in zip(params, is_greedy_rows) if not g]
-        # One [5, N] float32 and one [2, N] int64 host tensor, each one copy that never syncs.
+        # One [5, N] host tensor, one copy: pinned + non_blocking so building a state never syncs.
         host = torch.tensor(
             [
                 [p.temperature for p in params],
@@ -136,15 +123,13 @@ class SamplingState:
         if device.type == "cuda":
             host = host.pin_memory()
         temperature, top_k, top_p, min_p, is_greedy = host.to(device, non_blocking=True).unbind(0)
-        keys = [0 if g else seed_key(s) for s, g in zip(seeds, is_greedy_rows)]
-        keys, positions = to_device([keys, positions], device).reshape(2, num_rows).unbind(0)
         return cls(
             temperature=temperature,
             top_k=top_k.long(),
             top_p=top_p,
             min_p=min_p,
             is_greedy=is_greedy > 0,
-            keys=keys,
+            seeds=[0 if g else seed for seed, g in zip(seeds, is_greedy_rows)],
             positions=positions,
             num_rows=num_rows,
             all_greedy=all(is_greedy_rows),
@@ -157,9 +142,13 @@ class SamplingState:
         )
 
     def uniforms(self, num_positions: int) -> torch.Tensor:
-        """[N, S] float64: u(seed, position) of each row's next S output positions."""
-        offsets = torch.arange(num_positions, device=self.positions.device)
-        return uniforms(self.keys, self.positions[:, None] + offsets)
+        """[N, S] float64 on the state's device: u(seed, position) of each row's next S output
+        positions, computed on the host and sent in one copy that never syncs."""
+        host = torch.from_numpy(uniforms(self.seeds, self.positions, num_positions))
+        device = self.temperature.device
+        if device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(device, non_blocking=True)
 
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
