@@ -7,8 +7,6 @@ and these tests check behaviour, not speed.
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,64 +17,8 @@ import torch
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from outpace.cli import build_parser  # noqa: E402
-from outpace.config import EngineConfig  # noqa: E402
-from outpace.engine.llm_engine import LLMEngine  # noqa: E402
-from outpace.server.app import build_app  # noqa: E402
-
-MODEL = "smollm2-135m"
-MAX_MODEL_LEN = 256
-NUM_SLOTS = 8
-
-
-class Server:
-    def __init__(self, num_slots: int = NUM_SLOTS, engine_thread: bool = True):
-        self.engine = LLMEngine(EngineConfig(model=MODEL, dtype="float32", device="cpu", max_num_seqs=num_slots,
-                                             max_model_len=MAX_MODEL_LEN, calibrate=False))
-        self.app = build_app(self.engine, MODEL, log_interval_s=30.0, engine_thread=engine_thread)
-        # without an engine thread of the app's, the caller runs the loop (`outpace serve`: its main thread)
-        self.loop = None if engine_thread else threading.Thread(target=self.app.state.engine.run, daemon=True)
-        if self.loop is not None:
-            self.loop.start()
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))     # a free port, held from now on: no race with other processes
-        self.url = "http://127.0.0.1:%d" % sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.05)
-        self.http = httpx.Client(base_url=self.url, timeout=120)
-
-    def client(self, **options) -> "openai.OpenAI":
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120, **options)
-
-    def health(self) -> dict:
-        return self.http.get("/health").json()
-
-    def wait_health(self, timeout: float = 60, **want) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            health = self.health()
-            if all(health[k] == v for k, v in want.items()):
-                return health
-            assert time.monotonic() < deadline, f"health stayed {health}, wanted {want}"
-            time.sleep(0.05)
-
-    def metric(self, name: str, **labels) -> float:
-        text = self.http.get("/metrics").text
-        want = [f'{k}="{v}"' for k, v in labels.items()]
-        for line in text.splitlines():
-            if line.startswith(f"outpace:{name}{{") and all(w in line for w in want):
-                return float(line.rsplit(" ", 1)[1])
-        raise AssertionError(f"no metric outpace:{name} {labels} in /metrics")
-
-    def close(self):
-        self.http.close()
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+from outpace.cli import build_parser, serve_config  # noqa: E402
+from live_server import MAX_MODEL_LEN, MODEL, NUM_SLOTS, Server  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +111,15 @@ def test_stop_string_cuts_the_text(client):
         assert (text, reason) == (expected, "stop")
 
 
+def test_tiny_temperature_is_greedy(client):
+    """Guards: temperature 1e-38 returned empty text with completion_tokens == max_tokens (NaN
+    probabilities). A tiny temperature gives its limit: the greedy text."""
+    prompt = dict(prompt="The capital of France is", max_tokens=8, model=MODEL)
+    expected = client.completions.create(temperature=0, **prompt).choices[0].text
+    for temperature in (1e-38, 1e-300, 5e-324):
+        assert client.completions.create(temperature=temperature, **prompt).choices[0].text == expected
+
+
 def test_same_seed_same_sample(client):
     def sample(seed):
         return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=1.0,
@@ -195,6 +146,10 @@ BAD_COMPLETIONS = [
     ("prompt beyond context", {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 1}, 400, "prompt"),
     ("token id out of vocabulary", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt"),
     ("temperature negative", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("temperature above 2", {"model": MODEL, "prompt": "hi", "temperature": 2.5}, 400, "temperature"),
+    ("temperature 1e308", {"model": MODEL, "prompt": "hi", "temperature": 1e308}, 400, "temperature"),
+    ("too many stop strings", {"model": MODEL, "prompt": "hi", "stop": ["a"] * 17}, 400, "stop"),
+    ("stop string too long", {"model": MODEL, "prompt": "hi", "stop": ["a" * 257]}, 400, "stop"),
     ("top_p zero", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("top_p bool", {"model": MODEL, "prompt": "hi", "top_p": True}, 400, "top_p"),
     ("seed wrong type", {"model": MODEL, "prompt": "hi", "seed": 1.5}, 400, "seed"),
@@ -363,8 +318,20 @@ def test_metrics_names(server):
     assert server.metric("generation_tokens_total") > 0 and server.metric("prompt_tokens_total") > 0
 
 
-def test_serve_command_line():
+def test_serve_command_line(monkeypatch):
     args = build_parser().parse_args(["serve", "--port", "9001", "--spec", "none", "--max-num-seqs", "4",
                                       "--max-model-len", "512", "--dtype", "float32", "--device", "cpu"])
     assert (args.host, args.port, args.spec, args.max_num_seqs, args.max_model_len) == ("127.0.0.1", 9001, "none", 4, 512)
     assert args.func.__name__ == "cmd_serve"
+    monkeypatch.delenv("OUTPACE_API_KEY", raising=False)
+    config = serve_config(args)
+    assert config.api_key is None and config.allowed_origins == [] and not config.special_tokens_in_content
+    assert config.allowed_hosts == ["localhost", "127.0.0.1", "::1"]      # loopback: loopback names only
+    monkeypatch.setenv("OUTPACE_API_KEY", "from-env")
+    assert serve_config(args).api_key == "from-env"
+    args = build_parser().parse_args(["serve", "--host", "0.0.0.0", "--api-key", "k", "--allowed-origins",
+                                      "https://a.example", "--max-body-bytes", "4096", "--read-timeout", "2.5",
+                                      "--special-tokens-in-content"])
+    config = serve_config(args)
+    assert (config.api_key, config.allowed_origins, config.allowed_hosts) == ("k", ["https://a.example"], None)
+    assert (config.max_body_bytes, config.read_timeout_s, config.special_tokens_in_content) == (4096, 2.5, True)

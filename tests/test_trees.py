@@ -135,3 +135,23 @@ def test_tree_speculation_keeps_greedy_output(tiny_folder, plain, kind):
     if kind == "true-branch":       # every depth's true node accepted: 3 a step (6 nodes, 2 a depth) + 1
         assert steps < sum(len(p) for p in plain) / 3
     assert sorted(llm.engine.scheduler.free_slots) == [0, 1, 2]
+
+
+def test_sampled_trees_give_plain_seeded_sampling(tiny_folder):
+    """Every node of one depth takes that output position's noise, so tree speculation emits what
+    plain seeded sampling emits, token for token, whatever the trees (true branches among decoys,
+    random ones), batched with greedy rows."""
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=40 + i, max_tokens=24, ignore_eos=True)
+              for i in range(len(PROMPTS) - 1)] + [PARAMS]
+    llm = LLM(str(tiny_folder), spec="none", **OPTIONS)
+    want = [[o.token_ids for o in llm.generate([p], sp)][0] for p, sp in zip(PROMPTS, params)]
+    for truth in ({tuple(p): w for p, w in zip(PROMPTS, want)}, None):
+        llm = LLM(str(tiny_folder), spec=SpecConfig(num_draft_tokens=6), drafter=TreeDrafter(truth, seed=5),
+                  **OPTIONS)
+        engine = llm.engine
+        seqs = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+        while engine.has_unfinished():
+            engine.step()
+        assert [s.output_ids for s in seqs] == want
+        if truth is not None:
+            assert sum(s.stats.num_accepted_tokens for s in seqs) > 0

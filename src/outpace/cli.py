@@ -107,17 +107,19 @@ def cmd_serve(args) -> None:
     from outpace.config import EngineConfig
     from outpace.engine.llm_engine import LLMEngine
     from outpace.server.app import build_app
+    from outpace.server.listener import uvicorn_config
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server_config = serve_config(args)          # bad flags fail before the model loads
     if args.threads:
         torch.set_num_threads(args.threads)
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                           max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
                           spec=spec_config(args), calibrate=not args.no_calibrate,
                           cuda_graphs=not args.no_cuda_graphs, overlap=not args.no_overlap)
-    app = build_app(LLMEngine(config), args.model, log_interval_s=args.log_interval, engine_thread=False)
+    app = build_app(LLMEngine(config), args.model, server_config, engine_thread=False)
     # the engine loop stays in this thread, the one that loaded the model (AsyncEngine.run says
     # why); the HTTP server runs beside it, and its shutdown (or a failed start) ends the loop
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    server = uvicorn.Server(uvicorn_config(app, server_config, host=args.host, port=args.port, log_level="info"))
     http = threading.Thread(target=server.run, name="outpace-http", daemon=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)      # SIGTERM stops like Ctrl-C
     http.start()
@@ -134,6 +136,20 @@ def cmd_serve(args) -> None:
     finally:
         server.should_exit = True
         http.join(timeout=30)
+
+
+def serve_config(args):
+    """The serve command's ServerConfig: the API key from --api-key or OUTPACE_API_KEY; a server
+    bound to loopback serves loopback host names only unless --allowed-hosts says otherwise."""
+    import os
+
+    from outpace.server.config import ServerConfig
+    api_key = args.api_key if args.api_key is not None else os.environ.get("OUTPACE_API_KEY")
+    config = ServerConfig(api_key=api_key, allowed_origins=args.allowed_origins, allowed_hosts=args.allowed_hosts,
+                          max_body_bytes=args.max_body_bytes, read_timeout_s=args.read_timeout,
+                          keep_alive_s=args.keep_alive_timeout, special_tokens_in_content=args.special_tokens_in_content,
+                          log_interval_s=args.log_interval)
+    return config.for_bind_host(args.host)
 
 
 def cmd_pull(args) -> None:
@@ -168,6 +184,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip measuring verify cost at start (faster start; the draft controller assumes flat cost)")
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     s.add_argument("--log-interval", type=float, default=10.0, help="seconds between summary log lines (default 10)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
+                        "OUTPACE_API_KEY environment variable; neither: no key)")
+    s.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="web origins (https://app.example.com, or *) whose pages may call the API (CORS; default: none)")
+    s.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                   help="Host header names served (* for any, *.example.com for its subdomains); default: "
+                        "localhost, 127.0.0.1 and ::1 when bound to loopback (against DNS rebinding), any otherwise")
+    s.add_argument("--max-body-bytes", type=int, default=None,
+                   help="larger request bodies get 413 (default: 64 bytes per context token, at least 1 MiB)")
+    s.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a request's headers, and then its body (default 30)")
+    s.add_argument("--keep-alive-timeout", type=int, default=5,
+                   help="seconds an idle kept-alive connection stays open (default 5)")
+    s.add_argument("--special-tokens-in-content", action="store_true",
+                   help="parse special-token text inside chat messages as control tokens (unsafe: users can "
+                        "forge turns); by default only the chat template's own markup gives control tokens")
     add_model_args(s)
     add_spec_args(s)
     s.set_defaults(func=cmd_serve)

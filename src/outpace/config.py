@@ -1,6 +1,7 @@
 """User-facing configuration: small dataclasses validated on construction."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from outpace.errors import InvalidParameterError
@@ -9,6 +10,10 @@ from outpace.errors import InvalidParameterError
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise InvalidParameterError(message)
+
+
+MAX_NUM_STOP = 16           # SamplingParams.stop: strings per request (each costs the stop check per character)
+MAX_STOP_CHARS = 256        # and characters per string
 
 
 @dataclass
@@ -28,12 +33,17 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        _check(math.isfinite(self.temperature), f"temperature must be a finite number, got {self.temperature}")
         _check(self.temperature >= 0, f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         _check(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
+        _check(len(self.stop) <= MAX_NUM_STOP, f"stop holds {len(self.stop)} strings; at most {MAX_NUM_STOP} are "
+                                               "allowed: keep the ones that matter")
+        _check(all(len(s) <= MAX_STOP_CHARS for s in self.stop),
+               f"a stop string is longer than {MAX_STOP_CHARS} characters: shorten it")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers")
 

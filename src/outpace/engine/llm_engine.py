@@ -17,7 +17,7 @@ from outpace.errors import InvalidParameterError, PromptTooLongError
 from outpace.runner.calibrate import measure_verify_cost
 from outpace.runner.cuda_graphs import CudaGraphRunner
 from outpace.runner.model_runner import ModelRunner
-from outpace.sampling.sampler import make_generator
+from outpace.sampling.sampler import request_seed
 from outpace.speculative.controller import DraftController
 from outpace.speculative.drafter import DraftContext, Drafter, Prefilled
 from outpace.speculative.factory import make_drafter
@@ -116,7 +116,7 @@ class LLMEngine:
             raise InvalidParameterError(f"prompt token ids must be in [0, {vocab})")
         seq = Sequence(next(self._ids), prompt_ids, params)
         seq.speculate = speculate and self.num_draft_tokens > 0
-        seq.generator = make_generator(params.seed, self.device)
+        seq.seed = request_seed(params)
         seq.stopper = StopChecker(self.tokenizer, params, self.model.cfg.eos_token_ids, limit)
         self.sequences[seq.seq_id] = seq
         self.scheduler.add(seq)

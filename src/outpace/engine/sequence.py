@@ -78,7 +78,7 @@ class Sequence:
         self.num_cached = 0                 # tokens whose keys/values are in the cache
         self.finish_reason: str | None = None
         self.stats = SpecStats()
-        self.generator = None               # torch.Generator for seeded sampling, set by the engine
+        self.seed: int | None = None        # the sampling seed (sampling.sampler.request_seed), set by the engine
         self.speculate = False              # drafts for this sequence (set by the engine)
         self.stopper = None                 # engine.stopping.StopChecker, set by the engine
         self.arrival = time.perf_counter() if arrival is None else arrival

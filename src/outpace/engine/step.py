@@ -22,8 +22,8 @@ from outpace.engine.scheduler import PrefillChunk, StepPlan
 from outpace.engine.sequence import Sequence
 from outpace.runner.model_runner import ModelRunner, Row
 from outpace.sampling.rejection import greedy_tokens, verify_greedy, verify_sampling
-from outpace.sampling.sampler import SamplingState
-from outpace.sampling.tree import verify_tree
+from outpace.sampling.sampler import SamplingState, inverse_cdf, logits_to_probs
+from outpace.sampling.tree import tree_depths, verify_tree
 from outpace.speculative.controller import DraftController
 from outpace.speculative.drafter import DraftBatch, Drafter, Drafts, Verified
 
@@ -163,7 +163,8 @@ class EagerStep:
         if greedy:
             out, num_out = verify_greedy(logits, draft_tokens, num_draft)
         else:
-            state = SamplingState.from_params([s.params for s in seqs], [s.generator for s in seqs], logits.device)
+            state = SamplingState.from_params([s.params for s in seqs], [s.seed for s in seqs],
+                                              [s.num_output_tokens for s in seqs], logits.device)
             out, num_out = verify_sampling(logits, draft_tokens, num_draft, state)
         # a recurrent model's state becomes the one after each row's last accepted token
         self.runner.cache.commit([s.slot for s in seqs], num_out - 1)
@@ -179,16 +180,23 @@ class EagerStep:
         longest path of the target's own tokens (sampling/tree.py), and the path's keys and
         values moved to consecutive positions."""
         drafts = proposal.drafts
-        if not all(s.params.is_greedy for s in seqs):
-            raise ValueError("token trees are verified for greedy rows only; draft chains for sampled rows")
         if chunks:
             self.runner.forward(chunk_rows(chunks), logits="none")
         nodes = drafts.host_rows()
         parents = [p[:n] for p, n in zip(drafts.parents.tolist(), drafts.num_draft_host)]
         rows = [Row(s.slot, s.token_ids[-1:] + d, len(s.token_ids) - 1) for s, d in zip(seqs, nodes)]
-        logits, hidden = self.runner.forward_tree(rows, parents, "tokens", self.drafter.hidden_layers)  # [B, S]
+        greedy = all(s.params.is_greedy for s in seqs)
+        logits, hidden = self.runner.forward_tree(rows, parents, "tokens" if greedy else "all",
+                                                  self.drafter.hidden_layers)             # [B, S] or [B, S, V]
         K = logits.shape[1] - 1
         device = logits.device
+        if not greedy:
+            # every node of one depth shares that output position's u: the sample plain sampling
+            # would draw there after the node's path
+            state = SamplingState.from_params([s.params for s in seqs], [s.seed for s in seqs],
+                                              [s.num_output_tokens for s in seqs], device)
+            depth = torch.tensor([tree_depths(p, K) for p in parents], device=device)     # [B, S]
+            logits = inverse_cdf(logits_to_probs(logits, state), state.uniforms(K + 1).gather(1, depth))
         tokens = F.pad(drafts.tokens, (0, K - drafts.tokens.shape[1])).to(device)
         tree = F.pad(drafts.parents, (0, K - drafts.parents.shape[1]), value=-1).to(device)
         num_draft = drafts.num_draft.to(device)

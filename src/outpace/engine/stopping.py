@@ -11,6 +11,67 @@ from outpace.config import SamplingParams
 from outpace.weights.tokenizer import IncrementalDecoder, Tokenizer
 
 
+class StopStrings:
+    """The first stop string to complete in a growing text, found in O(new characters x stops)
+    per append, however long the text is.
+
+    Invariant: matched[j] is the length of the longest prefix of stops[j] that ends the text read
+    so far (Knuth-Morris-Pratt's state), so a stop completes when it reaches len(stops[j]), and
+    the text's last max(matched) characters are all that could still start one.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.fallback = [_prefix_function(s) for s in stops]
+        self.matched = [0] * len(stops)
+        self.first_chars = {s[0] for s in stops}
+        self.is_matching = False            # some matched[j] > 0
+        self.length = 0                     # characters read
+
+    def feed(self, text: str) -> int | None:
+        """Read the text's next characters; returns where (an index into all the text read) the
+        first stop string to complete starts, the earliest-starting one among those completing at
+        the same character; None while none has."""
+        for char in text:
+            self.length += 1
+            if not self.is_matching and char not in self.first_chars:
+                continue                    # every state stays 0
+            start = None
+            for j, stop in enumerate(self.stops):
+                k = self.matched[j]
+                while k and stop[k] != char:
+                    k = self.fallback[j][k - 1]
+                if stop[k] == char:
+                    k += 1
+                if k == len(stop):
+                    at = self.length - k
+                    start = at if start is None else min(start, at)
+                    k = self.fallback[j][k - 1]
+                self.matched[j] = k
+            self.is_matching = any(self.matched)
+            if start is not None:
+                return start
+        return None
+
+    @property
+    def num_held(self) -> int:
+        """Characters at the end of the text that may still be the start of a stop string."""
+        return max(self.matched, default=0)
+
+
+def _prefix_function(s: str) -> list[int]:
+    """fallback[i]: the length of the longest proper prefix of s[:i+1] that is also its suffix."""
+    fallback = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fallback[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fallback[i] = k
+    return fallback
+
+
 class StopChecker:
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, eos_ids, max_model_len: int):
         self.params = params
@@ -19,6 +80,7 @@ class StopChecker:
             self.stop_ids |= set(eos_ids) | set(tokenizer.eos_token_ids)
         self.max_model_len = max_model_len
         self.decoder = IncrementalDecoder(tokenizer, [])
+        self.stop_strings = StopStrings(params.stop) if params.stop else None
         self.full_text = ""
         self.is_stopped_by_string = False
 
@@ -31,34 +93,24 @@ class StopChecker:
             if token in self.stop_ids:
                 seq.finish_reason = "stop"
                 break
-            self.full_text += self.decoder.step([token])
-            if self.params.stop and self._apply_stop_strings(seq):
-                break
+            new_text = self.decoder.step([token])
+            self.full_text += new_text
+            if self.stop_strings is not None:
+                at = self.stop_strings.feed(new_text)
+                if at is not None:
+                    self.full_text = self.full_text[:at]
+                    seq.finish_reason = "stop"
+                    self.is_stopped_by_string = True
+                    break
             if seq.num_output_tokens >= self.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 seq.finish_reason = "length"
                 break
         if seq.finish_reason and not self.is_stopped_by_string:
-            self.full_text += self.decoder.finish()     # a character held back at the very end
-        # without stop strings nothing is held back
-        seq.text = self.full_text if seq.finish_reason or not self.params.stop else self._visible(self.full_text)
+            last = self.decoder.finish()                # a character held back at the very end
+            self.full_text += last
+            at = self.stop_strings.feed(last) if self.stop_strings is not None else None
+            if at is not None:
+                self.full_text, seq.finish_reason = self.full_text[:at], "stop"
+        held = 0 if seq.finish_reason or self.stop_strings is None else self.stop_strings.num_held
+        seq.text = self.full_text[:len(self.full_text) - held]
         return appended
-
-    def _apply_stop_strings(self, seq) -> bool:
-        for stop in self.params.stop:
-            # only the tail can hold a new match: the text before it was checked already
-            at = self.full_text.find(stop, max(0, len(self.full_text) - len(stop) - 32))
-            if at >= 0:
-                self.full_text = self.full_text[:at]
-                seq.finish_reason = "stop"
-                self.is_stopped_by_string = True
-                return True
-        return False
-
-    def _visible(self, text: str) -> str:
-        keep = len(text)
-        for stop in self.params.stop:
-            for n in range(min(len(stop) - 1, len(text)), 0, -1):
-                if text.endswith(stop[:n]):
-                    keep = min(keep, len(text) - n)
-                    break
-        return text[:keep]

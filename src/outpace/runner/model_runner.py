@@ -22,6 +22,7 @@ import torch
 from outpace.kernels import cpu_kernels
 from outpace.model.decoder import DecoderLM
 from outpace.model.layers import AttentionKind, ForwardBatch, Packed, PromptChunk
+from outpace.sampling.tree import tree_depths
 
 
 @dataclass
@@ -179,16 +180,14 @@ class ModelRunner:
         kv_len = max(r.start for r in rows) + S
         depth, allowed = [], torch.zeros(B, S, kv_len, dtype=torch.bool)
         for b, (row, nodes) in enumerate(zip(rows, parents)):
-            d = [0]                                     # the row's last token, then each node's depth
             allowed[b, :, :row.start + 1] = True        # the cache up to the row's last token
             for j, parent in enumerate(nodes):
-                d.append(d[parent + 1] + 1)
                 allowed[b, j + 1] = allowed[b, parent + 1]      # its parent's keys (a parent comes first)
                 allowed[b, j + 1, row.start + 1 + j] = True     # and its own
             # padding: causal keys, never read
             for j in range(len(row.token_ids), S):
                 allowed[b, j, :row.start + j + 1] = True
-            depth.append(d + list(range(len(d), S)))
+            depth.append(tree_depths(nodes, S - 1))
         starts = torch.tensor([r.start for r in rows], device=self.device)
         slots = [r.slot for r in rows]
         batch = ForwardBatch(

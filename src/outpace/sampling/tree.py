@@ -24,6 +24,15 @@ from __future__ import annotations
 import torch
 
 
+def tree_depths(parents: list[int], width: int) -> list[int]:
+    """Each row position's depth below the root (the root 0), for a row of `width` nodes after the
+    root: nodes past the tree (padding) get the depth of their index, never read."""
+    depth = [0]
+    for parent in parents:
+        depth.append(depth[parent + 1] + 1)
+    return depth + list(range(len(depth), width + 1))
+
+
 def verify_tree(target_tokens: torch.Tensor, draft_tokens: torch.Tensor, parents: torch.Tensor,
                 num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, K = draft_tokens.shape

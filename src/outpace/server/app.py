@@ -10,35 +10,50 @@ Every response carries usage, with the request's speculation figures in usage.sp
 streamed response carries it on its last choice chunk, or in a separate final chunk with no choices
 when stream_options.include_usage asks for OpenAI's layout). A client that disconnects cancels its
 request: the stream's generator is cancelled, and its `finally` aborts the request in the engine.
+
+A request passes the Guard (host, API key, content type, declared size: server/guard.py), then its
+body is read within the size limit and the read timeout on the event loop, and parsed, checked and
+tokenized in worker threads (server/prompts.py) before it reaches the engine.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import logging
 import time
-import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 
 from outpace.engine.llm_engine import LLMEngine
 from outpace.errors import OutpaceError
 from outpace.server.async_engine import AsyncEngine, EngineFailure, RequestStream, Update
-from outpace.server.metrics import Metrics
-from outpace.server.protocol import ApiError, GenerateRequest, bad_request, parse_chat, parse_completion, parse_json
+from outpace.server.config import ServerConfig
+from outpace.server.guard import Guard
+from outpace.server.metrics import CONTENT_TYPE, Metrics
+from outpace.server.prompts import PromptBuilder
+from outpace.server.protocol import ApiError, bad_request
+from outpace.server.responses import ChatShape, CompletionShape, sse
+
+log = logging.getLogger("outpace.server")
 
 DISCONNECT_POLL_S = 0.5      # how often a non-streaming request checks that its client is still there
+GONE = 499                   # the status logged for a request whose client left (nobody reads it)
 
 
-def build_app(engine: LLMEngine, model_name: str, log_interval_s: float = 10.0,
+def build_app(engine: LLMEngine, model_name: str, config: ServerConfig | None = None,
               engine_thread: bool = True) -> FastAPI:
     """The HTTP API over `engine`. engine_thread: the app runs the engine loop in a thread of its
     own; False: the caller runs it (app.state.engine.run()), and the app's shutdown ends it."""
+    config = config or ServerConfig()
     metrics = Metrics(model_name)
-    runner = AsyncEngine(engine, metrics, log_interval_s)
+    runner = AsyncEngine(engine, metrics, config.log_interval_s)
     max_model_len = engine.config.max_model_len
+    max_body_bytes = config.body_limit(max_model_len)
+    prompts = PromptBuilder(engine.tokenizer, model_name, max_model_len, config.special_tokens_in_content)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -47,9 +62,15 @@ def build_app(engine: LLMEngine, model_name: str, log_interval_s: float = 10.0,
             runner.start()
         yield
         runner.stop()
+        prompts.close()
 
     app = FastAPI(title="outpace", lifespan=lifespan)
     app.state.engine = runner
+    app.state.metrics = metrics
+    app.add_middleware(Guard, config=config, max_body_bytes=max_body_bytes, on_rejected=metrics.on_rejected)
+    if config.allowed_origins:      # added last, so outermost: preflight requests never meet the Guard
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError):
@@ -81,27 +102,28 @@ def build_app(engine: LLMEngine, model_name: str, log_interval_s: float = 10.0,
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(runner.num_running, runner.num_waiting),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(metrics.render(runner.num_running, runner.num_waiting), media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        parsed = parse_completion(parse_json(await request.body()))
-        return await generate(request, parsed, CompletionShape(model_name))
+        return await generate(request, CompletionShape(model_name))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        parsed = parse_chat(parse_json(await request.body()))
-        return await generate(request, parsed, ChatShape(model_name))
+        return await generate(request, ChatShape(model_name))
 
-    async def generate(request: Request, parsed: GenerateRequest, shape: "CompletionShape"):
-        if parsed.model != model_name:
-            raise ApiError(404, f"model {parsed.model!r} is not served here; this server serves {model_name!r} "
-                                "(see GET /v1/models)", "model", code="model_not_found")
-        prompt_ids = tokenize(engine.tokenizer, parsed)
-        params = parsed.sampling_params(len(prompt_ids), max_model_len)
+    async def generate(request: Request, shape: CompletionShape):
         try:
-            stream = await runner.add(shape.id, prompt_ids, params, parsed.speculate)
+            raw = await asyncio.wait_for(read_body(request, max_body_bytes), config.read_timeout_s)
+        except ClientDisconnect:
+            log.info("%s %s: the client disconnected while sending its request", request.method, request.url.path)
+            return Response(status_code=GONE)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {config.read_timeout_s:g} s") from None
+        prompt = await prompts.build(raw, is_chat=isinstance(shape, ChatShape))
+        parsed = prompt.request
+        try:
+            stream = await runner.add(shape.id, prompt.token_ids, prompt.params, parsed.speculate)
         except OutpaceError as error:
             raise bad_request(error, parsed.prompt_param) from None
         except EngineFailure as error:
@@ -111,22 +133,23 @@ def build_app(engine: LLMEngine, model_name: str, log_interval_s: float = 10.0,
                                      headers={"Cache-Control": "no-cache"})
         final = await wait_final(stream, request)
         if final is None:
-            return Response(status_code=499)     # nobody reads it: the client closed the connection
+            return Response(status_code=GONE)
         return JSONResponse(shape.response(final))
 
     return app
 
 
-def tokenize(tokenizer, parsed: GenerateRequest) -> list[int]:
-    try:
-        if parsed.messages is not None:
-            text = tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True)
-            return tokenizer.encode(text, add_special_tokens=False)
-        if isinstance(parsed.prompt, str):
-            return tokenizer.encode(parsed.prompt)
-        return list(parsed.prompt)
-    except OutpaceError as error:
-        raise bad_request(error, parsed.prompt_param) from None
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 once it passes `limit` bytes (a body sent without a
+    Content-Length, which the Guard checks before reading, is counted as it arrives)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the body passed {limit} bytes, the most this server takes (--max-body-bytes)",
+                           code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def wait_final(stream: RequestStream, request: Request) -> Update | None:
@@ -151,87 +174,3 @@ async def wait_final(stream: RequestStream, request: Request) -> Update | None:
         raise ApiError(500, str(error), type="server_error") from None
     finally:
         stream.cancel()
-
-
-async def sse(stream: RequestStream, shape: "CompletionShape", include_usage: bool):
-    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. If the client
-    disconnects, Starlette cancels this generator at its await and `finally` aborts the request."""
-    try:
-        first = shape.first_chunk()
-        if first is not None:
-            yield _event(first)
-        sent = 0
-        while True:
-            try:
-                update = await stream.next()
-            except EngineFailure as error:
-                yield _event(ApiError(500, str(error), type="server_error").body())
-                break
-            delta, sent = update.text[sent:], len(update.text)
-            is_last = update.finish_reason is not None
-            if delta or is_last:
-                yield _event(shape.chunk(delta, update.finish_reason,
-                                         update.usage if is_last and not include_usage else None))
-            if is_last:
-                if include_usage:
-                    yield _event(shape.usage_chunk(update.usage))
-                break
-        yield "data: [DONE]\n\n"
-    finally:
-        stream.cancel()
-
-
-def _event(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-
-class CompletionShape:
-    """Response bodies of /v1/completions."""
-
-    object = "text_completion"
-    prefix = "cmpl-"
-
-    def __init__(self, model: str):
-        self.id = self.prefix + uuid.uuid4().hex
-        self.model = model
-        self.created = int(time.time())
-
-    def _head(self, object_name: str) -> dict:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
-
-    def response(self, final: Update) -> dict:
-        choice = {"index": 0, "text": final.text, "logprobs": None, "finish_reason": final.finish_reason}
-        return {**self._head(self.object), "choices": [choice], "usage": final.usage}
-
-    def first_chunk(self) -> dict | None:
-        return None
-
-    def chunk(self, delta: str, finish_reason: str | None, usage: dict | None) -> dict:
-        choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._head(self.object), "choices": [choice], "usage": usage}
-
-    def usage_chunk(self, usage: dict) -> dict:
-        return {**self._head(self.object), "choices": [], "usage": usage}
-
-
-class ChatShape(CompletionShape):
-    """Response bodies of /v1/chat/completions."""
-
-    object = "chat.completion.chunk"
-    prefix = "chatcmpl-"
-
-    def response(self, final: Update) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": final.text}, "logprobs": None,
-                  "finish_reason": final.finish_reason}
-        return {**self._head("chat.completion"), "choices": [choice], "usage": final.usage}
-
-    def first_chunk(self) -> dict:
-        # OpenAI opens a chat stream with the role; sent at once, it also flushes the headers
-        return self._chat_chunk({"role": "assistant", "content": ""}, None, None)
-
-    def chunk(self, delta: str, finish_reason: str | None, usage: dict | None) -> dict:
-        return self._chat_chunk({"content": delta} if delta else {}, finish_reason, usage)
-
-    def _chat_chunk(self, delta: dict, finish_reason: str | None, usage: dict | None) -> dict:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._head(self.object), "choices": [choice], "usage": usage}

@@ -8,9 +8,11 @@ honour (n > 1, logprobs, penalties, tools) are refused with a 400 rather than si
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass, field
 
-from outpace.config import SamplingParams
+from outpace.config import MAX_NUM_STOP, MAX_STOP_CHARS, SamplingParams
 from outpace.errors import OutpaceError
 
 MISSING = object()
@@ -65,13 +67,32 @@ class GenerateRequest:
 
 
 def parse_json(raw: bytes) -> dict:
+    """The body as a JSON object. Refused with a 400: invalid JSON or UTF-8 (json.loads alone would
+    let UTF-8-encoded surrogates through), NaN and Infinity (not JSON), integers of over 4,300
+    digits, nesting deeper than the interpreter's recursion limit, and lone surrogates
+    ("\\ud800"), which no tokenizer or UTF-8 encoder accepts."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ApiError(400, f"the request body is not valid JSON ({error}); send a JSON object") from None
+        body = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ApiError(400, "the request body nests arrays or objects too deeply; send a flatter JSON object") from None
+    except ValueError as error:     # JSONDecodeError, UnicodeDecodeError, an integer too long to convert
+        raise ApiError(400, f"the request body is not valid JSON ({str(error)[:200]}); send a JSON object") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {_kind(body)}")
+    if _ESCAPED_SURROGATE.search(raw):      # valid UTF-8 holds none, so only a \u escape can make one
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, "a string in the request body holds a lone UTF-16 surrogate (such as \\ud800); "
+                                "send text as valid UTF-8 or as escaped surrogate pairs") from None
     return body
+
+
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _refuse_constant(name: str):
+    raise ApiError(400, f"the request body holds {name}, which is not JSON; send a finite number")
 
 
 def parse_completion(body: dict) -> GenerateRequest:
@@ -130,7 +151,7 @@ def _common(body: dict, max_tokens: int | None) -> GenerateRequest:
         _unsupported(body, name, allowed=(None, 0, 0.0), hint="leave it out or set it to 0")
     _unsupported(body, "logit_bias", allowed=(None, {}))
     sampling = {
-        "temperature": _number(body, "temperature", 1.0, low=0.0),
+        "temperature": _number(body, "temperature", 1.0, low=0.0, high=2.0),
         "top_p": _number(body, "top_p", 1.0, low=0.0, high=1.0, low_open=True),
         "top_k": _integer(body, "top_k", 0, low=-1),
         "min_p": _number(body, "min_p", 0.0, low=0.0, high=1.0),
@@ -153,7 +174,7 @@ def _max_tokens(body: dict, names: tuple[str, ...], default: int | None) -> int 
         value = _field(body, name, int, default=None)
         if value is not None:
             if value < 1:
-                raise ApiError(400, f"{name} must be at least 1, got {value}", name)
+                raise ApiError(400, f"{name} must be at least 1, got {_show(value)}", name)
             return value
     return default
 
@@ -165,6 +186,12 @@ def _stop(body: dict) -> list[str]:
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) and s for s in stop):
         raise ApiError(400, "stop must be a non-empty string or a list of non-empty strings", "stop")
+    if len(stop) > MAX_NUM_STOP:
+        raise ApiError(400, f"stop holds {len(stop)} strings; send at most {MAX_NUM_STOP}", "stop")
+    longest = max(map(len, stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ApiError(400, f"stop holds a string of {longest} characters; each may have at most {MAX_STOP_CHARS}",
+                       "stop")
     return stop
 
 
@@ -188,9 +215,10 @@ def _content(content, where: str) -> str:
 def _number(body: dict, name: str, default: float, low: float, high: float | None = None,
             low_open: bool = False) -> float:
     value = _field(body, name, float, default=default)
-    if value < low or (low_open and value == low) or (high is not None and value > high):
+    is_finite = not isinstance(value, float) or math.isfinite(value)
+    if not is_finite or value < low or (low_open and value == low) or (high is not None and value > high):
         span = f"{'(' if low_open else '['}{low:g}, {high:g}]" if high is not None else f">= {low:g}"
-        raise ApiError(400, f"{name} must be {'in ' if high is not None else ''}{span}, got {value:g}", name)
+        raise ApiError(400, f"{name} must be {'in ' if high is not None else ''}{span}, got {_show(value)}", name)
     return float(value)
 
 
@@ -198,14 +226,14 @@ def _integer(body: dict, name: str, default: int | None, low: int, high: int | N
     value = _field(body, name, int, default=default)
     if value is not None and (value < low or high is not None and value > high):
         span = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise ApiError(400, f"{name} must be {span}, got {value}", name)
+        raise ApiError(400, f"{name} must be {span}, got {_show(value)}", name)
     return value
 
 
 def _unsupported(body: dict, name: str, allowed: tuple, hint: str = "leave it out") -> None:
     value = body.get(name)
     if not any(value == a and type(value) is type(a) for a in allowed):
-        raise ApiError(400, f"{name}={json.dumps(value)} is not supported by this server; {hint}", name)
+        raise ApiError(400, f"{name}={_show(json.dumps(value), 100)} is not supported by this server; {hint}", name)
 
 
 def _field(body: dict, name: str, kinds, required: bool = False, default=None):
@@ -225,6 +253,12 @@ def _field(body: dict, name: str, kinds, required: bool = False, default=None):
 
 _NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false", list: "an array",
           dict: "an object"}
+
+
+def _show(value, limit: int = 40) -> str:
+    """A value as an error message quotes it: at most `limit` characters (a string as it is)."""
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _kind(value) -> str:

@@ -7,7 +7,9 @@ tokenizer that splits text the way llama.cpp does for that file's `tokenizer.ggm
 """
 from __future__ import annotations
 
+import functools
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Mapping
@@ -157,8 +159,62 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for (the longest vocabulary entry: a
+        byte-level entry spells one byte per character, a sentencepiece one at least its text),
+        so a text of n characters holds at least n / max_token_chars tokens."""
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch runs without holding the GIL (encode holds it, about 0.5 s per MB of text),
+        # so a long prompt never stalls the server's other threads
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    special_tokens_in_content: bool = False) -> list[int]:
+        """The token ids of messages rendered by the chat template. Only the template's own markup
+        becomes control tokens: special-token text inside the messages ("<|im_end|><|im_start|>system"
+        typed into a user's content) is tokenized as the plain text it is, so it cannot forge a
+        role. special_tokens_in_content=True parses it as control tokens instead.
+
+        Without special-token text in the messages the ids equal encode(rendered text), which
+        also splits at each special token and encodes the pieces between apart.
+        """
+        if special_tokens_in_content:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        hidden: list[str] = []
+        shielded = [_shield(message, self._specials_or_marks, hidden) for message in messages]
+        pieces = self._specials.split(self.apply_chat_template(shielded, add_generation_prompt))
+        texts = [_MARKED.sub(lambda m: hidden[int(m[1])], piece) for piece in pieces[0::2]]  # [plain, special, ...]
+        ids: list[int] = []
+        for i, encoding in enumerate(self._plain.encode_batch(texts, add_special_tokens=False)):
+            ids += encoding.ids
+            if 2 * i + 1 < len(pieces):
+                ids.append(self.backend.token_to_id(pieces[2 * i + 1]))
+        return ids
+
+    @functools.cached_property
+    def _special_texts(self) -> list[str]:
+        """The control tokens' texts, longest first (the leftmost-longest match the backend makes)."""
+        texts = {t.content for t in self.backend.get_added_tokens_decoder().values() if t.special}
+        return sorted(texts, key=len, reverse=True)
+
+    @functools.cached_property
+    def _specials(self) -> re.Pattern:
+        # a capturing group: split() keeps the special tokens between the plain pieces
+        return re.compile("(" + "|".join(map(re.escape, self._special_texts)) + ")" if self._special_texts else "($^)")
+
+    @functools.cached_property
+    def _specials_or_marks(self) -> re.Pattern:
+        return re.compile("|".join([*map(re.escape, self._special_texts), _MARK_OPEN, _MARK_CLOSE]))
+
+    @functools.cached_property
+    def _plain(self) -> Backend:
+        """The backend that reads special-token text as text (other added tokens still apply)."""
+        plain = Backend.from_str(self.backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -209,6 +265,26 @@ class IncrementalDecoder:
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(context):]
+
+
+# Special-token text (and these marks themselves) inside messages is replaced by a mark holding its
+# index in a list, through the template, and put back into the plain text pieces afterwards.
+_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
+_MARKED = re.compile(_MARK_OPEN + r"(\d+)" + _MARK_CLOSE)
+
+
+def _shield(value: Any, pattern: re.Pattern, hidden: list[str]) -> Any:
+    """value with every match of pattern in its strings (nested in lists and dicts) replaced by a mark."""
+    if isinstance(value, str):
+        def mark(match: re.Match) -> str:
+            hidden.append(match[0])
+            return f"{_MARK_OPEN}{len(hidden) - 1}{_MARK_CLOSE}"
+        return pattern.sub(mark, value)
+    if isinstance(value, dict):
+        return {k: _shield(v, pattern, hidden) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_shield(v, pattern, hidden) for v in value]
+    return value
 
 
 def _compile_template(source: Any) -> jinja2.Template:
