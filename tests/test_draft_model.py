@@ -95,12 +95,19 @@ def test_confidence_stop_drafts_less(folders, plain):
     assert sum(o.spec["num_draft_tokens"] for o in out) < sum(o.spec["num_draft_tokens"] for o in full)
 
 
-def test_seeded_sampling_with_a_draft_model_is_reproducible(folders):
-    params = SamplingParams(temperature=0.8, seed=11, max_tokens=20, ignore_eos=True)
-    spec = SpecConfig(method="draft", draft_model=str(folders[0]), num_draft_tokens=3)
-    llm = LLM(str(folders[0]), spec=spec, **OPTIONS)
-    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == \
-        [o.token_ids for o in llm.generate(PROMPTS[::-1], params)][::-1]
+def test_sampled_drafts_couple_through_the_targets_noise(folders):
+    """A sampling draft model samples with the target's noise for each position: the target as its
+    own draft then drafts exactly the target's samples (every draft accepted), another model's
+    drafts leave the output alone, and the text is plain seeded sampling's."""
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=20, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(folders[0]), spec="none", **OPTIONS).generate(PROMPTS, params)]
+    for draft in folders[:2]:
+        spec = SpecConfig(method="draft", draft_model=str(draft), num_draft_tokens=3)
+        out = LLM(str(folders[0]), spec=spec, **OPTIONS).generate(PROMPTS, params)
+        assert [o.token_ids for o in out] == want
+        drafted = sum(o.spec["num_draft_tokens"] for o in out)
+        if draft == folders[0]:
+            assert sum(o.spec["num_accepted_tokens"] for o in out) == drafted > 0
 
 
 def test_a_draft_whose_ids_mean_other_tokens_is_refused(folders):

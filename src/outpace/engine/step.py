@@ -128,7 +128,8 @@ class EagerStep:
     @staticmethod
     def _draft_batch(seqs: list[Sequence], budget: list[int]) -> DraftBatch:
         return DraftBatch([s.seq_id for s in seqs], list(budget), [s.slot for s in seqs],
-                          [len(s.token_ids) - 1 for s in seqs])
+                          [len(s.token_ids) - 1 for s in seqs], [s.params for s in seqs], [s.seed for s in seqs],
+                          [s.num_output_tokens for s in seqs])
 
     # ---- verify -------------------------------------------------------------------------------
     def verify(self, plan: StepPlan, proposal: Proposal, chunks: list[PrefillChunk]) -> StepResult:

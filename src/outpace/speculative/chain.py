@@ -36,9 +36,7 @@ class DrafterChain(Drafter):
             pending = [i for i, r in enumerate(rows) if not r and batch.budget[i] > 0]
             if not pending:
                 break
-            part = DraftBatch(*([getattr(batch, f)[i] for i in pending]
-                                for f in ("seq_ids", "budget", "slots", "positions")))
-            drafts = d.propose(part)
+            drafts = d.propose(batch.subset(pending))
             for i, tokens, m in zip(pending, drafts.host_rows(), drafts.match_len or [0] * len(pending)):
                 rows[i], match[i] = tokens, m
         return Drafts.from_lists(rows, match)

@@ -14,8 +14,12 @@ back; after verification those that equal the accepted tokens stay valid, the re
 are overwritten by the next catch-up (the target's rollback rule, by length). Prompt chunks are
 cached in the same chunks as the target's (prefilled), so the first draft needs no long catch-up.
 
-Drafts are greedy (the draft's argmax): a one-hot draft is verified exactly under greedy and
-under rejection sampling, so sampled output keeps the target's distribution.
+A greedy row drafts the draft's argmax. A sampled row samples the draft's distribution, shaped
+by the row's own parameters, with the target's noise for that output position (u(seed, i),
+sampling/sampler.py): where the two distributions agree the two inverse CDFs land on the same
+token, so the draft is accepted as often as the coupling allows, and the output stays plain
+seeded sampling's whatever the draft (verification accepts a draft only where it equals the
+target's own sample).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import torch
 from outpace.errors import InvalidParameterError
 from outpace.runner.calibrate import batch_buckets
 from outpace.runner.model_runner import Row
+from outpace.sampling.sampler import SamplingState, inverse_cdf, logits_to_probs
 from outpace.speculative.compat import check_vocab_compatible
 from outpace.speculative.drafter import DraftBatch, DraftContext, Drafter, Drafts, Prefilled
 from outpace.weights.hub import resolve_model
@@ -123,8 +128,10 @@ class DraftModelDrafter(Drafter):
         while active:
             logits, _ = self.runner.forward(rows)                           # [B, S, V]
             last = torch.tensor([len(r.token_ids) - 1 for r in rows], device=logits.device)
-            probs = torch.softmax(logits[torch.arange(len(rows), device=logits.device), last].float(), -1)
-            best, token = probs.max(-1)
+            logits = logits[torch.arange(len(rows), device=logits.device), last]             # [B, V]
+            best, token = torch.softmax(logits.float(), -1).max(-1)
+            if batch.params and not all(batch.params[i].is_greedy for i in active):
+                token = self._sample(logits, batch, active, [len(drafts[i]) for i in active])
             best, token = best.tolist(), token.tolist()                     # one host read per draft position
             still, rows = [], []
             for i, p, t in zip(active, best, token):
@@ -139,3 +146,12 @@ class DraftModelDrafter(Drafter):
                     rows.append(Row(batch.slots[i], [t], batch.positions[i] + len(drafts[i])))
             active = still
         return Drafts.from_lists(drafts)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, batch: DraftBatch, rows: list[int], drafted: list[int]) -> torch.Tensor:
+        """Each row's draft token at its next output position (num_output + drafted): its shaped
+        distribution's inverse CDF at the target's noise for that position (greedy rows: the
+        argmax, their probabilities being one-hot)."""
+        state = SamplingState.from_params([batch.params[i] for i in rows], [batch.seeds[i] for i in rows],
+                                          [batch.num_output[i] + n for i, n in zip(rows, drafted)], logits.device)
+        return inverse_cdf(logits_to_probs(logits, state), state.uniforms(1)[:, 0])

@@ -10,7 +10,7 @@ the step's one synchronisation unless the drafter knew them when it drafted (`nu
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Sequence
 
 import torch
@@ -24,15 +24,26 @@ class DraftBatch:
     room in the context and in max_tokens). slots[i], positions[i]: the row's KV slot and the
     position of its last token (a drafter with a cache of its own keeps it in the same slots,
     valid up to that position: positions past it hold rejected tokens and are overwritten).
+    params[i], seeds[i], num_output[i]: how the row samples, and how many tokens it has output:
+    a drafter that samples couples through the target's noise, u(seed, num_output + j) for its
+    j-th drafted token (sampling/sampler.py). Empty where the caller gives none (all greedy).
     """
 
     seq_ids: list[int]
     budget: list[int]
     slots: list[int]
     positions: list[int]
+    params: list = field(default_factory=list)
+    seeds: list = field(default_factory=list)
+    num_output: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seq_ids)
+
+    def subset(self, rows: Sequence[int]) -> "DraftBatch":
+        """The batch of these rows only, in this order."""
+        return DraftBatch(*([getattr(self, f.name)[i] for i in rows] if getattr(self, f.name) else []
+                            for f in fields(self)))
 
 
 @dataclass
