@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,11 @@ import torch.distributed as dist
 from outpace.config import SamplingParams
 from outpace.errors import InvalidParameterError, UnsupportedModelError, WorkerFailedError
 from outpace.llm import LLM
+from outpace.runner.cuda_graphs import CudaGraphRunner
+from outpace.runner.model_runner import Row
+from outpace.runner.parallel import ForwardCall, ParallelRunner
+from outpace.runner.workers import Workers
+from outpace.weights.loader import load_model
 from tiny import make_tiny
 
 # repeating prompts (n-gram drafts) and short ones
@@ -100,6 +106,35 @@ def test_recurrent_models_are_refused(tmp_path, default_model_dir):
     assert_no_workers_left()
 
 
+def test_forward_calls_survive_the_channel_encoding():
+    call = ForwardCall([Row(2, [5, 6, 7], 40), Row(0, [9], 3)], "tokens", (1, 3), [Row(1, list(range(20)), 0)])
+    assert ForwardCall.decode(call.encode()) == call
+
+
+def test_a_graph_runner_under_two_ranks(tiny_folder):
+    """The CUDA graph runner's static-buffer steps (run eagerly on the CPU) built on every rank
+    from rank 0's arguments: a prompt chunk, then padded verify rows on scattered slots; logits
+    as one rank's to rounding, the same argmax."""
+    make = partial(CudaGraphRunner, num_slots=4, max_len=128, max_step_tokens=16, num_draft_tokens=3,
+                   use_graphs=False)
+    load = partial(load_model, tiny_folder, torch.float32, max_len=128)
+    chunk, rows = Row(1, list(range(30, 46)), 0), [Row(1, [46, 47], 16), Row(3, [5], 0)]
+    one = make(load(device="cpu"))
+    one.forward([chunk], logits="none")
+    expected, _ = one.forward(rows)
+    workers = Workers.start(2, "cpu", load)
+    try:
+        runner = ParallelRunner(make, load(device="cpu", shard=workers.shard), workers)
+        runner.forward([chunk], logits="none")
+        logits, _ = runner.forward(rows)
+    finally:
+        workers.close()
+    assert logits.shape == expected.shape == (2, 2, 49155)        # rows padded to the tier of 2 tokens
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    assert_no_workers_left()
+
+
 def test_a_killed_worker_ends_the_run_with_a_clear_error(tiny_folder):
     llm = LLM(str(tiny_folder), spec="none", tensor_parallel_size=2, **options())
     worker = multiprocessing.active_children()[0]
@@ -120,31 +155,38 @@ def test_a_killed_worker_ends_the_run_with_a_clear_error(tiny_folder):
 
 
 DRIVER = textwrap.dedent("""
-    import multiprocessing, sys, time
+    import multiprocessing, sys
+    from outpace.config import SamplingParams
     from outpace.llm import LLM
     if __name__ == "__main__":
         llm = LLM(sys.argv[1], spec="none", tensor_parallel_size=2, device="cpu", dtype="float32", calibrate=False,
-                  max_model_len=128)
+                  max_model_len=4096)
         print(multiprocessing.active_children()[0].pid, flush=True)
-        time.sleep(600)
+        llm.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True))
 """)
 
 
-def test_workers_exit_when_the_driver_dies(tiny_folder, tmp_path):
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
+def test_no_worker_outlives_its_driver(how, tiny_folder, tmp_path):
+    """SIGKILL: the driver dies mid-run, and the worker exits by itself. SIGINT (Ctrl-C, sent to
+    the terminal's whole process group): the workers ignore it, the driver stops them."""
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1] / "src"),
                                                        os.environ.get("PYTHONPATH", "")]))
-    driver = subprocess.Popen([sys.executable, str(script), str(tiny_folder)], stdout=subprocess.PIPE, env=env,
-                              text=True)
+    driver = subprocess.Popen([sys.executable, str(script), str(tiny_folder)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=env, text=True, start_new_session=True)
     try:
         worker = int(driver.stdout.readline())
-        driver.kill()
-        driver.wait()
+        time.sleep(1.0)                                     # mid-generation
+        os.killpg(driver.pid, getattr(signal, how))
+        driver.wait(timeout=20)
         deadline = time.monotonic() + 5
         while _alive(worker) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _alive(worker)
+        if how == "SIGINT":
+            assert "KeyboardInterrupt" in driver.stderr.read()
     finally:
         driver.kill()
 

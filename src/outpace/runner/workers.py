@@ -133,7 +133,7 @@ class Workers:
                                             f"--tensor-parallel-size {launched_size} (this is rank {rank})")
             processes, init = [], dict(init_method="env://")
         if device == "cuda":
-            torch.cuda.set_device(0)
+            torch.cuda.set_device(0 if launched is None else launched[2])
         dist.init_process_group(_backend(), rank=0, world_size=world_size, **init)
         channel = Channel(dist.new_group(backend="gloo", timeout=CHANNEL_TIMEOUT))
         workers = cls(world_size, channel, processes, device, threads)
@@ -152,6 +152,10 @@ class Workers:
             yield
         except RuntimeError as error:       # torch.distributed's errors included
             raise self._fail(error) from error
+        except BaseException:               # Ctrl-C, or a bug: the workers wait in a collective
+            self.failure = "a tensor-parallel forward was cut short; the engine cannot go on: start it again"
+            self.close()
+            raise
         self.in_flight = False
 
     def _fail(self, error: BaseException) -> WorkerFailedError:
@@ -246,16 +250,23 @@ def run_worker() -> None:
 def _serve(rank: int, world_size: int, local_rank: int, init: dict) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)        # Ctrl-C is the driver's to handle
     _watch_parent(rank)
+    if local_rank < torch.cuda.device_count():          # NCCL's communicator forms on the current device
+        torch.cuda.set_device(local_rank)
     dist.init_process_group(_backend(), rank=rank, world_size=world_size, **init)
     channel = Channel(dist.new_group(backend="gloo", timeout=CHANNEL_TIMEOUT))
-    spec: LoadSpec = channel.receive_object()
-    if spec.device == "cuda":
-        torch.cuda.set_device(local_rank)
-    else:
-        torch.set_num_threads(spec.threads)
-    model = spec.load(device=f"cuda:{local_rank}" if spec.device == "cuda" else "cpu", shard=Shard(rank, world_size))
-    runner = channel.receive_object()(model)
-    serve(runner, channel)
+    try:
+        spec: LoadSpec = channel.receive_object()
+        if spec.device == "cpu":
+            torch.set_num_threads(spec.threads)
+        model = spec.load(device=f"cuda:{local_rank}" if spec.device == "cuda" else "cpu",
+                          shard=Shard(rank, world_size))
+        runner = channel.receive_object()(model)
+        serve(runner, channel)
+    except RuntimeError:
+        # a collective fails at once when the driver's process ends; the watch thread then ends
+        # this one with a line rather than this traceback
+        time.sleep(1.0)
+        raise
     dist.destroy_process_group()
 
 
