@@ -8,6 +8,7 @@ N = 1; a dead worker or driver ends the other side within seconds, and no proces
 """
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
@@ -189,6 +190,22 @@ def test_no_worker_outlives_its_driver(how, tiny_folder, tmp_path):
             assert "KeyboardInterrupt" in driver.stderr.read()
     finally:
         driver.kill()
+
+
+def test_torchrun_starts_the_ranks_and_rank_0_runs_the_command(tiny_folder):
+    """One host, two CPU processes: rank 0 runs `outpace generate`, rank 1 serves it."""
+    prompt = "hello there, hello there"
+    command = ["generate", "--model", str(tiny_folder), "--device", "cpu", "--dtype", "float32", "--prompt", prompt,
+               "--max-tokens", "16", "--json", "--spec", "ngram"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1] / "src"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "outpace.cli",
+                           *command, "--tensor-parallel-size", "2"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with LLM(str(tiny_folder), spec="none", device="cpu", dtype="float32", max_num_seqs=1, calibrate=False) as llm:
+        plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16))[0].token_ids
+    assert json.loads(done.stdout.strip().splitlines()[-1])["token_ids"] == plain
 
 
 def _alive(pid: int) -> bool:
