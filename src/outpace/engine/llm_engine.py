@@ -62,8 +62,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.tokenizer = Tokenizer.from_folder(folder)
         # tensor parallelism: this process is rank 0 and drives ranks 1..N-1 (runner/parallel.py)
-        self.workers = (start_workers(folder, self.dtype, self.device, config.max_model_len, config.tensor_parallel_size)
-                        if config.tensor_parallel_size > 1 else None)
+        tp = config.tensor_parallel_size
+        self.workers = start_workers(folder, self.dtype, self.device, config.max_model_len, tp) if tp > 1 else None
         self.model = load_model(folder, self.dtype, self.device, config.max_model_len,
                                 self.workers.shard if self.workers else None)
         # the CUDA graph runner on a GPU (its padded steps do not suit recurrent state yet)

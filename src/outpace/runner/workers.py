@@ -117,25 +117,29 @@ class Workers:
             raise InvalidParameterError(f"--tensor-parallel-size {world_size} needs {world_size} GPUs; torch sees "
                                         f"{torch.cuda.device_count()}")
         threads = max(1, torch.get_num_threads() // world_size)
-        if launched is None:
-            store = dist.TCPStore("127.0.0.1", 0, world_size, True, wait_for_workers=False)
-            context = mp.get_context("spawn")
-            processes = [context.Process(target=_spawned, args=(rank, world_size, store.port),
-                                         name=f"outpace-tp-{rank}", daemon=True) for rank in range(1, world_size)]
-            for p in processes:
-                p.start()
-            _wait_joined(store, processes)
-            init = dict(store=store)
-        else:
-            rank, launched_size, _ = launched
-            if launched_size != world_size or rank != 0:
-                raise InvalidParameterError(f"torchrun started {launched_size} processes; run with "
-                                            f"--tensor-parallel-size {launched_size} (this is rank {rank})")
-            processes, init = [], dict(init_method="env://")
-        if device == "cuda":
-            torch.cuda.set_device(0 if launched is None else launched[2])
-        dist.init_process_group(_backend(), rank=0, world_size=world_size, **init)
-        channel = Channel(dist.new_group(backend="gloo", timeout=CHANNEL_TIMEOUT))
+        processes, init = [], dict(init_method="env://")
+        if launched is not None and (launched[1] != world_size or launched[0] != 0):
+            raise InvalidParameterError(f"torchrun started {launched[1]} processes; run with "
+                                        f"--tensor-parallel-size {launched[1]} (this is rank {launched[0]})")
+        try:
+            if launched is None:
+                store = dist.TCPStore("127.0.0.1", 0, world_size, True, wait_for_workers=False)
+                init = dict(store=store)
+                context = mp.get_context("spawn")
+                processes = [context.Process(target=_spawned, args=(rank, world_size, store.port),
+                                             name=f"outpace-tp-{rank}", daemon=True) for rank in range(1, world_size)]
+                for p in processes:
+                    p.start()
+                _wait_joined(store, processes)
+            if device == "cuda":
+                torch.cuda.set_device(0 if launched is None else launched[2])
+            dist.init_process_group(_backend(), rank=0, world_size=world_size, **init)
+            channel = Channel(dist.new_group(backend="gloo", timeout=CHANNEL_TIMEOUT))
+        except BaseException:
+            _kill(processes)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise
         workers = cls(world_size, channel, processes, device, threads)
         with workers.collective():
             channel.send_object(LoadSpec(load, device, threads))
@@ -145,7 +149,8 @@ class Workers:
     def collective(self):
         """Around work that every rank must take part in. Where it fails, the ranks are out of
         step for good: the workers are stopped and WorkerFailedError says why."""
-        if self.failure is not None:
+        if self.failure is not None:        # the monitor saw a worker end
+            self.close()
             raise WorkerFailedError(self.failure)
         self.in_flight = True
         try:
@@ -205,10 +210,7 @@ class Workers:
         deadline = time.monotonic() + (STOP_GRACE_S if graceful else 0)
         for p in self.processes:
             p.join(max(0.0, deadline - time.monotonic()))
-        for p in self.processes:
-            if p.exitcode is None:
-                p.kill()
-                p.join()
+        _kill(self.processes)
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
         if self.device == "cpu":
@@ -223,13 +225,21 @@ def _wait_joined(store: dist.TCPStore, processes: list) -> None:
     while not store.check(keys):
         failed = [(rank, p.exitcode) for rank, p in enumerate(processes, 1) if p.exitcode is not None]
         if failed or time.monotonic() > deadline:
-            for p in processes:
-                p.kill()
-                p.join()
+            _kill(processes)
             rank, code = failed[0] if failed else (1, None)
             raise WorkerFailedError(f"tensor-parallel worker {rank} {exit_status(code)} while starting "
                                     f"(its error is above)")
         time.sleep(0.02)
+
+
+def _kill(processes: list) -> None:
+    """Kill those still running, and reap them all (those never started: nothing to do)."""
+    for p in processes:
+        if p.pid is None:
+            continue
+        if p.exitcode is None:
+            p.kill()
+        p.join()
 
 
 # ---- the worker's side ----------------------------------------------------------------------
