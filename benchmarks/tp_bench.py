@@ -14,6 +14,11 @@ on. tokens/s = steps / time. The bandwidth limit at N is N x (one card's copy ba
 plus write, measured here on cuda:0) / all weight bytes (each rank reads its share once a
 token); "without embedding" leaves out the embedding's bytes, of which a step reads one row.
 T(1+k): one forward of a row of 1 + k tokens at position 64, median of repeated calls.
+With --check, first: greedy output split over ranks equals one rank's, in float32, through the
+engine (CUDA graphs, batched, n-gram speculation on the split engine): a random Llama-3-8B-shape
+folder (bf16 weights saved once under --scratch, loaded as float32) at N = 2, and the default model
+at N = 3 (its 9 query and 3 key/value heads do not split over 2); a divergence is reported with the
+one-rank model's top-2 logit margin there (bench/margin.py), to tell a near-tie from a bug.
 Prints tables and writes tp_bench.json under --out.
 """
 from __future__ import annotations
@@ -29,7 +34,11 @@ from pathlib import Path
 
 import torch
 
-from outpace.bench.models import LLAMA3_70B, LLAMA3_8B, random_model
+from outpace.bench.margin import divergence
+from outpace.bench.models import LLAMA3_70B, LLAMA3_8B, random_llama, random_model
+from outpace.config import SamplingParams
+from outpace.llm import LLM
+from outpace.paths import outpace_home
 from outpace.runner.cuda_graphs import CudaGraphRunner
 from outpace.runner.model_runner import Row
 from outpace.runner.parallel import ParallelRunner
@@ -163,6 +172,38 @@ def measure(label: str, shape: dict, sizes: list[int], args, bandwidth: float, v
     return out
 
 
+CHECK_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+                 "List the planets of the solar system: Mercury, Venus,", "Once upon a time"]
+
+
+def greedy_check(label: str, model: str, n: int, args) -> dict:
+    """Greedy outputs of `model` in float32 over n ranks (n-gram speculation) and over one (plain)."""
+    params = SamplingParams(temperature=0, max_tokens=args.check_tokens, ignore_eos=True)
+    options = dict(dtype="float32", device=args.device, max_num_seqs=2, max_model_len=512, max_prefill_tokens=32,
+                   calibrate=False)
+    with LLM(model, spec="ngram", tensor_parallel_size=n, **options) as llm:
+        split = [o.token_ids for o in llm.generate(CHECK_PROMPTS, params)]
+    with LLM(model, spec="none", **options) as llm:
+        outs = llm.generate(CHECK_PROMPTS, params)
+        divergences = [divergence(llm.engine, o.prompt_token_ids, s, o.token_ids) for o, s in zip(outs, split)]
+    found = [d for d in divergences if d is not None]
+    log(f"[check {label}] N = {n}: {len(CHECK_PROMPTS) - len(found)} of {len(CHECK_PROMPTS)} outputs equal N = 1's"
+        + (f"; divergences: {found}" if found else ""))
+    return {"size": n, "equal": len(CHECK_PROMPTS) - len(found), "of": len(CHECK_PROMPTS), "divergences": found}
+
+
+def checks(args, gpus: int) -> dict:
+    out = {}
+    # the smoke shape with the default model's vocabulary: the prompts are its tokenizer's ids
+    shape = dict(SMOKE_SHAPE, vocab_size=49152) if args.smoke else LLAMA3_8B
+    folder = random_llama(shape, Path(args.scratch) / ("random-tiny" if args.smoke else "random-llama3-8b"))
+    if gpus >= 2:
+        out["random Llama shape"] = greedy_check("random Llama shape", str(folder), 2, args)
+    if not args.smoke and gpus >= 3:
+        out["default model"] = greedy_check("default model", "smollm2-135m", 3, args)
+    return out
+
+
 def report(label: str, result: dict, dtype: torch.dtype) -> None:
     rows = result["by_size"]
     if not rows:
@@ -193,6 +234,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=128, help="decode steps timed (default 128)")
     parser.add_argument("--reps", type=int, default=20, help="forwards per round of T(1+k) (default 20)")
     parser.add_argument("--no-70b", action="store_true", help="the 8B shape only")
+    parser.add_argument("--check", action="store_true", help="first, greedy output over N ranks equals one rank's")
+    parser.add_argument("--check-tokens", type=int, default=64, help="tokens a prompt of --check (default 64)")
+    parser.add_argument("--scratch", default=str(outpace_home() / "models"),
+                        help="where --check saves its random model once (default: the outpace cache's models)")
     args = parser.parse_args()
     args.device = "cpu" if args.smoke else "cuda"
     args.dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -206,6 +251,8 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu", "gpus": gpus,
                "torch": torch.__version__, "copy_bandwidth_Bps": bandwidth, "shapes": {}}
     log(f"copy bandwidth (read + write) on {results['device']}: {bandwidth / 1e9:.1f} GB/s")
+    if args.check:
+        results["checks"] = checks(args, gpus)
     shapes = [("tiny shape", SMOKE_SHAPE, sizes, True)] if args.smoke else [
         ("Llama-3-8B shape", LLAMA3_8B, [n for n in sizes if n <= 4], True)]
     if not args.smoke and not args.no_70b:

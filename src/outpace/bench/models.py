@@ -51,10 +51,16 @@ def random_llama3_8b(folder: str | Path | None = None, device: str = "cpu", seed
     """A Hugging Face folder with Llama-3-8B's config and random bfloat16 weights (about 16 GB),
     built by transformers and saved once. The tokenizer is the default model's (or the one in the
     folder `tokenizer_from`): its ids are all inside the 8B vocabulary, so the same prompts run on both."""
+    return random_llama(LLAMA3_8B, folder or outpace_home() / "models" / "random-llama3-8b", device, seed,
+                        tokenizer_from)
+
+
+def random_llama(shape: dict, folder: str | Path, device: str = "cpu", seed: int = 0,
+                 tokenizer_from: str | Path | None = None) -> Path:
+    """As random_llama3_8b, for a Llama of `shape` (a config.json's fields, as LLAMA3_8B)."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(**LLAMA3_8B, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    return _random_model(LlamaForCausalLM, config, folder or outpace_home() / "models" / "random-llama3-8b",
-                         device, seed, tokenizer_from)
+    config = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    return _random_model(LlamaForCausalLM, config, folder, device, seed, tokenizer_from)
 
 
 def random_qwen35_08b(folder: str | Path | None = None, device: str = "cpu", seed: int = 0,
