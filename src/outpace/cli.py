@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from outpace.errors import OutpaceError
@@ -21,6 +22,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=2048, help="prompt plus output tokens (default 2048)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="CUDA: run decode/verify steps eagerly instead of replaying graphs captured at start")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over N GPUs (cuda:0..N-1) or N CPU processes; under torchrun, its "
+                        "world size (default 1)")
     p.add_argument("--no-overlap", action="store_true",
                    help="CUDA graphs: launch each greedy step only after the host has read the last one's "
                         "tokens (by default it is launched before, so the GPU never waits for the host)")
@@ -69,7 +73,7 @@ def cmd_generate(args) -> None:
     params = sampling_params(args)
     llm = LLM(args.model, spec=spec_config(args), dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, max_num_seqs=1, cuda_graphs=not args.no_cuda_graphs,
-              overlap=not args.no_overlap)
+              overlap=not args.no_overlap, tensor_parallel_size=args.tensor_parallel_size)
     printed = 0
 
     def stream(seq):
@@ -115,8 +119,10 @@ def cmd_serve(args) -> None:
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                           max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
                           spec=spec_config(args), calibrate=not args.no_calibrate,
-                          cuda_graphs=not args.no_cuda_graphs, overlap=not args.no_overlap)
-    app = build_app(LLMEngine(config), args.model, server_config, engine_thread=False)
+                          cuda_graphs=not args.no_cuda_graphs, overlap=not args.no_overlap,
+                          tensor_parallel_size=args.tensor_parallel_size)
+    engine = LLMEngine(config)
+    app = build_app(engine, args.model, server_config, engine_thread=False)
     # the engine loop stays in this thread, the one that loaded the model (AsyncEngine.run says
     # why); the HTTP server runs beside it, and its shutdown (or a failed start) ends the loop
     server = uvicorn.Server(uvicorn_config(app, server_config, host=args.host, port=args.port, log_level="info"))
@@ -136,6 +142,7 @@ def cmd_serve(args) -> None:
     finally:
         server.should_exit = True
         http.join(timeout=30)
+        engine.close()
 
 
 def serve_config(args):
@@ -224,6 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    if "RANK" in os.environ:        # started by torchrun: ranks other than 0 serve rank 0's forwards
+        from outpace.runner.workers import run_worker, torchrun_rank
+        launched = torchrun_rank()
+        if launched is not None and launched[0] > 0:
+            run_worker()
+            return
     args = build_parser().parse_args(argv)
     try:
         args.func(args)

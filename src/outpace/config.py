@@ -114,6 +114,8 @@ class EngineConfig:
     # hybrid models: roll recurrent state back from a snapshot per verified token (False: keep a
     # checkpoint and replay the accepted tokens' state updates, less memory)
     recurrent_snapshots: bool = True
+    # ranks a model is split over (tensor parallelism): GPUs cuda:0..N-1, or N processes on the CPU
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16", "float64"),
@@ -123,3 +125,4 @@ class EngineConfig:
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _check(self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}")
         _check(self.max_prefill_tokens >= 1, f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        _check(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")

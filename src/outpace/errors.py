@@ -27,3 +27,7 @@ class PromptTooLongError(OutpaceError):
 
 class InvalidParameterError(OutpaceError):
     pass
+
+
+class WorkerFailedError(OutpaceError):
+    """A tensor-parallel worker died, or a collective failed: the engine cannot go on."""

@@ -46,7 +46,8 @@ def _timing(seq: Sequence, load_s: float, started: float) -> dict:
 
 
 class LLM:
-    """LLM(model="smollm2-135m", spec=SpecConfig(...) | "ngram" | "none", dtype=..., device=...)."""
+    """LLM(model="smollm2-135m", spec=SpecConfig(...) | "ngram" | "none", dtype=..., device=...,
+    tensor_parallel_size=N, ...): EngineConfig's fields as keywords."""
 
     def __init__(self, model: str = "smollm2-135m", *, spec: SpecConfig | str | None = None,
                  drafter: Drafter | None = None, **engine_options):
@@ -55,6 +56,16 @@ class LLM:
         config = EngineConfig(model=model, spec=spec or SpecConfig(), **engine_options)
         self.engine = LLMEngine(config, drafter=drafter)
         self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (also done at exit); nothing to do on one device."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  sampling_params: SamplingParams | None = None, *, use_tqdm: bool = False,

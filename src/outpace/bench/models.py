@@ -1,5 +1,6 @@
 """Model files for the benchmarks: the GGUF behind a model name, and random-weight models of
-Llama-3-8B's and Qwen3.5-0.8B's shapes (speed depends on shapes, not on weight values)."""
+Llama-3-8B's, Llama-3-70B's and Qwen3.5-0.8B's shapes (speed depends on shapes, not on weight
+values), saved as folders or built on the device."""
 from __future__ import annotations
 
 import shutil
@@ -7,13 +8,19 @@ from pathlib import Path
 
 import torch
 
+from outpace.model.config import ModelConfig
+from outpace.model.decoder import DecoderLM
+from outpace.model.tensor_parallel import Shard
 from outpace.paths import outpace_home
+from outpace.weights.loader import empty_model, ready
 from outpace.weights.hub import REGISTRY, resolve_model
 
 # Llama-3-8B's config.json, its dimensions exactly
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
                  rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu")
+# Llama-3-70B's config.json, its dimensions exactly (about 141 GB in bfloat16: more than one H100 holds)
+LLAMA3_70B = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)
 # Qwen3.5-0.8B's text model (a hybrid: 18 Gated DeltaNet layers, 6 gated attention layers), its
 # dimensions exactly, from the text_config of its published config.json as quoted in public code
 # (mlx-community/Qwen3.5-0.8B-OptiQ-4bit's, "trimmed"; Qwen/Qwen3.5-0.8B's model card and spec pages
@@ -44,10 +51,16 @@ def random_llama3_8b(folder: str | Path | None = None, device: str = "cpu", seed
     """A Hugging Face folder with Llama-3-8B's config and random bfloat16 weights (about 16 GB),
     built by transformers and saved once. The tokenizer is the default model's (or the one in the
     folder `tokenizer_from`): its ids are all inside the 8B vocabulary, so the same prompts run on both."""
+    return random_llama(LLAMA3_8B, folder or outpace_home() / "models" / "random-llama3-8b", device, seed,
+                        tokenizer_from)
+
+
+def random_llama(shape: dict, folder: str | Path, device: str = "cpu", seed: int = 0,
+                 tokenizer_from: str | Path | None = None) -> Path:
+    """As random_llama3_8b, for a Llama of `shape` (a config.json's fields, as LLAMA3_8B)."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(**LLAMA3_8B, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    return _random_model(LlamaForCausalLM, config, folder or outpace_home() / "models" / "random-llama3-8b",
-                         device, seed, tokenizer_from)
+    config = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    return _random_model(LlamaForCausalLM, config, folder, device, seed, tokenizer_from)
 
 
 def random_qwen35_08b(folder: str | Path | None = None, device: str = "cpu", seed: int = 0,
@@ -86,3 +99,21 @@ def _random_model(model_cls, config, folder: str | Path, device: str, seed: int,
     shutil.rmtree(folder, ignore_errors=True)
     partial.rename(folder)                      # whole or absent
     return folder
+
+
+def random_model(shape: dict, dtype: torch.dtype, max_len: int, device: str = "cpu", shard: Shard | None = None,
+                 seed: int = 0) -> DecoderLM:
+    """A Llama model of `shape` (a config.json's fields, as LLAMA3_8B) with random weights built on
+    the device, never written to disk (shard: a tensor-parallel rank's part). Speed depends on
+    shapes, not on weight values."""
+    cfg = ModelConfig.from_dict(dict(shape, architectures=["LlamaForCausalLM"]))
+    model = empty_model(cfg, dtype, device, max_len, shard)
+    gen = torch.Generator(device=device).manual_seed(seed + (shard.rank if shard else 0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    model.tie_weights()
+    return ready(model, device)

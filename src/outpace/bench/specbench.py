@@ -140,7 +140,8 @@ def bench_command(args, spec: SpecConfig, params: SamplingParams) -> None:
     records = load_spec_bench(args.dataset, args.category, args.limit_per_category)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     llm = LLM(args.model, spec=spec, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-              max_num_seqs=1, cuda_graphs=not args.no_cuda_graphs, overlap=not args.no_overlap)
+              max_num_seqs=1, cuda_graphs=not args.no_cuda_graphs, overlap=not args.no_overlap,
+              tensor_parallel_size=args.tensor_parallel_size)
     config = {"command": " ".join(["outpace"] + sys.argv[1:]), "model": args.model, "dataset": str(args.dataset),
               "categories": args.category, "limit_per_category": args.limit_per_category,
               "spec": dataclasses.asdict(spec)}

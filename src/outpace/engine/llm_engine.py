@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from functools import partial
 
 import torch
 
@@ -17,6 +18,8 @@ from outpace.errors import InvalidParameterError, PromptTooLongError
 from outpace.runner.calibrate import measure_verify_cost
 from outpace.runner.cuda_graphs import CudaGraphRunner
 from outpace.runner.model_runner import ModelRunner
+from outpace.runner.parallel import ParallelRunner
+from outpace.runner.workers import start_workers
 from outpace.sampling.sampler import request_seed
 from outpace.speculative.controller import DraftController
 from outpace.speculative.drafter import DraftContext, Drafter, Prefilled
@@ -44,13 +47,25 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, drafter: Drafter | None = None):
+        self.workers = None
+        try:
+            self._build(config, drafter)
+        except BaseException:       # tensor-parallel workers started already stop with it
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, drafter: Drafter | None) -> None:
         self.config = config
         t0 = time.perf_counter()
         folder = resolve_model(config.model)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.tokenizer = Tokenizer.from_folder(folder)
-        self.model = load_model(folder, self.dtype, self.device, config.max_model_len)
+        # tensor parallelism: this process is rank 0 and drives ranks 1..N-1 (runner/parallel.py)
+        tp = config.tensor_parallel_size
+        self.workers = start_workers(folder, self.dtype, self.device, config.max_model_len, tp) if tp > 1 else None
+        self.model = load_model(folder, self.dtype, self.device, config.max_model_len,
+                                self.workers.shard if self.workers else None)
         # the CUDA graph runner on a GPU (its padded steps do not suit recurrent state yet)
         self.uses_graphs = self.device.startswith("cuda") and not self.model.is_recurrent
         spec = config.spec
@@ -71,8 +86,9 @@ class LLMEngine:
                                           draft_cost=self.drafter.cost_per_token)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_prefill_tokens)
         parts = (self.drafter, self.controller, config.max_model_len, num_draft_tokens)
+        # under tensor parallelism graph steps neither draft in the graph nor overlap (yet): EagerStep
         self.steps = (GraphStep(self.runner, *parts, scheduler=self.scheduler, overlap=config.overlap)
-                      if self.uses_graphs else EagerStep(self.runner, *parts))
+                      if self.uses_graphs and self.workers is None else EagerStep(self.runner, *parts))
         self.stats = SpecStats()
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
@@ -80,15 +96,21 @@ class LLMEngine:
 
     def _make_runner(self, config: EngineConfig, num_draft_tokens: int, exact_width: int | None) -> ModelRunner:
         """CUDA: decode/verify steps replay captured CUDA graphs (run eagerly with cuda_graphs
-        off), which draft and verify themselves where the drafter has a graph step."""
+        off), which draft and verify themselves where the drafter has a graph step (not under
+        tensor parallelism, where every rank builds its runner as rank 0 does: ParallelRunner)."""
         max_step_tokens = max(config.max_prefill_tokens, num_draft_tokens + 1, exact_width or 0)
         if not self.uses_graphs:
-            return ModelRunner(self.model, config.max_num_seqs, config.max_model_len, max_step_tokens, exact_width,
-                               num_draft_tokens + 1, config.recurrent_snapshots)
-        extension = self.drafter.graph_step(config.max_num_seqs, max(num_draft_tokens + 1, exact_width or 0))
-        return CudaGraphRunner(self.model, config.max_num_seqs, config.max_model_len, max_step_tokens, exact_width,
-                               num_draft_tokens=num_draft_tokens, use_graphs=config.cuda_graphs,
-                               extension=extension, max_prefill_tokens=config.max_prefill_tokens)
+            make = partial(ModelRunner, num_slots=config.max_num_seqs, max_len=config.max_model_len,
+                           max_step_tokens=max_step_tokens, exact_width=exact_width,
+                           max_verify_tokens=num_draft_tokens + 1, snapshots=config.recurrent_snapshots)
+        else:
+            extension = None if self.workers else self.drafter.graph_step(
+                config.max_num_seqs, max(num_draft_tokens + 1, exact_width or 0))
+            make = partial(CudaGraphRunner, num_slots=config.max_num_seqs, max_len=config.max_model_len,
+                           max_step_tokens=max_step_tokens, exact_width=exact_width,
+                           num_draft_tokens=num_draft_tokens, use_graphs=config.cuda_graphs,
+                           extension=extension, max_prefill_tokens=config.max_prefill_tokens)
+        return make(self.model) if self.workers is None else ParallelRunner(make, self.model, self.workers)
 
     def _draft_runner(self, model) -> ModelRunner:
         """A runner for a drafter's own model, beside the target's: the same slots and context,
@@ -100,6 +122,11 @@ class LLMEngine:
             return ModelRunner(model, config.max_num_seqs, config.max_model_len, spare)
         return CudaGraphRunner(model, config.max_num_seqs, config.max_model_len, spare,
                                num_draft_tokens=self.num_draft_tokens, use_graphs=config.cuda_graphs, progress=False)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do on one device); also done at exit."""
+        if self.workers is not None:
+            self.workers.close()
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True) -> Sequence:

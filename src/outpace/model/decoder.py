@@ -87,8 +87,12 @@ class DecoderLM(nn.Module):
             h, delta = h[:rows], delta[:rows]
         h, normed = self.norm.add_forward(h, delta, batch.cpu_pointwise)
         # the LM head in the weights' dtype (a float32 forward's rows would widen its whole matrix)
-        logits = linear(normed.reshape(-1, normed.shape[-1]).to(hidden_dtype), self.lm_head).float()
+        logits = self.lm_logits(normed.reshape(-1, normed.shape[-1]).to(hidden_dtype))
         return logits, hidden
+
+    def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head: x [N, H] -> float32 logits [N, V]."""
+        return linear(x, self.lm_head).float()
 
     def run_layers(self, h, cos, sin, batch: ForwardBatch, cache: KVCache):
         """The layers over the embedded tokens, yielding (h, delta) after each: the residual
@@ -97,6 +101,11 @@ class DecoderLM(nn.Module):
         for i, layer in enumerate(self.layers):
             h, delta = layer(h, delta, cos, sin, batch, cache.k[i], cache.v[i])
             yield h, delta
+
+    def read_weight(self, f, hf_name: str) -> torch.Tensor:
+        """A checkpoint tensor as this model holds it (f: a safetensors file): all of it here; a
+        rank of a tensor-parallel model reads its slice."""
+        return f.get_tensor(hf_name)
 
     def convert_weight(self, hf_name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """A checkpoint tensor as the (name, tensor) parts map_weight places: itself here; a family

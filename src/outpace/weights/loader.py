@@ -13,21 +13,17 @@ from outpace.model.config import ModelConfig
 from outpace.model.decoder import DecoderLM
 from outpace.model.registry import FAMILIES
 from outpace.model.rope import rope_tables
+from outpace.model.tensor_parallel import Shard, TensorParallelLM, check_shardable
 
 
-def load_model(folder: Path, dtype: torch.dtype, device: str, max_len: int) -> DecoderLM:
+def load_model(folder: Path, dtype: torch.dtype, device: str, max_len: int, shard: Shard | None = None) -> DecoderLM:
+    """shard: this rank's part of a tensor-parallel model (None: the whole model)."""
     folder = Path(folder)
     cfg = ModelConfig.from_folder(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"no *.safetensors weights in {folder}")
-    with torch.device("meta"):
-        model = FAMILIES[cfg.family](cfg, max_len)
-    model.to_empty(device=device)
-    model.to(dtype)
-    # rope tables stay float32 whatever the model dtype; to_empty left them uninitialised
-    cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_len, cfg.rope_scaling, cfg.rotary_dim)
-    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    model = empty_model(cfg, dtype, device, max_len, shard)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for file in files:
@@ -36,18 +32,18 @@ def load_model(folder: Path, dtype: torch.dtype, device: str, max_len: int) -> D
                 for hf_name in f.keys():
                     if model.map_weight(hf_name) is None:
                         continue
-                    tensor = f.get_tensor(hf_name)
+                    tensor = model.read_weight(f, hf_name)
                     try:
                         parts = model.convert_weight(hf_name, tensor)
                     except RuntimeError:        # a fused tensor that does not split as config.json's sizes do
                         raise CorruptModelError(f"tensor {hf_name} has shape {tuple(tensor.shape)}, which does "
                                                 f"not split as config.json implies") from None
                     for part_name, part in parts:
-                        name, shard = model.map_weight(part_name)
+                        name, index = model.map_weight(part_name)
                         if name not in params:
                             raise CorruptModelError(f"{file.name}: tensor {hf_name} has no place in {cfg.architecture}")
-                        _copy_into(model, params[name], name, shard, part, hf_name)
-                        loaded.add(name if shard is None else f"{name}#{shard}")
+                        _copy_into(model, params[name], name, index, part, hf_name)
+                        loaded.add(name if index is None else f"{name}#{index}")
         except SafetensorError as e:
             raise CorruptModelError(f"{file} is not a readable safetensors file: {e}") from None
     model.tie_weights()
@@ -55,8 +51,29 @@ def load_model(folder: Path, dtype: torch.dtype, device: str, max_len: int) -> D
     if missing:
         raise CorruptModelError(f"weights missing from {folder}: {', '.join(missing[:5])}"
                                 f"{' ...' if len(missing) > 5 else ''}")
-    model.eval().requires_grad_(False)
     del params  # packing replaces each linear's weight: the replaced ones must not outlive it
+    return ready(model, device)
+
+
+def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: str, max_len: int,
+                shard: Shard | None = None) -> DecoderLM:
+    """The model of cfg (or rank shard's part of it) on device, its weights uninitialised."""
+    family = FAMILIES[cfg.family]
+    if shard is not None:
+        check_shardable(cfg, shard.world_size, family)
+    with torch.device("meta"):
+        model = family(cfg, max_len) if shard is None else TensorParallelLM(cfg, max_len, shard)
+    model.to_empty(device=device)
+    model.to(dtype)
+    # rope tables stay float32 whatever the model dtype; to_empty left them uninitialised
+    cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_len, cfg.rope_scaling, cfg.rotary_dim)
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    return model
+
+
+def ready(model: DecoderLM, device: str) -> DecoderLM:
+    """A model whose weights are in place, for inference (on the CPU, its linears packed)."""
+    model.eval().requires_grad_(False)
     if str(device) == "cpu":
         cpu_linear.pack_linears(model)
     return model
