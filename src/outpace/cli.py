@@ -27,14 +27,22 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--spec", default="ngram", choices=["none", "ngram", "draft"],
-                   help="speculative decoding method (default ngram: prompt lookup; draft: a draft model)")
+    p.add_argument("--spec", default="ngram", choices=["none", "ngram", "draft", "eagle3", "mtp"],
+                   help="speculative decoding method (default ngram: prompt lookup; draft: a draft model; eagle3: "
+                        "an EAGLE-3 head on the target's hidden states; mtp: a multi-token-prediction module)")
     p.add_argument("--draft-model", default=None,
                    help="with --spec draft: a small model of the target's tokenizer (a known name, a folder or a .gguf)")
     p.add_argument("--p-min", type=float, default=0.0,
                    help="with --spec draft: stop drafting a row when the draft's top probability falls below this")
+    p.add_argument("--draft-head", default=None,
+                   help="with --spec eagle3: the head's folder (outpace train-head makes one); with --spec mtp: "
+                        "the folder holding the module's weights")
+    p.add_argument("--tree-width", type=int, default=1,
+                   help="with --spec eagle3 or mtp: candidates per tree node, drafting token trees (default 1: "
+                        "chains; trees serve greedy requests only)")
     p.add_argument("--ngram-first", action="store_true",
-                   help="with --spec draft: n-gram lookup drafts where the tail matches, the draft model elsewhere")
+                   help="with --spec draft, eagle3 or mtp: n-gram lookup drafts where the tail matches, the model "
+                        "or head elsewhere")
     p.add_argument("--num-draft-tokens", type=int, default=8, help="most tokens drafted per step (default 8)")
     p.add_argument("--min-ngram", type=int, default=1, help="shortest suffix matched (default 1)")
     p.add_argument("--max-ngram", type=int, default=4, help="longest suffix matched, tried first (default 4)")
@@ -46,7 +54,7 @@ def spec_config(args):
     from outpace.config import SpecConfig
     return SpecConfig(method=args.spec, num_draft_tokens=args.num_draft_tokens, min_ngram=args.min_ngram,
                       max_ngram=args.max_ngram, exact=args.exact, draft_model=args.draft_model, p_min=args.p_min,
-                      ngram_first=args.ngram_first)
+                      ngram_first=args.ngram_first, draft_head=args.draft_head, tree_width=args.tree_width)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
