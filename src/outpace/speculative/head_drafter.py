@@ -196,7 +196,7 @@ class HeadDrafter(Drafter):
             seen[:, :, own] |= torch.eye(k, dtype=torch.bool, device=self.device)
             # keys before the row's start, and the node's own and its ancestors' entries
             mask = (place < 0)[:, None, :] | (seen.gather(2, place.clamp(0, T - 1)[:, None, :].expand(R, k, L))
-                                               & (place >= 0)[:, None, :])
+                                               & ((place >= 0) & (place < T))[:, None, :])
             out = self._forward(feature, fed, slots, (starts + d - 1)[:, None].expand(R, k), starts[:, None] + own,
                                 mask[:, None])
             child_score, child_ids = torch.log_softmax(self.head.logits(out), -1).topk(k)      # [R, k, k]
