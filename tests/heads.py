@@ -55,3 +55,35 @@ def write_eagle3_head(folder: Path, target: dict, draft_vocab: int = 2048, seed:
            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}} | config
     (folder / "config.json").write_text(json.dumps(cfg))
     return tensors
+
+
+def write_mtp(folder: Path, target: dict, layout: str = "qwen3_next", seed: int = 0, dtype=torch.float64,
+              extra: dict | None = None) -> dict[str, torch.Tensor]:
+    """A random MTP module for `target` (its config.json as a dict) in the Qwen3-Next layout
+    (mtp.*) or DeepSeek-V3's (model.layers.{L}.*), written to folder/mtp.safetensors."""
+    g = torch.Generator().manual_seed(seed)
+    H, I, L = target["hidden_size"], target["intermediate_size"], target["num_hidden_layers"]
+    heads, kv = target["num_attention_heads"], target["num_key_value_heads"]
+    D = H // heads
+
+    def rand(*shape, scale=0.1):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+    layer = {
+        "input_layernorm.weight": 1 + rand(H), "post_attention_layernorm.weight": 1 + rand(H),
+        "self_attn.q_proj.weight": rand(heads * D, H), "self_attn.k_proj.weight": rand(kv * D, H),
+        "self_attn.v_proj.weight": rand(kv * D, H), "self_attn.o_proj.weight": rand(H, heads * D),
+        "mlp.gate_proj.weight": rand(I, H), "mlp.up_proj.weight": rand(I, H), "mlp.down_proj.weight": rand(H, I),
+    }
+    if layout == "qwen3_next":
+        own = {"mtp.pre_fc_norm_embedding.weight": 1 + rand(H), "mtp.pre_fc_norm_hidden.weight": 1 + rand(H),
+               "mtp.fc.weight": rand(H, 2 * H), "mtp.norm.weight": 1 + rand(H)}
+        prefix = "mtp.layers.0."
+    else:
+        prefix = f"model.layers.{L}."
+        own = {prefix + "enorm.weight": 1 + rand(H), prefix + "hnorm.weight": 1 + rand(H),
+               prefix + "eh_proj.weight": rand(H, 2 * H), prefix + "shared_head.norm.weight": 1 + rand(H)}
+    tensors = own | {prefix + k: v for k, v in layer.items()} | (extra or {})
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(Path(folder) / "mtp.safetensors"))
+    return tensors
