@@ -1,4 +1,4 @@
-"""The `outpace` command: generate, pull, bench, serve."""
+"""The `outpace` command: generate, pull, bench, serve, train-head."""
 from __future__ import annotations
 
 import argparse
@@ -154,6 +154,15 @@ def cmd_bench(args) -> None:
     bench_command(args, spec_config(args), sampling_params(args))
 
 
+def cmd_train_head(args) -> None:
+    from outpace.train.head_trainer import TrainConfig, train_head
+    fields = {f for f in TrainConfig.__dataclass_fields__}
+    summary = train_head(TrainConfig(**{k: v for k, v in vars(args).items() if k in fields}))
+    last = summary["acceptance"][-1]
+    print(f"head written to {args.out}/head ({summary['head_bytes'] / 2**20:.1f} MiB); {last['mean_accepted']:.3f} "
+          f"drafts accepted a position on held-back answers after {summary['steps']} steps")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="outpace", description="Speculative-decoding LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -195,6 +204,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(b, max_tokens=256)
     add_spec_args(b)
     b.set_defaults(func=cmd_bench)
+    t = sub.add_parser("train-head", help="train an EAGLE-3 head for a model on its own answers (self-distillation)")
+    t.add_argument("--model", default="smollm2-135m", help=f"the target: a known name ({KNOWN_MODELS}) or a folder")
+    t.add_argument("--prompts", required=True, help="JSONL of {\"prompt\": ...} lines (.gz allowed); never Spec-Bench")
+    t.add_argument("--out", required=True, help="folder for data, checkpoints and the head (a rerun resumes it)")
+    t.add_argument("--num-prompts", type=int, default=4000, help="prompts answered for training (default 4000)")
+    t.add_argument("--held-out", type=int, default=64, help="prompts held back to measure acceptance (default 64)")
+    t.add_argument("--max-tokens", type=int, default=256, help="answer tokens at most (default 256)")
+    t.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped (default 512)")
+    t.add_argument("--draft-vocab", type=int, default=8192, help="the head's draft vocabulary (default 8192)")
+    t.add_argument("--ttt-steps", type=int, default=7, help="unrolled steps of the training-time test (default 7)")
+    t.add_argument("--epochs", type=int, default=2, help="passes over the answers (default 2)")
+    t.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (a rerun continues)")
+    t.add_argument("--batch-size", type=int, default=16, help="sequences a step (default 16)")
+    t.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
+    t.add_argument("--seed", type=int, default=0, help="the same seed gives the same head (default 0)")
+    t.add_argument("--eval-every", type=int, default=100, help="steps between acceptance measurements (default 100)")
+    t.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (default 100)")
+    t.add_argument("--max-num-seqs", type=int, default=64, help="prompts the target answers at once (default 64)")
+    t.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
+    t.add_argument("--dtype", default="auto", help="the target's dtype while answering: " + DTYPE_HELP)
+    t.set_defaults(func=cmd_train_head)
     return parser
 
 
