@@ -59,8 +59,11 @@ class TrainConfig:
     held_out: int = 64              # prompts answered for measuring acceptance, never trained on
     max_tokens: int = 256           # answer tokens at most
     max_prompt_tokens: int = 512    # longer chat-formatted prompts are skipped
-    # 8192: about 95% of the default model's tokens in English chat and code answers fall among its
-    # most frequent 8192 ids (of 49152), and the LM head, the head's largest matrix, shrinks 6x
+    # 8192 of the default model's 49152 ids: on the training prompts' own text (a proxy for the
+    # answers) the 8192 most frequent ids of one half cover 88% of the other half's tokens (4096:
+    # 83%, 16384: 93%), and the LM head, the head's largest matrix, is 6x smaller than the full
+    # vocabulary's. The default model's head is then 9.8M parameters, 19.6 MB in bfloat16; 4096
+    # makes it 14.9 MB
     draft_vocab: int = 8192
     ttt_steps: int = 7              # unrolled steps (EAGLE-3's training-time test; SpecForge's default)
     epochs: int = 2                 # the learning rate's schedule spans them
