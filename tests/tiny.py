@@ -16,6 +16,7 @@ FAMILIES = {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64})),
     "llama-tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
+    "llama-4-layers": ("LlamaConfig", "LlamaForCausalLM", dict(num_hidden_layers=4)),    # heads read 3 layers
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen2-yarn": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_scaling={

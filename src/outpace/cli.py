@@ -1,4 +1,4 @@
-"""The `outpace` command: generate, pull, bench, serve."""
+"""The `outpace` command: generate, pull, bench, serve, train-head."""
 from __future__ import annotations
 
 import argparse
@@ -31,14 +31,22 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--spec", default="ngram", choices=["none", "ngram", "draft"],
-                   help="speculative decoding method (default ngram: prompt lookup; draft: a draft model)")
+    p.add_argument("--spec", default="ngram", choices=["none", "ngram", "draft", "eagle3", "mtp"],
+                   help="speculative decoding method (default ngram: prompt lookup; draft: a draft model; eagle3: "
+                        "an EAGLE-3 head on the target's hidden states; mtp: a multi-token-prediction module)")
     p.add_argument("--draft-model", default=None,
                    help="with --spec draft: a small model of the target's tokenizer (a known name, a folder or a .gguf)")
     p.add_argument("--p-min", type=float, default=0.0,
                    help="with --spec draft: stop drafting a row when the draft's top probability falls below this")
+    p.add_argument("--draft-head", default=None,
+                   help="with --spec eagle3: the head's folder (outpace train-head makes one); with --spec mtp: "
+                        "the folder holding the module's weights")
+    p.add_argument("--tree-width", type=int, default=1,
+                   help="with --spec eagle3 or mtp: candidates per tree node, drafting token trees (default 1: "
+                        "chains)")
     p.add_argument("--ngram-first", action="store_true",
-                   help="with --spec draft: n-gram lookup drafts where the tail matches, the draft model elsewhere")
+                   help="with --spec draft, eagle3 or mtp: n-gram lookup drafts where the tail matches, the model "
+                        "or head elsewhere")
     p.add_argument("--num-draft-tokens", type=int, default=8, help="most tokens drafted per step (default 8)")
     p.add_argument("--min-ngram", type=int, default=1, help="shortest suffix matched (default 1)")
     p.add_argument("--max-ngram", type=int, default=4, help="longest suffix matched, tried first (default 4)")
@@ -50,7 +58,7 @@ def spec_config(args):
     from outpace.config import SpecConfig
     return SpecConfig(method=args.spec, num_draft_tokens=args.num_draft_tokens, min_ngram=args.min_ngram,
                       max_ngram=args.max_ngram, exact=args.exact, draft_model=args.draft_model, p_min=args.p_min,
-                      ngram_first=args.ngram_first)
+                      ngram_first=args.ngram_first, draft_head=args.draft_head, tree_width=args.tree_width)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -169,6 +177,15 @@ def cmd_bench(args) -> None:
     bench_command(args, spec_config(args), sampling_params(args))
 
 
+def cmd_train_head(args) -> None:
+    from outpace.train.head_trainer import TrainConfig, train_head
+    fields = {f for f in TrainConfig.__dataclass_fields__}
+    summary = train_head(TrainConfig(**{k: v for k, v in vars(args).items() if k in fields}))
+    last = summary["acceptance"][-1]
+    print(f"head written to {args.out}/head ({summary['head_bytes'] / 2**20:.1f} MiB); {last['mean_accepted']:.3f} "
+          f"drafts accepted a position on held-back answers after {summary['steps']} steps")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="outpace", description="Speculative-decoding LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -227,6 +244,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(b, max_tokens=256)
     add_spec_args(b)
     b.set_defaults(func=cmd_bench)
+    t = sub.add_parser("train-head", help="train an EAGLE-3 head for a model on its own answers (self-distillation)")
+    t.add_argument("--model", default="smollm2-135m", help=f"the target: a known name ({KNOWN_MODELS}) or a folder")
+    t.add_argument("--prompts", required=True, help="JSONL of {\"prompt\": ...} lines (.gz allowed); never Spec-Bench")
+    t.add_argument("--out", required=True, help="folder for data, checkpoints and the head (a rerun resumes it)")
+    t.add_argument("--num-prompts", type=int, default=4000, help="prompts answered for training (default 4000)")
+    t.add_argument("--held-out", type=int, default=64, help="prompts held back to measure acceptance (default 64)")
+    t.add_argument("--max-tokens", type=int, default=256, help="answer tokens at most (default 256)")
+    t.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped (default 512)")
+    t.add_argument("--draft-vocab", type=int, default=8192, help="the head's draft vocabulary (default 8192)")
+    t.add_argument("--ttt-steps", type=int, default=7, help="unrolled steps of the training-time test (default 7)")
+    t.add_argument("--epochs", type=int, default=2, help="passes over the answers (default 2)")
+    t.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (a rerun continues)")
+    t.add_argument("--batch-size", type=int, default=16, help="sequences a step (default 16)")
+    t.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
+    t.add_argument("--seed", type=int, default=0, help="the same seed gives the same head (default 0)")
+    t.add_argument("--eval-every", type=int, default=100, help="steps between acceptance measurements (default 100)")
+    t.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (default 100)")
+    t.add_argument("--max-num-seqs", type=int, default=64, help="prompts the target answers at once (default 64)")
+    t.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
+    t.add_argument("--dtype", default="auto", help="the target's dtype while answering: " + DTYPE_HELP)
+    t.set_defaults(func=cmd_train_head)
     return parser
 
 

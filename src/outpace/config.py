@@ -52,7 +52,8 @@ class SamplingParams:
         return self.temperature == 0
 
 
-SPEC_METHODS = ("none", "ngram", "draft")
+SPEC_METHODS = ("none", "ngram", "draft", "eagle3", "mtp")
+MAX_TREE_WIDTH = 8              # the most candidates a head drafts per tree node
 MAX_NUM_DRAFT_TOKENS = 32       # the most tokens drafted per step, wherever a bound is needed
 
 
@@ -61,7 +62,12 @@ class SpecConfig:
     """Speculative decoding. method 'ngram' drafts by prompt lookup over prompt plus output;
     'draft' by a small model of the same tokenizer (draft_model: a known name, a Hugging Face
     folder or a .gguf file), which stops drafting a row when its top probability falls below p_min;
-    with ngram_first, n-gram lookup drafts where the sequence's tail matches, the model elsewhere.
+    'eagle3' by an EAGLE-3 head on the target's hidden states (draft_head: its folder); 'mtp' by
+    a multi-token-prediction module (draft_head: the folder holding its weights, the target's own
+    where it ships one). With ngram_first, n-gram lookup drafts where the sequence's tail matches,
+    the model or head elsewhere.
+
+    tree_width: a head's candidates per tree node (1: chains); above 1 it drafts token trees.
 
     num_draft_tokens: most tokens drafted per step (TensorRT-LLM's max_draft_len).
     min_ngram / max_ngram: suffix lengths tried, longest first (max_matching_ngram_size).
@@ -79,6 +85,8 @@ class SpecConfig:
     draft_model: str | None = None
     p_min: float = 0.0
     ngram_first: bool = False
+    draft_head: str | None = None
+    tree_width: int = 1
 
     def __post_init__(self) -> None:
         _check(self.method in SPEC_METHODS, f"spec method must be one of {SPEC_METHODS}, got {self.method!r}")
@@ -91,6 +99,11 @@ class SpecConfig:
         _check(self.method != "draft" or bool(self.draft_model),
                "method 'draft' needs draft_model: a known model name, a Hugging Face folder or a .gguf file")
         _check(0.0 <= self.p_min < 1.0, f"p_min must be in [0, 1), got {self.p_min}")
+        _check(self.method not in ("eagle3", "mtp") or bool(self.draft_head),
+               f"method {self.method!r} needs draft_head: the folder of the head's weights")
+        _check(1 <= self.tree_width <= MAX_TREE_WIDTH, f"tree_width must be in [1, {MAX_TREE_WIDTH}], got {self.tree_width}")
+        _check(self.tree_width == 1 or self.method in ("eagle3", "mtp") and not self.ngram_first,
+               "tree_width above 1 (token trees) needs method 'eagle3' or 'mtp' without ngram_first")
 
     @property
     def enabled(self) -> bool:

@@ -17,9 +17,13 @@ class DrafterChain(Drafter):
 
     def __init__(self, drafters: Sequence[Drafter]):
         self.drafters = list(drafters)
-        self.hidden_layers = tuple(sorted({i for d in self.drafters for i in d.hidden_layers}))
         # a paying drafter in the chain: the controller's budget comes first
         self.priced_after_drafting = all(d.priced_after_drafting for d in self.drafters)
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """Every drafter's layers (a head learns its layers when it is bound)."""
+        return tuple(sorted({i for d in self.drafters for i in d.hidden_layers}))
 
     def bind(self, context):
         for d in self.drafters:

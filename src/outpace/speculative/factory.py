@@ -5,6 +5,7 @@ from outpace.config import SpecConfig
 from outpace.speculative.chain import DrafterChain
 from outpace.speculative.draft_model import DraftModelDrafter
 from outpace.speculative.drafter import Drafter
+from outpace.speculative.head_drafter import HEADS, HeadDrafter
 from outpace.speculative.ngram import NgramDrafter
 from outpace.speculative.ngram_device import DeviceNgramDrafter
 
@@ -18,4 +19,7 @@ def make_drafter(spec: SpecConfig, device: str, max_seqs: int, max_len: int, cud
     if spec.method == "draft":
         model = DraftModelDrafter(spec.draft_model, spec.p_min)
         return DrafterChain([NgramDrafter(spec), model]) if spec.ngram_first else model
+    if spec.method in HEADS:
+        head = HeadDrafter(HEADS[spec.method](spec.draft_head), spec.tree_width)
+        return DrafterChain([NgramDrafter(spec), head]) if spec.ngram_first else head
     return Drafter()

@@ -1,0 +1,227 @@
+"""HeadDrafter: a head on the target's hidden states (EAGLE-3, MTP) drafts chains or token trees.
+
+Pair p of a sequence is (the target's feature at position p, token p + 1) and its output predicts
+token p + 2 (model/draft_head.py). The head keeps its own KV cache in the target's slots, one entry
+per pair at the pair's position, and per slot its output at the last pair it caught up on.
+
+Cache invariant, per sequence whose last token is at position n: entries [0, n) hold the pairs of
+the target's own features and tokens, and the slot's stored output is that of pair n - 1 (whose
+logits give the first draft). Prompt chunks are caught up as the target caches them (prefilled:
+pairs start .. start + n - 1, the tokens after them read from the prompt); each verify step
+catches up its rows on the device (verified): pair n + j is (the target's hidden state at
+n + j, the j-th appended token) for every verified position j, the row's S positions in one
+forward; those past the accepted ones are junk past the new last position n' and are overwritten
+before anything reads them, and the stored output becomes pair n' - 1's (gathered at the number
+of tokens appended, no host synchronisation). Drafting writes entries at n and past it, which the
+next catch-up overwrites as well: rollback is by length, as in the target's cache.
+
+Drafting (propose) is one forward per depth over all drafting rows. The first depth's candidates
+are the top `tree_width` tokens of the stored output's logits; each further depth feeds the
+frontier (the tree_width best nodes by cumulative log-probability) at rotary position n + depth -
+2, each node's feature its parent's output and its entry at its own place past n, attending to the
+row's entries before n, its ancestors' entries and its own; each frontier node's top tree_width
+children become candidates. A row's draft is its budget's best candidates by cumulative
+log-probability (a child never scores above its parent, so every chosen node's parent is chosen);
+with tree_width 1 that is the greedy chain, proposed as a chain. Drafts are the head's argmax
+choices: one-hot drafts, which greedy and rejection-sampling verification keep lossless.
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from outpace.config import MAX_NUM_DRAFT_TOKENS
+from outpace.model.draft_head import DraftHead, attend
+from outpace.model.eagle3 import load_eagle3_head
+from outpace.model.mtp import load_mtp_head
+from outpace.runner.calibrate import batch_buckets
+from outpace.speculative.drafter import DraftBatch, DraftContext, Drafter, Drafts, Prefilled, Verified
+
+# (context, cache length) -> the head, loaded and checked against the target
+HeadLoader = Callable[[DraftContext, int], DraftHead]
+
+
+class HeadDrafter(Drafter):
+    name = "head"
+    priced_after_drafting = False       # every draft position costs a head forward
+
+    def __init__(self, load: HeadLoader, tree_width: int = 1):
+        self.load = load
+        self.tree_width = tree_width
+        self.prompts: dict[int, list[int]] = {}
+        self.ready: dict[int, bool] = {}            # seq_id -> the slot's stored output is pair n - 1's
+        self.per_token: dict[int, float] = {}       # batch bucket -> seconds per drafted token
+
+    def bind(self, context: DraftContext) -> None:
+        # past the context: a verify row's positions, and the entries of a tree's nodes
+        self.cache_len = context.max_len + context.max_step_tokens + MAX_NUM_DRAFT_TOKENS * self.tree_width
+        self.head = head = self.load(context, self.cache_len)
+        cfg = head.cfg
+        self.hidden_layers = cfg.target_layers
+        self.embed = head.embed if head.embed is not None else context.target.embed
+        shape = (context.num_slots, cfg.num_kv_heads, self.cache_len, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=context.dtype, device=context.device)
+        self.v_cache = torch.zeros(shape, dtype=context.dtype, device=context.device)
+        self.last_out = torch.zeros(context.num_slots, cfg.hidden_size, dtype=context.dtype, device=context.device)
+        self.device = context.device
+        self._heads = torch.arange(cfg.num_kv_heads, device=self.device)[None, :, None]
+        self._measure(context.num_slots)
+
+    def _measure(self, num_slots: int) -> None:
+        """Seconds per drafted token by batch bucket: a forward of b rows of one pair and its
+        logits, over b. Writes entries at position 0 of the slots it uses; prefills overwrite them."""
+        H = self.head.cfg.hidden_size
+        for b in batch_buckets(num_slots):
+            slots = torch.arange(b, device=self.device)
+            zeros = torch.zeros(b, 1, dtype=torch.long, device=self.device)
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                out = self._forward(self.last_out.new_zeros(b, 1, H), zeros, slots, zeros, zeros,
+                                    torch.ones(b, 1, 1, 1, dtype=torch.bool, device=self.device))
+                self.head.logits(out)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                best = min(best, time.perf_counter() - t0)
+            self.per_token[b] = best / b
+
+    def cost_per_token(self, batch_size: int) -> float:
+        bucket = min((b for b in self.per_token if b >= batch_size), default=max(self.per_token))
+        return self.per_token[bucket]
+
+    # ---- the head's forward over its cache ------------------------------------------------------
+    def _forward(self, feature, tokens, slots, rope_positions, write_positions, mask) -> torch.Tensor:
+        """Pairs of B rows: feature [B, S, H], tokens [B, S] (the target's ids), slots [B], rotary
+        and cache positions [B, S]; each query attends to its slot's entries through mask
+        [B, 1, S, L]. Writes the pairs' entries, returns their outputs [B, S, H]."""
+        residual, q, k, v = self.head.project(feature, self.embed(tokens), rope_positions)
+        index = (slots[:, None, None], self._heads, write_positions[:, None, :])        # [B, KVH, S]
+        self.k_cache.index_put_(index, k.transpose(1, 2).to(self.k_cache.dtype))
+        self.v_cache.index_put_(index, v.transpose(1, 2).to(self.v_cache.dtype))
+        L = mask.shape[-1]
+        keys = self.k_cache[:, :, :L].index_select(0, slots)
+        values = self.v_cache[:, :, :L].index_select(0, slots)
+        return self.head.finish(residual, attend(q, keys, values, mask))
+
+    def _catch_up(self, hidden, tokens, slots: list[int], starts: list[int], last) -> None:
+        """Pairs at positions starts[i] + j of B rows in slots (the target's hidden states
+        [B, S, layers, H] there, tokens [B, S] the tokens after them), each attending causally to
+        its slot's entries; the slot's stored output becomes that of pair last[i] ([B])."""
+        B, S = tokens.shape
+        device = self.device
+        slots = torch.tensor(slots, device=device)
+        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(S, device=device)    # [B, S]
+        mask = torch.arange(max(starts) + S, device=device)[None, None, :] <= positions[:, :, None]
+        out = self._forward(self.head.features(hidden), tokens, slots, positions, positions, mask[:, None])
+        self.last_out[slots] = out[torch.arange(B, device=device), last]
+
+    # ---- sequences ------------------------------------------------------------------------------
+    def begin(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        self.prompts[seq_id] = list(token_ids)
+        self.ready[seq_id] = False
+
+    def end(self, seq_id: int) -> None:
+        self.prompts.pop(seq_id, None)
+        self.ready.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def prefilled(self, chunks: Prefilled) -> None:
+        """Pairs of the cached prompt positions; the tokens after them come from the prompt."""
+        S = max(chunks.lengths)
+        tokens = [self.prompts[s][start + 1:start + 1 + n] + [0] * (S - n)
+                  for s, start, n in zip(chunks.seq_ids, chunks.starts, chunks.lengths)]
+        self._catch_up(chunks.hidden[:, :S], torch.tensor(tokens, device=self.device), chunks.slots, chunks.starts,
+                       torch.tensor([n - 1 for n in chunks.lengths], device=self.device))
+        for seq_id, start, n in zip(chunks.seq_ids, chunks.starts, chunks.lengths):
+            self.ready[seq_id] = start + n == len(self.prompts[seq_id]) - 1
+
+    @torch.inference_mode()
+    def verified(self, result: Verified) -> None:
+        """Every verified position of each row as a pair (junk past the accepted ones)."""
+        batch = result.batch
+        S = result.out_tokens.shape[1]
+        self._catch_up(result.hidden[:, :S], result.out_tokens, batch.slots, batch.positions, result.num_out - 1)
+        for seq_id in batch.seq_ids:
+            self.ready[seq_id] = True
+
+    # ---- drafting -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, batch: DraftBatch) -> Drafts:
+        rows = [i for i, (s, k) in enumerate(zip(batch.seq_ids, batch.budget)) if k > 0 and self.ready.get(s)]
+        if not rows:
+            return Drafts.empty(len(batch), self.device)
+        budget = [batch.budget[i] for i in rows]
+        tokens, scores, parents = self._candidates(torch.tensor([batch.slots[i] for i in rows], device=self.device),
+                                                   torch.tensor([batch.positions[i] for i in rows], device=self.device),
+                                                   max(budget), max(batch.positions[i] for i in rows))
+        best = torch.sort(-scores, dim=1, stable=True).indices[:, :max(budget)]   # ties: parents first
+        drafts: list[list[int]] = [[] for _ in range(len(batch))]
+        trees: list[list[int]] = [[] for _ in range(len(batch))]
+        # the one host read of drafting
+        for i, n, order, toks, pars in zip(rows, budget, best.tolist(), tokens.tolist(), parents.tolist()):
+            chosen = sorted(order[:n])                  # creation order: a parent before its children
+            node = {c: j for j, c in enumerate(chosen)}
+            drafts[i] = [toks[c] for c in chosen]
+            trees[i] = [node[pars[c]] if pars[c] >= 0 else -1 for c in chosen]
+        out = Drafts.from_lists(drafts, device=self.device)
+        if self.tree_width > 1:
+            width = out.tokens.shape[1]
+            out.parents = torch.tensor([t + [-1] * (width - len(t)) for t in trees], dtype=torch.long,
+                                       device=self.device).view(len(batch), width)
+        return out
+
+    def _candidates(self, slots: torch.Tensor, starts: torch.Tensor, num_nodes: int, max_start: int):
+        """The candidate nodes of R rows whose last tokens sit at positions starts [R] (at most
+        max_start): tokens
+        (the target's ids), cumulative log-probabilities and parents (candidate indices, -1 for
+        children of the last token), each [R, C] in creation order."""
+        k, R = self.tree_width, len(slots)
+        depth = num_nodes if k == 1 else min(num_nodes, math.ceil(num_nodes / k) + 1)
+        T = (depth - 1) * k                                     # entries past each row's start the tree uses
+        out = self.last_out[slots][:, None]                     # [R, 1, H]
+        score, draft_ids = torch.log_softmax(self.head.logits(out[:, 0]), -1).topk(k)       # [R, k]
+        frontier = torch.arange(k, device=self.device).expand(R, k)                         # candidate indices
+        feature = out.expand(R, k, -1)
+        tokens, scores, parents = [self.head.to_target(draft_ids)], [score], [torch.full_like(frontier, -1)]
+        fed = tokens[0]                                         # the frontier's tokens
+        seen = torch.zeros(R, k, max(T, 1), dtype=torch.bool, device=self.device)       # ancestors' entries
+        L = max_start + T
+        place = torch.arange(L, device=self.device)[None, :] - starts[:, None]             # [R, L]: key - start
+        for d in range(1, depth):
+            own = (d - 1) * k + torch.arange(k, device=self.device)                        # the frontier's entries
+            seen[:, :, own] |= torch.eye(k, dtype=torch.bool, device=self.device)
+            # keys before the row's start, and the node's own and its ancestors' entries
+            mask = (place < 0)[:, None, :] | (seen.gather(2, place.clamp(0, T - 1)[:, None, :].expand(R, k, L))
+                                               & ((place >= 0) & (place < T))[:, None, :])
+            out = self._forward(feature, fed, slots, (starts + d - 1)[:, None].expand(R, k), starts[:, None] + own,
+                                mask[:, None])
+            child_score, child_ids = torch.log_softmax(self.head.logits(out), -1).topk(k)      # [R, k, k]
+            child_score = (score[:, :, None] + child_score).flatten(1)                        # [R, k * k]
+            first = sum(t.shape[1] for t in tokens)
+            tokens.append(self.head.to_target(child_ids.flatten(1)))
+            scores.append(child_score)
+            parents.append(frontier[:, :, None].expand(R, k, k).flatten(1))
+            score, pick = child_score.topk(k)                                                # the next frontier
+            parent = pick // k
+            frontier, fed = first + pick, tokens[-1].gather(1, pick)
+            feature = out.gather(1, parent[:, :, None].expand(R, k, out.shape[-1]))
+            seen = seen.gather(1, parent[:, :, None].expand(R, k, seen.shape[-1]))
+        return torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1)
+
+
+def eagle3_head(folder: str) -> HeadLoader:
+    return lambda context, cache_len: load_eagle3_head(Path(folder).expanduser(), context.target.cfg, context.dtype,
+                                                       context.device, cache_len)
+
+
+def mtp_head(folder: str) -> HeadLoader:
+    return lambda context, cache_len: load_mtp_head(Path(folder).expanduser(), context.target, context.dtype,
+                                                    context.device, cache_len)
+
+
+# SpecConfig method -> the head it loads from SpecConfig.draft_head
+HEADS = {"eagle3": eagle3_head, "mtp": mtp_head}

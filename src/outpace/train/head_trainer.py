@@ -1,0 +1,289 @@
+"""train_head: an EAGLE-3 head for a target, trained by self-distillation (`outpace train-head`).
+
+Steps, each resumable in the output folder:
+  1. The prompts are shuffled with the seed; the first `held_out` are held back (acceptance is
+     measured on them while training, never trained on), the next `num_prompts` train.
+  2. The target answers both sets (head_data.py: greedy, its chat template, batched through the
+     engine), recording its hidden states at the head's three layers and its last layer (whose
+     final norm and LM head give the target's distributions); data/ holds the shards.
+  3. The draft vocabulary: the `draft_vocab` target tokens most frequent in the training answers.
+  4. Training (unroll.py): `ttt_steps` unrolled steps a batch, AdamW, linear warm-up then cosine
+     decay to a tenth, gradients clipped at 0.5. The head's LM head starts from the target's rows
+     of the draft vocabulary; its embedding is the target's, frozen and not saved. Every
+     `eval_every` steps (and before the first) the held-back answers give the mean number of
+     drafts accepted in a row at each answer position with chains of `ttt_steps` drafts.
+  5. checkpoint.pt every `checkpoint_every` steps (head, optimizer, step); a run finds it and
+     continues. A batch's sequences are a function of (seed, step) alone and the head's start of
+     the seed, so a fixed seed gives the same head, resumed or not (on one device and thread
+     count). head/ holds the result in the published EAGLE-3 layout; summary.json and log.jsonl
+     what it took and how acceptance rose.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from outpace.config import SpecConfig
+from outpace.engine.llm_engine import resolve_device
+from outpace.errors import InvalidParameterError
+from outpace.kernels.fused import linear
+from outpace.llm import LLM
+from outpace.model.draft_head import HeadConfig
+from outpace.model.eagle3 import Eagle3Head, default_layers, save_eagle3_head
+from outpace.train.draft_vocab import answer_counts, coverage, draft_vocab
+from outpace.train.head_data import Recorded, Recorder, generate_shards, load_shards, read_prompts
+from outpace.train.unroll import Batch, unrolled_loss
+
+GRAD_CLIP = 0.5
+MIN_LR_FRACTION = 0.1
+# settings a resumed run must share with the checkpoint it continues
+SAME_RUN = ("model", "num_prompts", "held_out", "max_tokens", "max_prompt_tokens", "draft_vocab", "ttt_steps",
+            "epochs", "batch_size", "lr", "warmup_steps", "seed")
+
+
+@dataclass
+class TrainConfig:
+    model: str
+    prompts: str
+    out: str
+    num_prompts: int = 4000         # prompts answered for training
+    held_out: int = 64              # prompts answered for measuring acceptance, never trained on
+    max_tokens: int = 256           # answer tokens at most
+    max_prompt_tokens: int = 512    # longer chat-formatted prompts are skipped
+    # 8192 of the default model's 49152 ids: on the training prompts' own text (a proxy for the
+    # answers) the 8192 most frequent ids of one half cover 88% of the other half's tokens (4096:
+    # 83%, 16384: 93%), and the LM head, the head's largest matrix, is 6x smaller than the full
+    # vocabulary's. The default model's head is then 9.8M parameters, 19.6 MB in bfloat16; 4096
+    # makes it 14.9 MB
+    draft_vocab: int = 8192
+    ttt_steps: int = 7              # unrolled steps (EAGLE-3's training-time test; SpecForge's default)
+    epochs: int = 2                 # the learning rate's schedule spans them
+    max_steps: int | None = None    # stop (or pause: a later run resumes) after this many steps; default: the epochs'
+    batch_size: int = 16            # sequences a step
+    lr: float = 3e-4
+    warmup_steps: int = 50
+    seed: int = 0
+    eval_every: int = 100
+    checkpoint_every: int = 100
+    device: str = "auto"
+    dtype: str = "auto"             # the target's dtype while it answers; the head trains in float32
+    max_num_seqs: int = 64          # prompts answered at once
+    shard_size: int = 256
+    save_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for name in ("num_prompts", "held_out", "max_tokens", "max_prompt_tokens", "draft_vocab", "ttt_steps",
+                     "epochs", "batch_size", "eval_every", "checkpoint_every", "max_num_seqs", "shard_size"):
+            if getattr(self, name) < 1:
+                raise InvalidParameterError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 0:
+            raise InvalidParameterError(f"max-steps must be >= 0, got {self.max_steps}")
+        if not 0 < self.lr < 1:
+            raise InvalidParameterError(f"lr must be in (0, 1), got {self.lr}")
+        if self.save_dtype not in ("bfloat16", "float16", "float32"):
+            raise InvalidParameterError(f"save-dtype must be bfloat16, float16 or float32, got {self.save_dtype}")
+
+
+def train_head(config: TrainConfig) -> dict:
+    """Run (or resume) the whole recipe; returns the summary also written to out/summary.json."""
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(config.device)
+    torch.manual_seed(config.seed)
+    checkpoint = _load_checkpoint(out, config)
+    prompts = read_prompts(Path(config.prompts))
+    order = list(range(len(prompts)))
+    random.Random(config.seed).shuffle(order)
+    held = [prompts[i] for i in order[:config.held_out]]
+    train = [prompts[i] for i in order[config.held_out:config.held_out + config.num_prompts]]
+    if not train:
+        raise InvalidParameterError(f"{config.prompts} has {len(prompts)} prompts, all held out: lower --held-out")
+
+    # ---- the target's answers -------------------------------------------------------------------
+    t0 = time.perf_counter()
+    llm = LLM(config.model, spec=SpecConfig(method="none"), drafter=Recorder(()), device=device, dtype=config.dtype,
+                max_num_seqs=config.max_num_seqs, max_model_len=config.max_prompt_tokens + config.max_tokens + 1,
+                calibrate=False, cuda_graphs=False)
+    target = llm.engine.model
+    L = target.cfg.num_layers
+    layers = default_layers(L)
+    recorder = llm.engine.drafter
+    recorder.hidden_layers = tuple(sorted(set(layers) | {L - 1}))
+    for name, part in (("heldout", held), ("train", train)):
+        generate_shards(llm, recorder, part, out / "data", name, config.max_tokens, config.max_prompt_tokens,
+                        config.shard_size)
+    data_s = time.perf_counter() - t0
+    train_seqs, recorded = load_shards(out / "data", "train")
+    held_seqs, _ = load_shards(out / "data", "heldout")
+    columns = [recorded.index(i) for i in layers], recorded.index(L - 1)
+
+    # ---- the head -------------------------------------------------------------------------------
+    counts = answer_counts(train_seqs, target.cfg.vocab_size)
+    ids = draft_vocab(counts, config.draft_vocab)
+    max_len = max(len(s.tokens) for s in train_seqs + held_seqs) + config.ttt_steps + 1
+    head = _new_head(target, layers, ids, max_len, config.seed).to(device)
+    lm_rows = _lm_head_rows(target, ids.to(device)).float()                       # [Vd, H]
+    in_vocab = torch.zeros(target.cfg.vocab_size, dtype=torch.bool, device=device).index_fill_(0, ids.to(device), True)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    per_epoch = -(-len(train_seqs) // config.batch_size)
+    schedule = config.epochs * per_epoch                # the steps the learning rate's schedule spans
+    total = config.max_steps if config.max_steps is not None else schedule
+    step, log = 0, []
+    if checkpoint is not None:
+        head.load_state_dict(checkpoint["head"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        step, log = checkpoint["step"], checkpoint["log"]
+
+    def batch_of(seqs: list[Recorded]) -> Batch:
+        return _batch(seqs, columns, target, lm_rows, config.ttt_steps, device)
+
+    def evaluate() -> dict:
+        head.eval()
+        accepted = positions = 0
+        with torch.no_grad():
+            for i in range(0, len(held_seqs), config.batch_size):
+                with _autocast(device):
+                    _, run, counted = unrolled_loss(head, target.embed, batch_of(held_seqs[i:i + config.batch_size]),
+                                                    config.ttt_steps, in_vocab)
+                accepted += int(run[counted].sum())
+                positions += int(counted.sum())
+        head.train()
+        return {"step": step, "mean_accepted": accepted / max(positions, 1), "positions": positions}
+
+    # ---- training -------------------------------------------------------------------------------
+    t1 = time.perf_counter()
+    bar = tqdm(total=total, initial=step, desc="training", unit="step")
+    if not log:                                         # the untrained head's acceptance first
+        log.append(evaluate())
+        tqdm.write(f"step {step}: {log[-1]['mean_accepted']:.3f} drafts accepted a position (held back)")
+    head.train()
+    while step < total:
+        epoch, i = divmod(step, per_epoch)
+        generator = torch.Generator().manual_seed(config.seed * 1000003 + epoch)
+        perm = torch.randperm(len(train_seqs), generator=generator).tolist()
+        seqs = [train_seqs[j] for j in perm[i * config.batch_size:(i + 1) * config.batch_size]]
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(config, step, schedule)
+        with _autocast(device):
+            loss, _, _ = unrolled_loss(head, target.embed, batch_of(seqs), config.ttt_steps, in_vocab)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), GRAD_CLIP)
+        optimizer.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        if step % config.eval_every == 0 or step == total:
+            log.append(evaluate())
+            tqdm.write(f"step {step}: {log[-1]['mean_accepted']:.3f} drafts accepted a position (held back)")
+        if step % config.checkpoint_every == 0 or step == total:
+            _save_checkpoint(out, head, optimizer, step, log, config)
+    bar.close()
+    train_s = time.perf_counter() - t1
+
+    # ---- the result -----------------------------------------------------------------------------
+    save_eagle3_head(head.float(), out / "head", getattr(torch, config.save_dtype), config.model)
+    summary = {
+        "target": config.model, "device": str(device), "seed": config.seed,
+        "train_sequences": len(train_seqs), "train_tokens": sum(len(s.tokens) for s in train_seqs),
+        "train_answer_tokens": sum(len(s.tokens) - s.prompt_len for s in train_seqs),
+        "held_out_sequences": len(held_seqs), "steps": step, "ttt_steps": config.ttt_steps,
+        "draft_vocab": len(ids), "draft_vocab_coverage_train": coverage(counts, ids),
+        "draft_vocab_coverage_held_out": coverage(answer_counts(held_seqs, target.cfg.vocab_size), ids),
+        "head_parameters": sum(p.numel() for p in head.parameters()),
+        "head_bytes": (out / "head" / "model.safetensors").stat().st_size,
+        "data_seconds_this_run": data_s, "train_seconds_this_run": train_s, "acceptance": log,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    with open(out / "log.jsonl", "w") as f:
+        f.writelines(json.dumps(entry) + "\n" for entry in log)
+    return summary
+
+
+def _new_head(target, layers: tuple[int, ...], ids: torch.Tensor, max_len: int, seed: int) -> Eagle3Head:
+    """A head of the target's layer shape (random weights from the seed), its LM head the target's
+    rows of the draft vocabulary, its d2t the vocabulary's offsets."""
+    c = target.cfg
+    cfg = HeadConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_heads=c.num_heads,
+                     num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+                     rope_theta=c.rope_theta, rope_scaling=c.rope_scaling, vocab_size=c.vocab_size,
+                     draft_vocab_size=len(ids), target_hidden_size=c.hidden_size, target_layers=layers)
+    torch.manual_seed(seed)
+    head = Eagle3Head(cfg, max_len)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(_lm_head_rows(target, ids.to(target.embed.weight.device)).float().cpu())
+        head.d2t.copy_(ids - torch.arange(len(ids)))
+    return head
+
+
+def _lm_head_rows(target, ids: torch.Tensor) -> torch.Tensor:
+    """The target's LM head rows of `ids` [n, H]. A CPU model's LM head may hold only a packed copy
+    of its weight, so the rows are read through its forward (the identity's products are exact)."""
+    weight = getattr(target.lm_head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.shape == (target.cfg.vocab_size, target.cfg.hidden_size):
+        return weight[ids]
+    eye = torch.eye(target.cfg.hidden_size, dtype=target.embed.weight.dtype, device=ids.device)
+    return linear(eye, target.lm_head).T[ids]
+
+
+def _batch(seqs: list[Recorded], columns, target, lm_rows: torch.Tensor, steps: int, device) -> Batch:
+    """seqs padded into a Batch on `device`: their features' layers, and the target's logits over
+    the draft vocabulary from its last layer (final norm, then its LM head's rows)."""
+    features, last = columns
+    T = max(len(s.tokens) for s in seqs)
+    S = T - 1
+    width = S + steps + 1
+    tokens = torch.zeros(len(seqs), width, dtype=torch.long)
+    is_answer = torch.zeros(len(seqs), width, dtype=torch.bool)
+    hidden = seqs[0].hidden.new_zeros(len(seqs), S + steps, seqs[0].hidden.shape[1], seqs[0].hidden.shape[2])
+    for b, s in enumerate(seqs):
+        n = len(s.tokens)
+        tokens[b, :n] = s.tokens
+        is_answer[b, s.prompt_len:n] = True
+        hidden[b, :n - 1] = s.hidden
+    hidden = hidden.to(device)
+    with torch.no_grad():
+        target_logits = target.norm(hidden[:, :, last]).float() @ lm_rows.T                  # [B, S + steps, Vd]
+    return Batch(tokens.to(device), is_answer.to(device), hidden[:, :S, features].float(), target_logits)
+
+
+def _lr(config: TrainConfig, step: int, schedule: int) -> float:
+    """Linear warm-up, then cosine decay to MIN_LR_FRACTION at the schedule's end (and after it)."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, schedule - config.warmup_steps)
+    return config.lr * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def _autocast(device: str):
+    """bfloat16 products on CUDA (master weights stay float32); plain float32 elsewhere."""
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
+
+
+def _save_checkpoint(out: Path, head, optimizer, step: int, log: list, config: TrainConfig) -> None:
+    state = {"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "log": log,
+             "config": dataclasses.asdict(config)}
+    torch.save(state, out / "checkpoint.tmp")
+    os.replace(out / "checkpoint.tmp", out / "checkpoint.pt")
+
+
+def _load_checkpoint(out: Path, config: TrainConfig) -> dict | None:
+    path = out / "checkpoint.pt"
+    if not path.exists():
+        return None
+    state = torch.load(path, weights_only=True)
+    ours = dataclasses.asdict(config)
+    differ = [k for k in SAME_RUN if state["config"].get(k) != ours[k]]
+    if differ:
+        raise InvalidParameterError(f"{out} holds a run with other settings ({', '.join(differ)}): "
+                                    f"give another --out, or the same settings to resume it")
+    return state

@@ -1,0 +1,99 @@
+"""EAGLE-3's training-time test: the head unrolled over whole sequences as it drafts.
+
+A batch holds B recorded sequences padded to T tokens; S = T - 1 pairs. Step 0 reads pair t
+(the target's features at t, token t + 1) at rotary position t, attending causally over the
+pairs, and predicts token t + 2: a first draft after the sequence's first t + 2 tokens. Step
+k > 0 reads, at index t, (step k - 1's output at t, token t + 1 + k) at rotary position t + k,
+attending to step 0's pairs up to t and to steps 1 .. k at index t: the k + 1-th draft of that
+same drafting step, attending exactly as HeadDrafter's chain node at depth k + 1 does (the
+row's pairs before its start, its ancestors, itself). The tokens fed are the sequence's own
+(teacher forcing): a draft counts only while every draft before it was right, and then those are
+the tokens drafted, so the accepted length measured here is the drafter's.
+
+(EAGLE-3's and SpecForge's trainers also hide pair t - k + 1 .. t from step k, a mask that
+inference does not apply; here training attends as drafting does.)
+
+Loss (EAGLE-3's): at step k, index t, the cross-entropy of the head's draft distribution against
+the target's distribution at position t + 1 + k restricted to the draft vocabulary, where token
+t + 2 + k is an answer token (the target's own greedy choice) and in the draft vocabulary;
+steps weighted 0.8^k.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from outpace.model.draft_head import DraftHead
+
+STEP_DECAY = 0.8        # the loss weight of step k is STEP_DECAY ** k
+
+
+@dataclass
+class Batch:
+    """B padded sequences for `steps` unrolled steps (padding: token 0, never an answer)."""
+
+    tokens: torch.Tensor            # [B, S + steps + 1] int64
+    is_answer: torch.Tensor         # [B, S + steps + 1] bool: the token is the target's greedy answer
+    hidden: torch.Tensor            # [B, S, layers, Ht]: the features' target layers at pairs 0 .. S - 1
+    target_logits: torch.Tensor     # [B, S + steps, Vd] float32: the target's logits over the draft vocabulary
+
+
+class Unroll:
+    """The head's steps over one batch; each step's keys and values are kept for the next."""
+
+    def __init__(self, head: DraftHead, embed: torch.nn.Module, num_pairs: int):
+        self.head, self.embed, self.S = head, embed, num_pairs
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def step(self, feature: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Step k = the steps taken so far: features [B, S, H] and tokens [B, S] -> outputs [B, S, H]."""
+        B, S = tokens.shape
+        k = len(self.keys)
+        positions = (torch.arange(S, device=tokens.device) + k).expand(B, S)
+        embed = self.embed(tokens).to(feature.dtype)
+        residual, q, key, value = self.head.project(feature, embed, positions)
+        self.keys.append(key)
+        self.values.append(value)
+        return self.head.finish(residual, self._attend(q))
+
+    def _attend(self, q: torch.Tensor) -> torch.Tensor:
+        """q [B, S, Hq, D] over step 0's keys (causal) and later steps' keys at the same index."""
+        S, groups, scale = q.shape[1], q.shape[2] // self.keys[0].shape[2], q.shape[-1] ** -0.5
+        wide = [(k.repeat_interleave(groups, 2), v.repeat_interleave(groups, 2)) for k, v in zip(self.keys, self.values)]
+        scores = torch.einsum("bshd,bthd->bhst", q, wide[0][0]) * scale                    # [B, Hq, S, S]
+        causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        diagonal = [((q * k).sum(-1) * scale).transpose(1, 2)[..., None] for k, _ in wide[1:]]   # [B, Hq, S, 1]
+        weights = torch.cat([scores, *diagonal], -1).float().softmax(-1).to(q.dtype)
+        out = torch.einsum("bhst,bthd->bshd", weights[..., :S], wide[0][1])
+        for j, (_, v) in enumerate(wide[1:]):
+            out = out + weights[..., S + j].transpose(1, 2)[..., None] * v
+        return out.flatten(-2)
+
+
+def unrolled_loss(head: DraftHead, embed: torch.nn.Module, batch: Batch, steps: int, in_vocab: torch.Tensor):
+    """(loss, accepted [B, S] drafts accepted in a row at each index, counts [B, S] where a first
+    draft predicts an answer token). in_vocab [V] bool: the draft vocabulary's target ids."""
+    S = batch.hidden.shape[1]
+    feature = head.features(batch.hidden)
+    unroll = Unroll(head, embed, S)
+    loss = 0.0
+    run = torch.ones(batch.tokens.shape[0], S, dtype=torch.bool, device=batch.tokens.device)     # all right so far
+    accepted = torch.zeros(run.shape, dtype=torch.long, device=run.device)
+    for k in range(steps):
+        out = unroll.step(feature, batch.tokens[:, k + 1:k + 1 + S])
+        logits = head.logits(out)                                                           # [B, S, Vd]
+        labels = batch.tokens[:, k + 2:k + 2 + S]
+        answer = batch.is_answer[:, k + 2:k + 2 + S]
+        counted = answer & in_vocab[labels]
+        p = batch.target_logits[:, k + 1:k + 1 + S].softmax(-1)
+        cross = -(p * F.log_softmax(logits, -1)).sum(-1)
+        loss = loss + STEP_DECAY ** k * (cross * counted).sum() / counted.sum().clamp(min=1)
+        with torch.no_grad():
+            run &= answer & (head.to_target(logits.argmax(-1)) == labels)
+            accepted += run
+        feature = out
+    return loss, accepted, batch.is_answer[:, 2:2 + S]

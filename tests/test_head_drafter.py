@@ -1,0 +1,143 @@
+"""EAGLE-3 drafting through the engine on tiny float64 targets (no near-ties).
+
+Guards: whatever a head drafts (a random head is the adversary), chains and trees, greedy output
+equals plain greedy output, batched with fewer slots than requests, prompts cached in chunks, and
+rejected drafts rolled back; the head's cache must stay what a head computed from scratch would
+hold (its proposals, after prompt chunks, rejections and multi-token acceptances by n-gram drafts
+beside it, are the drafts of the head run over the sequence's whole history); each tree node must
+be one of the best children of its parent along its own path (the tree's mask and positions in
+the head's cache); seeded sampled output, chains and trees, must be plain seeded sampling's.
+"""
+import pytest
+import torch
+
+from outpace import LLM, SamplingParams, SpecConfig
+from outpace.model.draft_head import attend
+from outpace.runner.model_runner import ModelRunner, Row
+from heads import target_config, write_eagle3_head
+from tiny import make_tiny
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [100, 200, 300, 100, 200], [7] * 30, [42],
+           list(range(500, 520)) * 2]
+PARAMS = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+OPTIONS = dict(dtype="float64", device="cpu", max_num_seqs=3, max_model_len=256, max_prefill_tokens=8,
+               calibrate=False)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, default_model_dir):
+    target = tmp_path_factory.mktemp("tiny-4-layers")
+    make_tiny("llama-4-layers", target, vocab_size=49152, tokenizer_from=default_model_dir, dtype=torch.float64)
+    head = tmp_path_factory.mktemp("random-head")
+    write_eagle3_head(head, target_config(target))
+    return target, head
+
+
+@pytest.fixture(scope="module")
+def plain(folders):
+    return [o.token_ids for o in LLM(str(folders[0]), spec="none", **OPTIONS).generate(PROMPTS, PARAMS)]
+
+
+def _llm(folders, **spec):
+    spec = dict(method="eagle3", draft_head=str(folders[1]), num_draft_tokens=4) | spec
+    return LLM(str(folders[0]), spec=SpecConfig(**spec), **OPTIONS)
+
+
+@pytest.mark.parametrize("tree_width", [1, 3])
+def test_a_random_head_keeps_greedy_output(folders, plain, tree_width):
+    llm = _llm(folders, tree_width=tree_width)
+    out = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in out] == plain
+    assert sum(o.spec["num_draft_tokens"] for o in out) > 0
+    drafter = llm.engine.drafter
+    assert drafter.hidden_layers == (0, 1, 2) and not drafter.prompts
+    assert sorted(llm.engine.scheduler.free_slots) == [0, 1, 2]
+
+
+class Recorded:
+    """Each propose of a head drafter: the rows' tokens at the time and what was drafted."""
+
+    def __init__(self, llm, drafter):
+        self.calls, self.engine, self.propose = [], llm.engine, drafter.propose
+        drafter.propose = self
+
+    def __call__(self, batch):
+        drafts = self.propose(batch)
+        parents = None if drafts.parents is None else drafts.parents.tolist()
+        for i, (seq_id, rows) in enumerate(zip(batch.seq_ids, drafts.host_rows())):
+            if rows:
+                tree = None if parents is None else parents[i][:len(rows)]
+                self.calls.append((list(self.engine.sequences[seq_id].token_ids), rows, tree))
+        return drafts
+
+
+def _reference(head, embed, hidden, tokens, path):
+    """The head run from scratch: pairs 0 .. n-1 of the sequence (the target's hidden states
+    [n, layers, H], tokens[1..n]), then `path` fed as a chain of drafts; the logits after it."""
+    n = len(tokens) - 1
+    positions = torch.arange(n)
+    residual, q, k, v = head.project(head.features(hidden), embed(torch.tensor(tokens[1:])), positions)
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    out = head.finish(residual[None], attend(q[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                             mask[None, None]))[0][-1]
+    keys, values = k, v
+    for j, token in enumerate(path):
+        residual, q, k, v = head.project(out[None], embed(torch.tensor([token])), torch.tensor([n + j]))
+        keys, values = torch.cat([keys, k]), torch.cat([values, v])
+        out = head.finish(residual[None], attend(q[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                                                 torch.ones(1, 1, 1, len(keys), dtype=torch.bool)))[0, 0]
+    return head.logits(out)
+
+
+def _hidden(llm, tokens, layers):
+    runner = ModelRunner(llm.engine.model, 1, 256, 8)
+    return runner.forward([Row(0, tokens[:-1], 0)], hidden_layers=layers)[1][0]
+
+
+@pytest.mark.parametrize("ngram_first", [False, True])
+def test_drafts_are_the_heads_run_from_scratch(folders, plain, ngram_first):
+    llm = _llm(folders, ngram_first=ngram_first)
+    drafter = llm.engine.drafter.drafters[1] if ngram_first else llm.engine.drafter
+    recorded = Recorded(llm, drafter)
+    out = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in out] == plain
+    if ngram_first:         # n-gram drafts were accepted beside the head's: multi-token catch-ups
+        assert sum(o.spec["num_accepted_tokens"] for o in out) > 0
+    assert len(recorded.calls) > 20
+    head = drafter.head
+    for tokens, drafted, _ in recorded.calls[::2]:
+        hidden = _hidden(llm, tokens, drafter.hidden_layers)
+        want = []
+        while len(want) < len(drafted):
+            logits = _reference(head, drafter.embed, hidden, tokens, want)
+            want.append(int(head.to_target(logits.argmax())))
+        assert drafted == want
+
+
+def test_tree_nodes_are_best_children_along_their_paths(folders, plain):
+    width = 3
+    llm = _llm(folders, tree_width=width, num_draft_tokens=6)
+    drafter = llm.engine.drafter
+    recorded = Recorded(llm, drafter)
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain
+    head = drafter.head
+    assert any(len(set(tree)) > 1 and tree.count(-1) > 1 for _, _, tree in recorded.calls)   # real trees
+    for tokens, nodes, tree in recorded.calls[::3]:
+        hidden = _hidden(llm, tokens, drafter.hidden_layers)
+        for j, (token, parent) in enumerate(zip(nodes, tree)):
+            assert parent < j
+            path, at = [], parent
+            while at >= 0:
+                path.insert(0, nodes[at])
+                at = tree[at]
+            best = head.to_target(_reference(head, drafter.embed, hidden, tokens, path).topk(width).indices)
+            assert token in best.tolist()
+
+
+@pytest.mark.parametrize("tree_width", [1, 3])
+def test_seeded_sampling_with_a_head_is_plain_seeded_sampling(folders, tree_width):
+    params = SamplingParams(temperature=0.8, seed=11, max_tokens=20, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(folders[0]), spec="none", **OPTIONS).generate(PROMPTS, params)]
+    out = _llm(folders, tree_width=tree_width).generate(PROMPTS[::-1], params)[::-1]
+    assert [o.token_ids for o in out] == plain
+    assert sum(o.spec["num_draft_tokens"] for o in out) > 0

@@ -1,0 +1,86 @@
+"""train-head on a tiny target on the CPU: self-distillation, the training-time test, resuming.
+
+Guards: a few steps of training must raise acceptance on held-back prompts above the untrained
+head's, both as the trainer measures it and through the engine drafting with the saved head (so
+the trainer trains what the drafter drafts, and the head it writes loads); the recorded hidden
+states must be the target's own; a fixed seed must give the same head bit for bit, whether the run
+was paused and resumed or not; a resumed run with other settings is refused.
+"""
+import gzip
+import json
+import shutil
+
+import pytest
+import torch
+
+from outpace import LLM, SamplingParams, SpecConfig
+from outpace.errors import InvalidParameterError
+from outpace.runner.model_runner import ModelRunner, Row
+from outpace.train.head_data import load_shards
+from outpace.train.head_trainer import TrainConfig, train_head
+from safetensors.torch import load_file
+from tiny import make_tiny
+
+SETTINGS = dict(num_prompts=24, held_out=8, max_tokens=16, draft_vocab=1024, ttt_steps=3, epochs=6, batch_size=8,
+                lr=3e-3, warmup_steps=2, eval_every=9, checkpoint_every=9, device="cpu", dtype="float32",
+                max_num_seqs=16, shard_size=16)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, default_model_dir):
+    root = tmp_path_factory.mktemp("train-head")
+    make_tiny("llama-4-layers", root / "target", vocab_size=49152, tokenizer_from=default_model_dir)
+    with gzip.open(root / "prompts.jsonl.gz", "wt") as f:
+        for i in range(40):
+            f.write(json.dumps({"id": str(i), "prompt": f"Question {i}: what is {i} plus {3 * i + 1}?"}) + "\n")
+    config = TrainConfig(model=str(root / "target"), prompts=str(root / "prompts.jsonl.gz"), out=str(root / "a"),
+                         **SETTINGS)
+    return root, config, train_head(config)
+
+
+def test_training_raises_acceptance_on_held_back_prompts(trained):
+    root, config, summary = trained
+    log = summary["acceptance"]
+    assert [e["step"] for e in log] == [0, 9, 18]
+    assert log[-1]["mean_accepted"] > log[0]["mean_accepted"] + 0.05
+    assert summary["train_sequences"] == 24 and summary["held_out_sequences"] == 8
+    # the untrained head: the same run stopped before its first step
+    shutil.copytree(root / "a" / "data", root / "untrained" / "data")
+    train_head(TrainConfig(**{**vars(config), "out": str(root / "untrained"), "max_steps": 0}))
+    held, _ = load_shards(root / "a" / "data", "heldout")
+    prompts = [s.tokens[:s.prompt_len].tolist() for s in held]
+    accepted = {}
+    for name in ("untrained", "a"):
+        spec = SpecConfig(method="eagle3", draft_head=str(root / name / "head"), num_draft_tokens=3)
+        llm = LLM(str(root / "target"), spec=spec, dtype="float32", device="cpu", max_num_seqs=8, calibrate=False,
+                  max_model_len=128)
+        out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+        assert [o.token_ids for o in out] == [s.tokens[s.prompt_len:].tolist() for s in held]   # the answers recorded
+        accepted[name] = sum(o.spec["num_accepted_tokens"] for o in out)
+    assert accepted["a"] > accepted["untrained"]
+
+
+def test_recorded_hidden_states_are_the_targets(trained):
+    root, config, _ = trained
+    llm = LLM(str(root / "target"), spec="none", dtype="float32", device="cpu", calibrate=False, max_model_len=128)
+    sequences, layers = load_shards(root / "a" / "data", "train")
+    runner = ModelRunner(llm.engine.model, 1, 128, 8)
+    for seq in sequences[:4]:
+        _, want = runner.forward([Row(0, seq.tokens[:-1].tolist(), 0)], hidden_layers=tuple(layers))
+        torch.testing.assert_close(seq.hidden, want[0], rtol=1e-4, atol=1e-4)
+    assert layers == [0, 1, 3]                          # the head's three layers; the last one for the targets
+
+
+def test_a_fixed_seed_gives_the_same_head_paused_or_not(trained):
+    root, config, summary = trained
+    shutil.copytree(root / "a" / "data", root / "b" / "data")
+    paused = {**vars(config), "out": str(root / "b")}
+    train_head(TrainConfig(**{**paused, "max_steps": 9}))
+    assert json.loads((root / "b" / "summary.json").read_text())["steps"] == 9
+    resumed = train_head(TrainConfig(**paused))
+    assert resumed["steps"] == summary["steps"] == 18
+    a, b = load_file(str(root / "a" / "head" / "model.safetensors")), load_file(str(root / "b" / "head" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed["acceptance"] == summary["acceptance"]
+    with pytest.raises(InvalidParameterError, match="other settings"):
+        train_head(TrainConfig(**{**paused, "lr": 1e-3}))
