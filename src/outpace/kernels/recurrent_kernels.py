@@ -85,6 +85,7 @@ def _library() -> ctypes.CDLL | None:
     lib.short_conv.argtypes = [p, c, p, p, c, p, c, i, p, i, i, i, p]
     lib.short_conv.restype = c
     lib.offset_rms_norm.argtypes = [p, p, p, p, p, i, i, f, c]
+    lib.offset_rms_norm.restype = c
     return lib
 
 
@@ -123,7 +124,7 @@ def gated_deltanet(proj: torch.Tensor, conv_weight: torch.Tensor, neg_a: torch.T
                    heads: tuple[int, int, int, int]) -> torch.Tensor:
     """A Gated DeltaNet layer between its projections (recurrent_kernels.c's gated_deltanet).
 
-    proj [T, P] the in_proj output [q k v | z | b | a] of the forward's tokens; conv_weight [C, K],
+    proj [T, P] the in_proj output [q k v | z | b | a] of the forward's tokens; conv_weight [K, C],
     neg_a = -exp(A_log), dt_bias [H], norm_weight [dv] float32; history [slots, K-1+R, C] and state
     [slots, E, H, dk, dv] one layer's of the StateCache; log: its (k, v, g, b) for verify rows in
     replay mode, else None; rows [N, 8] int64 (recurrent_rows.RowGroups.table); heads (Hk, dk,
@@ -133,9 +134,9 @@ def gated_deltanet(proj: torch.Tensor, conv_weight: torch.Tensor, neg_a: torch.T
     T = proj.shape[0]
     out = proj.new_empty(T, H * dv)
     log_k, log_v, log_g, log_b = log or (None,) * 4
-    R = history.shape[1] - conv_weight.shape[1] + 1
+    R = history.shape[1] - conv_weight.shape[0] + 1
     _check(_library().gated_deltanet(
-        proj.data_ptr(), proj.shape[1], proj.dtype == torch.bfloat16, conv_weight.data_ptr(), conv_weight.shape[1],
+        proj.data_ptr(), proj.shape[1], proj.dtype == torch.bfloat16, conv_weight.data_ptr(), conv_weight.shape[0],
         history.data_ptr(), history.dtype == torch.bfloat16, history.shape[1], state.data_ptr(), state.shape[1], _ptr(log_k), _ptr(log_v),
         _ptr(log_g), _ptr(log_b), R, neg_a.data_ptr(), dt_bias.data_ptr(), norm_weight.data_ptr(), eps,
         rows.data_ptr(), rows.shape[0], T, Hk, dk, H, dv, out.data_ptr()))
@@ -155,13 +156,13 @@ def delta_replay(state: torch.Tensor, log: tuple[torch.Tensor, ...], rows: torch
 
 def short_conv(proj: torch.Tensor, conv_weight: torch.Tensor, bias: torch.Tensor | None, history: torch.Tensor,
                rows: torch.Tensor) -> torch.Tensor:
-    """LFM2's c * conv(b * x) from proj [T, 3C] = [b | c | x]; conv_weight [C, K] and bias [C]
+    """LFM2's c * conv(b * x) from proj [T, 3C] = [b | c | x]; conv_weight [K, C] and bias [C]
     float32; history and rows as in gated_deltanet. Returns [T, C] in proj's dtype."""
     proj = proj.contiguous()
     T, C = proj.shape[0], proj.shape[1] // 3
     out = proj.new_empty(T, C)
     _check(_library().short_conv(proj.data_ptr(), proj.dtype == torch.bfloat16, conv_weight.data_ptr(), _ptr(bias),
-                                 conv_weight.shape[1], history.data_ptr(), history.dtype == torch.bfloat16,
+                                 conv_weight.shape[0], history.data_ptr(), history.dtype == torch.bfloat16,
                                  history.shape[1], rows.data_ptr(),
                                  rows.shape[0], T, C, out.data_ptr()))
     return out
@@ -175,6 +176,7 @@ def offset_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight_1p: torc
     dim = h.shape[-1]
     h_out = h if delta is None else torch.empty_like(h)
     x = torch.empty_like(h)
-    _library().offset_rms_norm(h.data_ptr(), _ptr(delta), weight_1p.data_ptr(),
-                               h_out.data_ptr(), x.data_ptr(), h.numel() // dim, dim, eps, h.dtype == torch.bfloat16)
+    if _library().offset_rms_norm(h.data_ptr(), _ptr(delta), weight_1p.data_ptr(), h_out.data_ptr(), x.data_ptr(),
+                                  h.numel() // dim, dim, eps, h.dtype == torch.bfloat16):
+        raise ValueError(f"recurrent CPU kernel: norms of at most 16384 values, got {dim}")
     return h_out, x

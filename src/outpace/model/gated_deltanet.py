@@ -73,9 +73,9 @@ class GatedDeltaNet(nn.Module):
         return linear(out, self.out).view(*shape[:-1], -1)
 
     def _kernel_weights(self) -> tuple[torch.Tensor, ...]:
-        """conv [C, K], -exp(A_log), dt_bias and the norm's weight, float32."""
+        """conv [K, C], -exp(A_log), dt_bias and the norm's weight, float32."""
         return recurrent_kernels.kernel_weights(self, (self.conv.weight, self.A_log, self.dt_bias, self.norm.weight),
-                                                lambda conv, a_log, dt_bias, norm: (conv[:, 0], -a_log.exp(), dt_bias, norm))
+                                                lambda conv, a_log, dt_bias, norm: (conv[:, 0].t(), -a_log.exp(), dt_bias, norm))
 
     def _rows(self, group: RowGroup, qkv, b, a, cache: StateCache, layer: int) -> torch.Tensor:
         """The delta rule over one group's rows: [B, S, value heads, dv] in qkv's dtype."""

@@ -32,7 +32,7 @@ class ShortConv(nn.Module):
         proj = linear(x.reshape(-1, shape[-1]), self.in_proj)
         if recurrent_kernels.serves(proj, cache.conv[layer]):
             weight, bias = recurrent_kernels.kernel_weights(self, (self.conv.weight, self.conv.bias),
-                                                            lambda w, b: (w[:, 0], b))
+                                                            lambda w, b: (w[:, 0].t(), b))
             out = recurrent_kernels.short_conv(proj, weight, bias, cache.conv[layer], rows.table)
             return linear(out, self.out).view(shape)
         b, c, x = proj.chunk(3, dim=-1)
