@@ -42,10 +42,12 @@ HYBRID_FAMILIES = {
 
 
 def make_tiny(family: str, folder: Path, vocab_size: int = 256, tokenizer_from: Path | None = None,
-              seed: int = 0, dtype=torch.float32):
-    """Write a random-weight model of `family` to `folder`; returns the transformers model."""
+              seed: int = 0, dtype=torch.float32, **fields):
+    """Write a random-weight model of `family` to `folder` (fields: config fields to change);
+    returns the transformers model."""
     import transformers
     config_cls, model_cls, extra = FAMILIES.get(family) or HYBRID_FAMILIES[family]
+    extra = extra | fields
     if "text_config" in extra:
         text = dict(vocab_size=vocab_size, **COMMON) | extra["text_config"]
         config = getattr(transformers, config_cls)(**extra | dict(text_config=text))

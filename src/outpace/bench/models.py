@@ -1,6 +1,6 @@
 """Model files for the benchmarks: the GGUF behind a model name, and random-weight models of
-Llama-3-8B's, Llama-3-70B's and Qwen3.5-0.8B's shapes (speed depends on shapes, not on weight
-values), saved as folders or built on the device."""
+Llama-3-8B's, Llama-3-70B's and Qwen3.5-0.8B's shapes, and a dense twin of the latter (speed
+depends on shapes, not on weight values), saved as folders or built on the device."""
 from __future__ import annotations
 
 import shutil
@@ -34,6 +34,12 @@ QWEN35_08B = dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, n
                   tie_word_embeddings=True, hidden_act="silu",
                   layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(24)],
                   rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25})
+# Qwen3.5-0.8B's dimensions as a dense Qwen3 model: every layer full attention (with per-head q/k
+# norms, no output gate), the same widths, heads, vocabulary and rotation base; the baseline that
+# shows what recurrent state costs
+QWEN35_08B_DENSE = dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+                        num_attention_heads=8, num_key_value_heads=2, head_dim=256, max_position_embeddings=262144,
+                        rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu", rope_theta=10000000.0)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
@@ -64,12 +70,22 @@ def random_llama(shape: dict, folder: str | Path, device: str = "cpu", seed: int
 
 
 def random_qwen35_08b(folder: str | Path | None = None, device: str = "cpu", seed: int = 0,
-                      tokenizer_from: str | Path | None = None) -> Path:
+                      tokenizer_from: str | Path | None = None, **fields) -> Path:
     """As random_llama3_8b, for Qwen3.5-0.8B's text model (about 1.5 GB): a Qwen3_5ForCausalLM
-    folder, which outpace loads as a published Qwen3.5 checkpoint's text model."""
+    folder, which outpace loads as a published Qwen3.5 checkpoint's text model. fields replace
+    config fields (a smaller shape: give its own folder)."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-    config = Qwen3_5TextConfig(**QWEN35_08B, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    config = Qwen3_5TextConfig(**QWEN35_08B | fields, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     return _random_model(Qwen3_5ForCausalLM, config, folder or outpace_home() / "models" / "random-qwen3.5-0.8b",
+                         device, seed, tokenizer_from)
+
+
+def random_qwen35_08b_dense(folder: str | Path | None = None, device: str = "cpu", seed: int = 0,
+                            tokenizer_from: str | Path | None = None, **fields) -> Path:
+    """As random_qwen35_08b, for its dense twin QWEN35_08B_DENSE (a Qwen3ForCausalLM folder)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    config = Qwen3Config(**QWEN35_08B_DENSE | fields, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    return _random_model(Qwen3ForCausalLM, config, folder or outpace_home() / "models" / "random-qwen3.5-0.8b-dense",
                          device, seed, tokenizer_from)
 
 

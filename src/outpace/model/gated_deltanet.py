@@ -6,6 +6,10 @@ dt_bias); q and k are l2-normalised per head, each key head serving value heads 
 consecutive value heads. The gated delta rule (model/delta_rule.py) runs per value head from the
 slot's state; each head's output is normed, gated by silu(z) and projected back. The rule and
 the norms compute in the state cache's dtype (float32, or float64 for a float64 model).
+
+On the CPU in float32 or bfloat16 everything between the two projections is one call of
+kernels/recurrent_kernels for the whole forward; elsewhere (float64, CUDA) it runs as PyTorch ops
+group by group.
 """
 from __future__ import annotations
 
@@ -13,12 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from outpace.kernels import recurrent_kernels
 from outpace.kernels.fused import linear
 from outpace.model import delta_rule
 from outpace.model.causal_conv import CausalConv
 from outpace.model.config import ModelConfig
 from outpace.model.norms import GatedRMSNorm
-from outpace.model.recurrent_rows import RowGroup
+from outpace.model.recurrent_rows import RowGroup, RowGroups
 from outpace.runner.state_cache import RecurrentShape, StateCache
 
 # prompt chunks of at most this many tokens run the delta rule token by token, longer ones in blocks
@@ -49,16 +54,28 @@ class GatedDeltaNet(nn.Module):
         return RecurrentShape(sum(self.split), self.conv.weight.shape[-1],
                               (self.num_k_heads, self.key_dim, self.num_v_heads, self.value_dim))
 
-    def forward(self, x: torch.Tensor, groups: list[RowGroup], cache: StateCache, layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: RowGroups, cache: StateCache, layer: int) -> torch.Tensor:
         """x [B, S, H] or [T, H] (the stream's tokens) -> the same shape."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        qkv, z, b, a = linear(x, self.in_proj).split(self.in_proj_sizes, dim=-1)
+        proj = linear(x, self.in_proj)
+        if recurrent_kernels.serves(proj, cache.conv[layer]):
+            log = None if cache.snapshots else cache.log[layer]
+            out = recurrent_kernels.gated_deltanet(
+                proj, *self._kernel_weights(), self.norm.eps, cache.conv[layer], cache.state[layer], log, rows.table,
+                (self.num_k_heads, self.key_dim, self.num_v_heads, self.value_dim))
+            return linear(out, self.out).view(*shape[:-1], -1)
+        qkv, z, b, a = proj.split(self.in_proj_sizes, dim=-1)
         out = x.new_empty(x.shape[0], self.num_v_heads, self.value_dim)
-        for group in groups:
+        for group in rows.groups:
             out[group.start:group.stop] = group.tokens(self._rows(group, qkv, b, a, cache, layer))
         out = self.norm(out, z.view(out.shape)).flatten(1)
         return linear(out, self.out).view(*shape[:-1], -1)
+
+    def _kernel_weights(self) -> tuple[torch.Tensor, ...]:
+        """conv [K, C], -exp(A_log), dt_bias and the norm's weight, float32."""
+        return recurrent_kernels.kernel_weights(self, (self.conv.weight, self.A_log, self.dt_bias, self.norm.weight),
+                                                lambda conv, a_log, dt_bias, norm: (conv[:, 0].t(), -a_log.exp(), dt_bias, norm))
 
     def _rows(self, group: RowGroup, qkv, b, a, cache: StateCache, layer: int) -> torch.Tensor:
         """The delta rule over one group's rows: [B, S, value heads, dv] in qkv's dtype."""

@@ -12,7 +12,7 @@ from torch import nn
 from outpace.model.config import ModelConfig
 from outpace.model.decoder import DecoderLM
 from outpace.model.layers import MLP, ForwardBatch
-from outpace.model.recurrent_rows import RowGroup, row_groups
+from outpace.model.recurrent_rows import RowGroups, row_groups
 from outpace.runner.hybrid_cache import HybridCache
 from outpace.runner.kv_cache import KVCache
 from outpace.runner.state_cache import StateCache
@@ -31,14 +31,14 @@ class HybridLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.is_attention, self.cache_index = is_attention, cache_index
 
-    def forward(self, h, delta, cos, sin, batch: ForwardBatch, cache: HybridCache, groups: list[RowGroup]):
+    def forward(self, h, delta, cos, sin, batch: ForwardBatch, cache: HybridCache, rows: RowGroups):
         """(h, delta) -> (h', delta'), the residual stream h + delta as in DecoderLayer."""
         h, x = self.input_norm.add_forward(h, delta, batch.cpu_pointwise)
         i = self.cache_index
         if self.is_attention:
             out = self.mixer(x, cos, sin, batch, cache.k[i], cache.v[i])
         else:
-            out = self.mixer(x, groups, cache.state, i)
+            out = self.mixer(x, rows, cache.state, i)
         h, x = self.post_norm.add_forward(h, out, batch.cpu_pointwise)
         return h, self.mlp(x, batch.cpu_pointwise)
 
@@ -67,10 +67,10 @@ class HybridLM(DecoderLM):
                            StateCache(shapes, num_slots, max_row_tokens, snapshots, dtype, device))
 
     def run_layers(self, h, cos, sin, batch: ForwardBatch, cache: HybridCache):
-        groups = row_groups(batch, cache.state)
+        rows = row_groups(batch, cache.state)
         delta = None
         for layer in self.layers:
-            h, delta = layer(h, delta, cos, sin, batch, cache, groups)
+            h, delta = layer(h, delta, cos, sin, batch, cache, rows)
             yield h, delta
 
     def shard_sizes(self, name: str) -> list[int]:

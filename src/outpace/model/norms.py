@@ -2,13 +2,17 @@
 
 Qwen3.5 and Qwen3-Next scale by 1 + w (their weights are stored zero-centred) and round once,
 after scaling; their Gated DeltaNet layers norm each head's output and gate it with silu(z).
-Both normalise in float32 (float64 for a float64 model), as the reference does.
+Both normalise in float32 (float64 for a float64 model), as the reference does. On the CPU in
+float32 or bfloat16 the offset norm (and the residual add before it) is one call of
+kernels/recurrent_kernels; the gated norm is part of that file's Gated DeltaNet call.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from outpace.kernels import recurrent_kernels
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -26,15 +30,19 @@ class OffsetRMSNorm(nn.Module):
         self.shape = (dim,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = _wide(x.dtype)
-        return (F.rms_norm(x.to(wide), self.shape, eps=self.eps) * (1 + self.weight.to(wide))).to(x.dtype)
+        return self.add_forward(x, None)[1]
 
     def add_forward(self, h: torch.Tensor, delta: torch.Tensor | None,
                     kernels: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h + delta, its norm), as layers.RMSNorm.add_forward (no CPU kernel computes this norm)."""
+        """(h + delta, its norm), as layers.RMSNorm.add_forward (delta None: (h, its norm)). The
+        kernel serves wherever its dtype does (`kernels` is the dense norm's flag)."""
+        if recurrent_kernels.serves(h):
+            weight = recurrent_kernels.kernel_weights(self, (self.weight,), lambda w: (1 + w,))[0]
+            return recurrent_kernels.offset_rms_norm(h, delta, weight, self.eps)
         if delta is not None:
             h = h + delta
-        return h, self(h)
+        wide = _wide(h.dtype)
+        return h, (F.rms_norm(h.to(wide), self.shape, eps=self.eps) * (1 + self.weight.to(wide))).to(h.dtype)
 
 
 class GatedRMSNorm(nn.Module):

@@ -5,10 +5,12 @@ into their real tokens, and, packed after them, prompt chunks each of its own sl
 Attention reads each token's slot and position; a recurrent layer instead runs each sequence's
 tokens in order from its slot's state, so it takes them group by group: the rows as [B, S] (each
 row's tokens first, padding after), then each chunk as [1, n]. The stream's tokens are the groups'
-in order: rows' [0, T), then each chunk's.
+in order: rows' [0, T), then each chunk's. The C kernels (kernels/recurrent_kernels.c) take the
+same sequences as one table, a row a sequence with where its tokens sit in the stream.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -39,8 +41,33 @@ class RowGroup:
         y = y.reshape(self.num_rows * self.width, *y.shape[2:])
         return y if self.index is None else y.index_select(0, self.index)
 
+    def table(self) -> torch.Tensor:
+        """[num_rows, 8] int64, the kernels' row table (its columns: recurrent_kernels.c's ROW_*):
+        slot, entry read, entry written (-1: a snapshot per token), fresh, convolution window start,
+        first token's index in the stream, tokens, verify."""
+        rows = self.state
+        lengths = rows.lengths
+        if self.index is None:      # every row holds `width` real tokens
+            offsets = torch.arange(self.num_rows, device=lengths.device) * self.width
+        else:                       # packed: each row's tokens after the previous row's
+            offsets = lengths.cumsum(0) - lengths
+        write = rows.final if rows.snapshots is None else torch.full_like(rows.read, -1)
+        return torch.stack([rows.slots, rows.read, write, rows.fresh.long(), rows.conv_start, offsets + self.start,
+                            lengths, torch.full_like(lengths, int(rows.verify))], dim=1)
 
-def row_groups(batch: ForwardBatch, cache: StateCache) -> list[RowGroup]:
+
+@dataclass
+class RowGroups:
+    """A forward's groups, and the same sequences as the kernels' table (built on first use)."""
+
+    groups: list[RowGroup]
+
+    @functools.cached_property
+    def table(self) -> torch.Tensor:
+        return torch.cat([group.table() for group in self.groups]).contiguous()
+
+
+def row_groups(batch: ForwardBatch, cache: StateCache) -> RowGroups:
     """The forward's groups, each with its StateRows from `cache` (a StateCache), which moves its
     slots to their state after this forward. Rows that return logits are verify rows."""
     if batch.attention is AttentionKind.GRAPH or (batch.mask is not None and batch.mask.dtype != torch.bool):
@@ -66,4 +93,4 @@ def row_groups(batch: ForwardBatch, cache: StateCache) -> list[RowGroup]:
         fresh = torch.tensor([chunk.end == chunk.n], device=device)
         groups.append(RowGroup(start, start + chunk.n, 1, chunk.n, None,
                                cache.rows(slots, lengths, fresh, chunk.n, False)))
-    return groups
+    return RowGroups(groups)

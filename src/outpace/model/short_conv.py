@@ -1,15 +1,17 @@
 """ShortConv: LFM2's gated short convolution. One projection gives b, c, x per token; b * x runs
 through a causal depthwise convolution of a few taps (its state: the inputs before a row's first
-token), and c gates the result before the out projection."""
+token), and c gates the result before the out projection. On the CPU in float32 or bfloat16 the
+three steps are one call of kernels/recurrent_kernels for the whole forward."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from outpace.kernels import recurrent_kernels
 from outpace.kernels.fused import linear
 from outpace.model.causal_conv import CausalConv
 from outpace.model.config import ModelConfig
-from outpace.model.recurrent_rows import RowGroup
+from outpace.model.recurrent_rows import RowGroups
 from outpace.runner.state_cache import RecurrentShape, StateCache
 
 
@@ -24,12 +26,18 @@ class ShortConv(nn.Module):
     def state_shape(self) -> RecurrentShape:
         return RecurrentShape(self.out.in_features, self.conv.weight.shape[-1])
 
-    def forward(self, x: torch.Tensor, groups: list[RowGroup], cache: StateCache, layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: RowGroups, cache: StateCache, layer: int) -> torch.Tensor:
         """x [B, S, H] or [T, H] (the stream's tokens) -> the same shape."""
         shape = x.shape
-        b, c, x = linear(x.reshape(-1, shape[-1]), self.in_proj).chunk(3, dim=-1)
+        proj = linear(x.reshape(-1, shape[-1]), self.in_proj)
+        if recurrent_kernels.serves(proj, cache.conv[layer]):
+            weight, bias = recurrent_kernels.kernel_weights(self, (self.conv.weight, self.conv.bias),
+                                                            lambda w, b: (w[:, 0].t(), b))
+            out = recurrent_kernels.short_conv(proj, weight, bias, cache.conv[layer], rows.table)
+            return linear(out, self.out).view(shape)
+        b, c, x = proj.chunk(3, dim=-1)
         gated = b * x
         out = torch.empty_like(gated)
-        for group in groups:
+        for group in rows.groups:
             out[group.start:group.stop] = group.tokens(self.conv(group.lay_out(gated), group, cache, layer))
         return linear(c * out, self.out).view(shape)

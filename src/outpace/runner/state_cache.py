@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from outpace.errors import UnsupportedModelError
+from outpace.kernels import recurrent_kernels
 from outpace.model import delta_rule
 
 
@@ -191,10 +192,21 @@ class StateCache:
 
     def _replay(self, slots: torch.Tensor, read: torch.Tensor, accepted: torch.Tensor, width: int) -> None:
         """The state after tokens 0..accepted of each slot's last verify row, from the entry the row
-        read, into the live entry; rows that kept all their tokens keep the state they have."""
-        redo = (accepted + 1 < self.row_tokens[slots])[:, None, None, None]
+        read, into the live entry; rows that kept all their tokens keep the state they have. Where
+        verify forwards run the CPU kernels (the caches' dtypes are theirs), the kernels replay,
+        with the forward's arithmetic."""
+        redo = accepted + 1 < self.row_tokens[slots]
+        live, fresh = self.live[slots], self.fresh[slots]
+        if recurrent_kernels.serves(*self.conv, *(s for s in self.state if s is not None)):
+            rows = torch.stack([slots, read, live, fresh.long(), accepted + 1], dim=1)[redo]
+            if len(rows):
+                for state, log in zip(self.state, self.log):
+                    if state is not None:
+                        recurrent_kernels.delta_replay(state, log, rows)
+            return
+        redo = redo[:, None, None, None]
         kept = (self._arange[:width][None, :] <= accepted[:, None])[..., None]       # [B, width, 1]
-        live, fresh = self.live[slots], self.fresh[slots][:, None, None, None]
+        fresh = fresh[:, None, None, None]
         for state, log in zip(self.state, self.log):
             if state is None:
                 continue
