@@ -21,13 +21,14 @@ enum WeightFormat {
 };
 
 _Static_assert(16 % VL == 0 && TILE_VECS * VL % 16 == 0, "a tile holds whole blocks of 16 columns");
+_Static_assert(TILE_ROWS <= 12, "tiles_dense's cases reach 12 rows");
 #define TILE_COLS (TILE_VECS * VL)
 
 /* A tile's sums [rows][TILE_COLS] plus the bias (float32, NULL: none) into out [rows, N] from
  * its first column, float32 when wide_out, else rounded to bfloat16; columns from `cols` on are
  * not stored. Called once a tile, out of line: the tiles' loops stay small to compile. */
-static __attribute__((noinline)) void store_sums(const float sums[TILE_ROWS][TILE_COLS], long rows, long cols, const float *bias, void *out,
-                       int wide_out, long N) {
+static __attribute__((noinline)) void store_sums(const float sums[TILE_ROWS][TILE_COLS], long rows, long cols,
+                                                 const float *bias, void *out, int wide_out, long N) {
     for (long m = 0; m < rows; m++) {
         for (long c = 0; c < cols; c++) {
             float s = bias ? sums[m][c] + bias[c] : sums[m][c];
@@ -142,18 +143,14 @@ static inline __attribute__((always_inline)) void tile_dot_bf16(const bf16 *x, l
 /* each tile shape (rows, whole or partial tile, format) as its own loop, its sums in registers */
 #define DENSE(R, V) if (wide) tile_dense(x, K, w, 1, R, V, bias, n_valid, out, wide_out, N); \
                     else tile_dense(x, K, w, 0, R, V, bias, n_valid, out, wide_out, N);
-#define DENSE_CASE(R) case R: if (TILE_COLS == 16 || vecs == TILE_VECS) { DENSE(R, TILE_VECS) } else { DENSE(R, vecs) } break;
+#define DENSE_CASE(R) case R: if (R > TILE_ROWS) break;    /* never: rows <= TILE_ROWS */ \
+                      if (TILE_COLS == 16 || vecs == TILE_VECS) { DENSE(R, TILE_VECS) } else { DENSE(R, vecs) } break;
 
 static void tiles_dense(const float *x, long K, const char *w, int wide, long rows, int vecs, const float *bias,
                         long n_valid, void *out, int wide_out, long N) {
     switch (rows) {
-        DENSE_CASE(1) DENSE_CASE(2) DENSE_CASE(3) DENSE_CASE(4)
-#if TILE_ROWS > 4
-        DENSE_CASE(5) DENSE_CASE(6) DENSE_CASE(7) DENSE_CASE(8)
-#endif
-#if TILE_ROWS > 8
-        DENSE_CASE(9) DENSE_CASE(10) DENSE_CASE(11) DENSE_CASE(12)
-#endif
+        DENSE_CASE(1) DENSE_CASE(2) DENSE_CASE(3) DENSE_CASE(4) DENSE_CASE(5) DENSE_CASE(6)
+        DENSE_CASE(7) DENSE_CASE(8) DENSE_CASE(9) DENSE_CASE(10) DENSE_CASE(11) DENSE_CASE(12)
     }
 }
 
