@@ -3,7 +3,6 @@ bfloat16 model does without the kernels, and the aarch64 builds (cross-compiled,
 qemu-user against the x86 portable build where qemu is present)."""
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
