@@ -29,3 +29,23 @@ def default_gguf(default_model_dir) -> Path:
     from outpace.weights.hub import DEFAULT_MODEL, REGISTRY
 
     return outpace_home() / "downloads" / REGISTRY[DEFAULT_MODEL].filename
+
+
+def _cpu_levels() -> tuple[str, ...]:
+    from outpace.kernels import cpu_isa
+    return cpu_isa.testable()
+
+
+@pytest.fixture(params=_cpu_levels())
+def cpu_level(request, monkeypatch) -> str:
+    """A test that takes it runs once per CPU kernel level this machine executes (at most
+    OUTPACE_CPU_ISA's, portable always), each with that level's kernels loaded: an AVX-512 machine
+    proves the AVX2 and portable paths too. Skips where the kernels do not load (no C compiler,
+    OUTPACE_CPU_KERNELS=0)."""
+    from outpace.kernels import cpu_kernels
+    monkeypatch.setenv("OUTPACE_CPU_ISA", request.param)
+    cpu_kernels.reload()
+    if cpu_kernels.level() != request.param:
+        pytest.skip(f"the CPU kernels did not load at level {request.param} (no C compiler, or turned off)")
+    yield request.param
+    cpu_kernels.reload()

@@ -3,7 +3,8 @@
 They replace the norms, rotation, cache writes, attention and SwiGLU of small CPU steps, so they
 must give the reference's logits in float32, round as PyTorch's ops round in bfloat16, give each
 token the same result whatever else the call holds, attend within a sliding window and the
-token's own slot, and fall back to PyTorch's ops where no compiler builds them."""
+token's own slot, and fall back to PyTorch's ops where no compiler builds them. Every test runs
+once per instruction-set level this machine executes (the cpu_level fixture)."""
 import shutil
 
 import pytest
@@ -17,8 +18,9 @@ from outpace.kernels.fused import _rms_norm
 from outpace.weights.loader import load_model
 from tiny import FAMILIES, make_tiny
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="no C compiler: the kernels cannot build here")
+pytestmark = [pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                 reason="no C compiler: the kernels cannot build here"),
+              pytest.mark.usefixtures("cpu_level")]
 
 BF16_ULP = 2.0 ** -7      # relative spacing of bfloat16 values
 
@@ -29,8 +31,8 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs() / scale).max().item()
 
 
-def test_kernels_build():
-    assert cpu_kernels._library() is not None
+def test_kernels_build(cpu_level):
+    assert cpu_kernels.level() == cpu_level
 
 
 @pytest.mark.parametrize("cols", [5, 16, 49, 49152])
@@ -274,8 +276,6 @@ def test_rows_beside_prompt_chunks_compute_as_alone(family, tmp_path, monkeypatc
     attention kernel, the chunks' tokens in the same call: in float32 (products by the
     row-independent kernel) the rows' logits equal, bit for bit, a forward of the rows alone, and
     the chunks fill the cache as a forward of their own."""
-    if not cpu_kernels.has_linear():
-        pytest.skip("no AVX-512: float32 products are MKL's, which depend on the rows a call holds")
     make_tiny(family, tmp_path)
     model = load_model(tmp_path, torch.float32, "cpu", max_len=512)
     g = torch.Generator().manual_seed(7)
@@ -325,9 +325,9 @@ def test_rows_beside_float32_prompt_chunks(tmp_path, monkeypatch):
 def test_without_a_compiler_steps_use_torch(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("OUTPACE_HOME", str(tmp_path / "home"))
-    cpu_kernels._library.cache_clear()
+    cpu_kernels.reload()
     try:
-        assert cpu_kernels._library() is None
+        assert cpu_kernels.level() is None
         assert "CPU kernels off" in capsys.readouterr().err
         make_tiny("llama", tmp_path / "model")
         model = load_model(tmp_path / "model", torch.float32, "cpu", max_len=64)
@@ -335,4 +335,4 @@ def test_without_a_compiler_steps_use_torch(tmp_path, monkeypatch, capsys):
         logits, _ = ModelRunner(model, num_slots=1, max_len=64, max_step_tokens=8).forward([Row(0, [1, 2, 3], 0)])
         assert torch.isfinite(logits).all()
     finally:
-        cpu_kernels._library.cache_clear()
+        cpu_kernels.reload()

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from outpace import LLM, SamplingParams, SpecConfig
+from outpace.kernels import cpu_isa
 from outpace.runner.model_runner import ModelRunner, Row
 from outpace.weights.loader import load_model
 
@@ -49,8 +50,13 @@ def test_greedy_matches_transformers_generate(reference, llm_plain):
         assert out.token_ids == ref[0, ids.shape[1]:].tolist(), prompt
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_exact_mode_speculation_is_bit_identical(default_model_dir, dtype):
+# float32 at this machine's top kernel level, bfloat16 at each level it executes
+LEVELS = cpu_isa.testable()
+DTYPE_LEVELS = [("float32", LEVELS[-1])] + [("bfloat16", level) for level in LEVELS]
+
+
+@pytest.mark.parametrize("dtype,cpu_level", DTYPE_LEVELS, indirect=["cpu_level"])
+def test_exact_mode_speculation_is_bit_identical(default_model_dir, dtype, cpu_level):
     """In exact mode every forward's arithmetic is independent of its token count, so speculative
     greedy output equals plain greedy output bit for bit, in either dtype."""
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -64,14 +70,11 @@ def test_exact_mode_speculation_is_bit_identical(default_model_dir, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_kernel_forwards_compute_each_token_alike(default_model_dir, dtype):
-    """On the CPU with the kernels (AVX-512), a token's logits do not depend on what else its
-    forward holds: a verify row of several tokens packed beside another sequence's row gives each
-    token the bits of its own one-token step. Fast mode's speculative greedy output is then
-    bit-identical to plain decoding there, as exact mode's is everywhere."""
-    from outpace.kernels import cpu_kernels
-    if not cpu_kernels.has_linear():
-        pytest.skip("the CPU kernels' products need AVX-512 and a C compiler")
+def test_cpu_kernel_forwards_compute_each_token_alike(default_model_dir, dtype, cpu_level):
+    """On the CPU with the kernels (every instruction-set level), a token's logits do not depend
+    on what else its forward holds: a verify row of several tokens packed beside another sequence's
+    row gives each token the bits of its own one-token step. Fast mode's speculative greedy output
+    is then bit-identical to plain decoding there, as exact mode's is everywhere."""
     model = load_model(default_model_dir, dtype, "cpu", max_len=256)
     runner = ModelRunner(model, num_slots=2, max_len=256, max_step_tokens=64)
     prompts, draft = [list(range(1000, 1040)), list(range(2000, 2023))], [5, 17, 300, 42, 7, 9000]
@@ -85,7 +88,7 @@ def test_cpu_kernel_forwards_compute_each_token_alike(default_model_dir, dtype):
     assert torch.equal(together[1, 0], other)
 
 
-def test_bf16_prompt_chunks_compute_in_float32(default_model_dir, monkeypatch):
+def test_bf16_prompt_chunks_compute_in_float32(default_model_dir, monkeypatch, cpu_level):
     """On a CPU without bfloat16 dot products a long bf16 prompt chunk runs in float32 (weights and
     cache stay bf16): the decode step after it sees the float32 model's logits about as closely as
     after a bf16 prefill."""

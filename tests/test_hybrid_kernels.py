@@ -83,8 +83,8 @@ def scenario(runner) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-5), (torch.bfloat16, 0.15)])
 @pytest.mark.parametrize("snapshots", [True, False], ids=["snapshots", "replay"])
-def test_kernels_match_pytorch_path(folder, pytorch_path, dtype, tolerance, snapshots):
-    """Every kind of forward (prompt chunks, decode, verify and commit, ragged rows beside packed
+def test_kernels_match_pytorch_path(folder, pytorch_path, dtype, tolerance, snapshots, cpu_level):
+    """At every instruction-set level, every kind of forward (prompt chunks, decode, verify and commit, ragged rows beside packed
     prompt chunks) gives the PyTorch path's logits (about 10 in size: a bfloat16 step is 0.0625,
     and bfloat16 roundings in another order move them by a step)."""
     model = load_model(folder, dtype, "cpu", max_len=MAX_LEN)
@@ -132,7 +132,7 @@ def test_layers_match_pytorch_path(folder, pytorch_path, dtype, tolerance, snaps
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("snapshots", [True, False], ids=["snapshots", "replay"])
-def test_rollback_is_bit_exact(folder, dtype, snapshots):
+def test_rollback_is_bit_exact(folder, dtype, snapshots, cpu_level):
     """Verify 1 + k tokens on several rows, commit n drafts (0, some, all): every slot's
     convolution window, delta-rule state and next logits equal a plain run of its first n + 1
     tokens one by one, bit for bit."""

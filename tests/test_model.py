@@ -97,7 +97,7 @@ def test_prompt_chunks_cache_inside_a_decode_forward(pair):
 
 
 @pytest.mark.parametrize("bf16_dot", [False, True])
-def test_long_chunk_beside_bf16_rows(tmp_path, monkeypatch, bf16_dot):
+def test_long_chunk_beside_bf16_rows(tmp_path, monkeypatch, bf16_dot, cpu_level):
     """A chunk long enough to make the forward float32 (bf16 weights on a CPU without bf16 dot
     products) leaves the decode rows beside it computing as bf16 rows do, up to the rounding of
     their float32 products; where the chunk stays bf16 (cpu_kernels' products on vdpbf16ps), the
@@ -146,12 +146,12 @@ def test_hidden_states_are_each_layers_output(pair):
 
 
 def test_packed_cpu_linear_is_bit_identical(monkeypatch):
-    """bf16 linears packed for oneDNN (where cpu_kernels.linear does not build) give F.linear's
+    """bf16 linears packed for oneDNN (where the CPU kernels do not build) give F.linear's
     products bit for bit, for any row count."""
     from outpace.kernels import cpu_kernels, cpu_linear
-    if not cpu_linear._onednn_available():
-        pytest.skip("this torch has no oneDNN linear ops")
-    monkeypatch.setattr(cpu_kernels, "has_linear", lambda: False)
+    if not cpu_linear._onednn_bf16_works():
+        pytest.skip("oneDNN's bfloat16 products do not run on this CPU")
+    monkeypatch.setattr(cpu_kernels, "has_library", lambda: False)
     g = torch.Generator().manual_seed(5)
     linear = torch.nn.Linear(96, 160, bias=True).to(torch.bfloat16)
     packed = cpu_linear.PackedLinear(linear)
@@ -164,16 +164,14 @@ def test_packed_cpu_linear_is_bit_identical(monkeypatch):
                                                                         linear.bias.float()))
 
 
-def test_cpu_kernel_linear_sums_in_order():
+def test_cpu_kernel_linear_sums_in_order(cpu_level):
     """cpu_kernels.linear, bfloat16: each output is x's products with the weight summed in input
     order in float32 (products of bf16 values are exact there; with vdpbf16ps each pair of inputs
     adds its odd input's product first), plus the bias, rounded once to bf16: bit for bit, whatever
     the rows beside it. Shapes cover a partial last block of 16 columns and rows split into several
     tiles; F.linear (oneDNN, which sums in another order for some row and thread counts) agrees to
-    within a bf16 step."""
+    within a bf16 step. At every instruction-set level."""
     from outpace.kernels import cpu_kernels, cpu_linear
-    if not cpu_kernels.has_linear():
-        pytest.skip("cpu_kernels.linear needs AVX-512 and a C compiler")
     g = torch.Generator().manual_seed(5)
     for n_in, n_out, bias in ((96, 160, True), (576, 1000, False), (64, 37, True)):
         linear = torch.nn.Linear(n_in, n_out, bias=bias).to(torch.bfloat16)
@@ -196,13 +194,11 @@ def test_cpu_kernel_linear_sums_in_order():
 
 
 @pytest.mark.parametrize("weights", [torch.bfloat16, torch.float32])
-def test_cpu_kernel_linear_float32_inputs(weights):
+def test_cpu_kernel_linear_float32_inputs(weights, cpu_level):
     """cpu_kernels.linear with float32 inputs and outputs, over bfloat16 weights (a bf16 model's
     prompt chunk computed in float32) or float32 ones (a float32 model): the float64 product to
-    float32 rounding, and each row alike in any call."""
-    from outpace.kernels import cpu_kernels, cpu_linear
-    if not cpu_kernels.has_linear():
-        pytest.skip("cpu_kernels.linear needs AVX-512 and a C compiler")
+    float32 rounding, and each row alike in any call. At every instruction-set level."""
+    from outpace.kernels import cpu_linear
     g = torch.Generator().manual_seed(6)
     for n_in, n_out, bias in ((96, 160, True), (576, 1000, False), (64, 37, True)):
         linear = torch.nn.Linear(n_in, n_out, bias=bias).to(weights)

@@ -15,6 +15,7 @@ from outpace.engine.sequence import Sequence, SpecStats
 from outpace.engine.step import EagerStep, Proposal, StepResult, chunk_rows
 from outpace.engine.stopping import StopChecker
 from outpace.errors import InvalidParameterError, PromptTooLongError
+from outpace.kernels import cpu_linear
 from outpace.runner.calibrate import measure_verify_cost
 from outpace.runner.cuda_graphs import CudaGraphRunner
 from outpace.runner.model_runner import ModelRunner
@@ -39,8 +40,8 @@ def resolve_device(device: str) -> str:
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype == "auto":
-        # bfloat16 is the fastest correct choice on CUDA and on CPUs with native bf16 (AVX-512 bf16/AMX)
-        is_bf16_cpu = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        # bfloat16 is the fastest correct choice on CUDA; on the CPU the kernels' level decides
+        is_bf16_cpu = not device.startswith("cuda") and cpu_linear.prefers_bfloat16()
         return torch.bfloat16 if device.startswith("cuda") or is_bf16_cpu else torch.float32
     return getattr(torch, dtype)
 

@@ -1,17 +1,18 @@
-"""The small ops of CPU decode and verify steps as compiled C, one call each.
+"""The ops of CPU decode and verify steps as compiled C, one call each.
 
 A CPU decode step of the default model is 4 matrix products and about 150 small ATen ops a layer
 (norms, rotation, cache writes, attention, SwiGLU), each a few microseconds of dispatch and
 allocation around almost no arithmetic: a third of a float32 step. Here each of those groups is one
 C function over raw buffers (cpu_kernels.c): a residual add with the next RMSNorm, SwiGLU's product,
-and rotation, cache writes and attention together; and bfloat16 matrix products (cpu_linear),
-where oneDNN's were the larger part of a bfloat16 step. Float32 products stay MKL's.
+and rotation, cache writes and attention together; and the matrix products over weights packed
+once at load (cpu_linear), which stream bfloat16 weights at 2 bytes a weight where PyTorch's
+float32 products read 4.
 
-The C file is compiled once per machine with the system's C compiler (`cc -O3 -march=native
--fopenmp`, about a second) into the outpace cache folder and loaded with ctypes. Attention shares
-its work among OpenMP threads (PyTorch's own libgomp, already loaded) from about 170 tokens of
-context: measured in one-token float32 steps, 31.3 ms against 34.0 on one thread at 1000 tokens
-of context (bf16: 24.6 against 27.9), 27.0 against 27.9 at 300. Without a compiler, or with
+The C is compiled per instruction-set level (cpu_isa: portable, avx2, avx512, avx512_bf16; on
+aarch64 portable, neon) with the system's C compiler into the outpace cache folder (cpu_build,
+one compile of a few seconds at first use) and loaded with ctypes; the level is the highest the CPU
+has, capped by OUTPACE_CPU_ISA. Attention shares its work among OpenMP threads (PyTorch's own
+libgomp, already loaded) from about 170 tokens of context. Without a compiler, or with
 OUTPACE_CPU_KERNELS=0, steps run PyTorch's ops; the first case says so once on stderr.
 
 Every kernel works row by row, so a token's result does not depend on how many tokens the call
@@ -24,70 +25,27 @@ import ctypes
 import functools
 import hashlib
 import os
-import platform
-import shutil
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
-from outpace.paths import outpace_home
+from outpace.kernels import cpu_build, cpu_isa
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-SOURCES = (SOURCE, SOURCE.with_name("cpu_kernels_dtype.h"))
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 MAX_HEAD_DIM, MAX_GROUP = 256, 64       # cpu_kernels.c's limits
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build(library: Path) -> None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler found (install gcc, or set CC)")
-    library.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
-        partial = Path(tmp) / library.name
-        command = [compiler, "-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC",
-                   "-o", str(partial), str(SOURCE), "-lm"]
-        # with OpenMP (the libgomp PyTorch has loaded), else on one thread
-        done = subprocess.run(command + ["-fopenmp"], capture_output=True, text=True)
-        if done.returncode != 0:
-            done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise OSError(f"{' '.join(command)} failed: {done.stderr.strip()[-500:]}")
-        os.replace(partial, library)
-    for stale in library.parent.glob("cpu_kernels-*.so"):       # builds of earlier sources
-        if stale != library:
-            stale.unlink(missing_ok=True)
+# cpu_products.h's WeightFormat of each packed weight dtype
+WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
 
 
 @functools.cache
-def build_key() -> str:
-    """Names this machine's build of these sources; timings taken with the kernels depend on it."""
-    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + _cpu_flags().encode()).hexdigest()[:16]
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The compiled kernels, built on first use; None when disabled or when the build fails."""
+def _loaded() -> tuple[ctypes.CDLL, str] | None:
+    """The compiled kernels at the chosen level and its name, built on first use; None when
+    disabled or when the build fails. An OUTPACE_CPU_ISA that names no level raises."""
     if os.environ.get("OUTPACE_CPU_KERNELS", "1") == "0":
         return None
-    library = outpace_home() / "kernels" / f"cpu_kernels-{build_key()}.so"
+    level = cpu_isa.chosen()
     try:
-        if not library.exists():
-            _build(library)
-        lib = ctypes.CDLL(str(library))
+        lib = ctypes.CDLL(str(cpu_build.build(level)))
     except OSError as e:
         print(f"outpace: CPU kernels off ({e}); CPU steps use PyTorch's ops", file=sys.stderr)
         return None
@@ -100,11 +58,33 @@ def _library() -> ctypes.CDLL | None:
         rope_attend.argtypes = [p, i, p, i, p, p, p, p, p, i, p, i, i, i, i, i, i, f, p]
         rope_attend.restype = ctypes.c_int
     lib.argmax_f32.argtypes = [p, i, i, p]
-    if hasattr(lib, "linear"):                  # built for AVX-512
-        lib.linear.argtypes = [p, ctypes.c_int, i, i, p, ctypes.c_int, i, p, p]
-        lib.linear.restype = ctypes.c_int
-        lib.linear_bf16_dot.restype = ctypes.c_int
-    return lib
+    lib.linear.argtypes = [p, ctypes.c_int, i, i, p, ctypes.c_int, i, p, p]
+    lib.linear.restype = ctypes.c_int
+    lib.linear_bf16_dot.restype = ctypes.c_int
+    return lib, level.name
+
+
+def _library() -> ctypes.CDLL | None:
+    loaded = _loaded()
+    return None if loaded is None else loaded[0]
+
+
+def reload() -> None:
+    """Forget the loaded kernels: the next call loads them again at the level chosen then (after
+    OUTPACE_CPU_ISA or OUTPACE_CPU_KERNELS changed)."""
+    _loaded.cache_clear()
+
+
+def level() -> str | None:
+    """The instruction-set level the kernels run at here; None when they are off."""
+    loaded = _loaded()
+    return None if loaded is None else loaded[1]
+
+
+def build_key() -> str:
+    """Names the kernels' build and this machine; timings taken with the kernels depend on both."""
+    built = cpu_build.library_path(cpu_isa.chosen(), cpu_build.compiler() or "")
+    return hashlib.sha256(f"{built.name} {cpu_isa.cpu_description()}".encode()).hexdigest()[:16]
 
 
 def attention_fits(cfg, dtype: torch.dtype, device: torch.device) -> bool:
@@ -124,20 +104,16 @@ def has_library() -> bool:
     return _library() is not None
 
 
-def has_linear() -> bool:
-    """Whether cpu_kernels.linear runs here (the kernels built, on a CPU with AVX-512)."""
-    lib = _library()
-    return lib is not None and hasattr(lib, "linear")
-
-
 def has_bf16_dot() -> bool:
-    """Whether linear's bfloat16 products run on vdpbf16ps here (a CPU with AVX512_BF16)."""
-    return has_linear() and _library().linear_bf16_dot() == 1
+    """Whether linear's bfloat16 products run on vdpbf16ps here (the avx512_bf16 level)."""
+    lib = _library()
+    return lib is not None and lib.linear_bf16_dot() == 1
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A bfloat16 or float32 weight [N, K] (K even) laid out for linear: blocks of 16 output
-    columns (the last padded with zeros), each [K / 2, 16, 2] (bfloat16) or [K, 16] (float32)."""
+    """A bfloat16 or float32 weight [N, K] (K even) laid out for linear, in the format
+    WEIGHT_FORMATS[weight.dtype] names: blocks of 16 output columns (the last padded with zeros),
+    each [K / 2, 16, 2] (bfloat16) or [K, 16] (float32). The same layout at every level."""
     N, K = weight.shape
     padded = weight.new_zeros((N + 15) // 16 * 16, K)
     padded[:N] = weight
@@ -146,16 +122,18 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, 16, K // 2, 2).transpose(1, 2).contiguous()
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x [..., K] @ weight.T + bias, weight as pack_weight laid it out (bias in its dtype); x and
-    the result float32 or bfloat16."""
+def linear(x: torch.Tensor, packed: torch.Tensor, fmt: int, bias: torch.Tensor | None,
+           out_features: int) -> torch.Tensor:
+    """x [..., K] @ weight.T + bias, the weight as pack_weight laid it out in format fmt, bias
+    float32; x and the result float32 or bfloat16."""
     K = x.shape[-1]
     x = x.contiguous()
     out = x.new_empty(*x.shape[:-1], out_features)
-    if _library().linear(x.data_ptr(), x.dtype == torch.float32, x.numel() // K, K, packed.data_ptr(),
-                         packed.dtype == torch.float32, out_features, None if bias is None else bias.data_ptr(),
-                         out.data_ptr()):
-        raise MemoryError("out of memory for a product's input")
+    failed = _library().linear(x.data_ptr(), x.dtype == torch.float32, x.numel() // K, K, packed.data_ptr(), fmt,
+                               out_features, None if bias is None else bias.data_ptr(), out.data_ptr())
+    if failed:
+        raise MemoryError("out of memory for a product's input") if failed == -1 else ValueError(
+            f"CPU product kernel: unknown weight format {fmt}")
     return out
 
 

@@ -1,41 +1,59 @@
-"""Linear layers of a CPU model with weights packed once at load.
+"""Linear layers of a CPU model with weights packed once at load, and the dtype CPU models prefer.
 
-Where cpu_kernels builds (AVX-512), products run as cpu_kernels.linear over weights in its own
-layout, bfloat16 or float32, with bfloat16 or float32 inputs (a bfloat16 model's prompt chunks
-compute in float32, see ModelRunner). Otherwise a bfloat16 model's products run in oneDNN over
-weights reordered once into its blocked layout (F.linear would reorder them on every call),
-bit-identical to F.linear (tests/test_model.py), and a float32 model keeps nn.Linear (MKL).
+Where the CPU kernels load (any CPU with a C compiler: every instruction-set level has them),
+products run as cpu_kernels.linear over weights in its own layout, bfloat16 or float32, with
+bfloat16 or float32 inputs (a bfloat16 model's long prompt chunks compute in float32 where the
+products have no bfloat16 dot instruction, see ModelRunner): bfloat16 weights are widened to
+float32 in registers, so they stream at 2 bytes a weight on every CPU. A row's sums take one
+order whatever the rows beside it, so float32 products too are row-independent here, unlike MKL's.
 
-Measured on this CPU (AVX-512 with bf16, no AMX, 2 threads), all of the default model's products
-of one step (121, weights read from memory as in a step), in one run each: bfloat16, oneDNN 16.2
-ms for one row, 26.5 for 9, 37.0 for 16, 117.3 for 64, cpu_kernels.linear 11.0, 14.6, 21.8, 66.4;
-float32, MKL 20.4 ms for one row, 38.7 for 4, 53.0 for 9, cpu_kernels.linear 18.8, 22.0, 22.6.
-oneDNN's bfloat16 products use vdpbf16ps, which runs at about half the rate of float32 FMAs here
-(85 GFLOP/s a core from cache); cpu_kernels widens the weights and uses FMAs (140-150), and
-prefetches the weights' stream. MKL's float32 products of a few rows take other paths than one
-row's, at twice its cost and more; cpu_kernels' cost follows the weights' bytes until the FMAs
-take longer. Where the CPU has AVX512_BF16, cpu_kernels' bfloat16 products use vdpbf16ps as well
-(on a later session's AMD EPYC it ran at the FMAs' rate: 12.1 ms for the 9-row step's products
-against 16.6 with FMAs, oneDNN 15.6; numbers in cpu_kernels.c).
+Without the kernels (no compiler, or OUTPACE_CPU_KERNELS=0) a float32 model keeps nn.Linear
+(MKL), and a bfloat16 one runs in oneDNN over weights reordered once into its blocked layout
+(F.linear would reorder them on every call), bit-identical to F.linear, where oneDNN's bfloat16
+path runs on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); elsewhere a bfloat16 model is
+refused with an error that says what to do.
 """
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from outpace.errors import InvalidParameterError
 from outpace.kernels import cpu_kernels
 
 _ops = getattr(torch.ops, "mkldnn", None)
 
+# instruction-set levels at which `auto` picks bfloat16 for a CPU model: a decode step reads half
+# the bytes of float32 weights and the kernels widen them in registers, so bfloat16 decodes faster
+# wherever the products are vectorised (docs/DESIGN.md, "CPU steps")
+BF16_LEVELS = frozenset({"avx2", "avx512", "avx512_bf16", "neon"})
 
-def _onednn_available() -> bool:
-    return (_ops is not None and hasattr(_ops, "_reorder_linear_weight") and hasattr(_ops, "_linear_pointwise")
-            and torch.backends.mkldnn.is_available())
+
+@functools.cache
+def _onednn_bf16_works() -> bool:
+    """Whether oneDNN's bfloat16 products run on this CPU (its reorder raises where they do not)."""
+    if _ops is None or not hasattr(_ops, "_reorder_linear_weight") or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        _ops._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
+
+
+def prefers_bfloat16() -> bool:
+    """Whether `auto` chooses bfloat16 over float32 for a CPU model here: where the kernels'
+    level vectorises bfloat16 products, or, without the kernels, where oneDNN's bfloat16 runs."""
+    level = cpu_kernels.level()
+    return level in BF16_LEVELS if level is not None else _onednn_bf16_works()
 
 
 def _kernel_serves(linear: nn.Linear) -> bool:
-    return (cpu_kernels.has_linear() and linear.weight.dtype in (torch.bfloat16, torch.float32)
+    return (cpu_kernels.has_library() and linear.weight.dtype in cpu_kernels.WEIGHT_FORMATS
             and linear.in_features % 2 == 0)
 
 
@@ -45,16 +63,20 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.kernel = _kernel_serves(linear)
+        bias = None if linear.bias is None else linear.bias.detach()
         if self.kernel:         # the packed copy alone: float32 inputs read the same weights
+            self.format = cpu_kernels.WEIGHT_FORMATS[weight.dtype]
             self.register_buffer("packed", cpu_kernels.pack_weight(weight), persistent=False)
+            bias = None if bias is None else bias.float()
         else:                   # oneDNN's batch-size hint 1: decoding and verification run a handful of rows
             self.register_buffer("packed", _ops._reorder_linear_weight(weight, 1), persistent=False)
             self.register_buffer("weight", weight, persistent=False)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone(), persistent=False)
+            bias = None if bias is None else bias.clone()
+        self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel:
-            return cpu_kernels.linear(x, self.packed, self.bias, self.out_features)
+            return cpu_kernels.linear(x, self.packed, self.format, self.bias, self.out_features)
         if x.dtype == torch.float32:            # a prompt chunk computed in float32: the weight widened
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x, self.weight.float(), bias)
@@ -63,10 +85,16 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module) -> None:
     """Replace every nn.Linear of a CPU model with a PackedLinear where cpu_kernels.linear serves
-    it, or, with bfloat16 weights, oneDNN does (in place)."""
+    it, or, with bfloat16 weights, oneDNN does (in place); others stay nn.Linear. bfloat16 weights
+    without the kernels or oneDNN are an InvalidParameterError that says what to do."""
     for name, child in list(model.named_children()):
-        if isinstance(child, nn.Linear):
-            if _kernel_serves(child) or (child.weight.dtype == torch.bfloat16 and _onednn_available()):
-                setattr(model, name, PackedLinear(child))
-        else:
+        if not isinstance(child, nn.Linear):
             pack_linears(child)
+        elif _kernel_serves(child) or (child.weight.dtype == torch.bfloat16 and _onednn_bf16_works()):
+            setattr(model, name, PackedLinear(child))
+        elif child.weight.dtype == torch.bfloat16 and not cpu_kernels.has_library():
+            why = ("OUTPACE_CPU_KERNELS=0 turned them off: unset it" if os.environ.get("OUTPACE_CPU_KERNELS") == "0"
+                   else "they need a C compiler: install gcc, or set CC to one")
+            raise InvalidParameterError(f"bfloat16 on this CPU needs outpace's CPU kernels (PyTorch's bfloat16 "
+                                        f"products need AVX-512 BW/VL/DQ or AVX-NE-CONVERT), and {why}; "
+                                        f"or use --dtype float32")

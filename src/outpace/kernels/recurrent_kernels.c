@@ -401,7 +401,11 @@ int gated_deltanet(const void *proj, long proj_stride, int bf, const float *conv
     conv_rows(in, mixed, C, conv_w, NULL, K, hist, hist_bf, hist_rows, rows, num_rows, 1, bf);
     long head_size = (long)dk * dv, group = H / Hk;
     float scale = 1.0f / sqrtf((float)dk);
+#ifdef __AVX512F__
     int streams = ((uintptr_t)state & 63) == 0 && dv % 16 == 0;
+#else
+    int streams = 0;        /* streamed states and their kept copies are delta_token's AVX-512 path */
+#endif
 #pragma omp parallel for collapse(2) if (tokens * H * head_size >= PARALLEL_MIN_WORK) schedule(static)
     for (long r = 0; r < num_rows; r++) {
         for (int h = 0; h < H; h++) {

@@ -13,66 +13,37 @@ Every sequence and head runs on one thread in one order, so a token's results ne
 what else the call holds: a verify row's token gets the state and output of a decode step of
 that token, bit for bit, and a replayed state is the verify forward's (tests/test_hybrid_kernels.py).
 
-Built like cpu_kernels (`cc -O3 -march=native -fopenmp`, once per machine, into the outpace
-cache); without a compiler, or with OUTPACE_CPU_KERNELS=0, the layers run their PyTorch ops.
+Built like cpu_kernels, at the instruction-set level cpu_isa chooses (the delta rule's token pass
+has an AVX-512 path; other levels run the compiler's vectorised loops); without a compiler, or
+with OUTPACE_CPU_KERNELS=0, the layers run their PyTorch ops.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
-from outpace.paths import outpace_home
+from outpace.kernels import cpu_build, cpu_isa
 
 SOURCE = Path(__file__).with_name("recurrent_kernels.c")
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _cpu_flags() -> str:
-    try:
-        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return ""
-
-
-def _build(library: Path) -> None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler found (install gcc, or set CC)")
-    library.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
-        partial = Path(tmp) / library.name
-        command = [compiler, "-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC",
-                   "-o", str(partial), str(SOURCE), "-lm"]
-        done = subprocess.run(command + ["-fopenmp"], capture_output=True, text=True)
-        if done.returncode != 0:        # without OpenMP: one thread
-            done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise OSError(f"{' '.join(command)} failed: {done.stderr.strip()[-500:]}")
-        os.replace(partial, library)
-    for stale in library.parent.glob("recurrent_kernels-*.so"):
-        if stale != library:
-            stale.unlink(missing_ok=True)
+def _library() -> ctypes.CDLL | None:
+    """The kernels at the level chosen now (OUTPACE_CPU_ISA may change between tests)."""
+    if os.environ.get("OUTPACE_CPU_KERNELS", "1") == "0":
+        return None
+    return _load(cpu_isa.chosen())
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    if os.environ.get("OUTPACE_CPU_KERNELS", "1") == "0":
-        return None
-    key = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:16]
-    library = outpace_home() / "kernels" / f"recurrent_kernels-{key}.so"
+def _load(level: cpu_isa.Level) -> ctypes.CDLL | None:
     try:
-        if not library.exists():
-            _build(library)
-        lib = ctypes.CDLL(str(library))
+        lib = ctypes.CDLL(str(cpu_build.build(level, SOURCE)))
     except OSError as e:
         print(f"outpace: recurrent CPU kernels off ({e}); hybrid models' recurrent layers use PyTorch's ops",
               file=sys.stderr)

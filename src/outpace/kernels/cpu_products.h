@@ -1,0 +1,220 @@
+/* Matrix products for a few rows: out [M, N] = x [M, K] @ W^T (+ bias), over weights packed once
+ * at load (cpu_kernels.pack_weight), at every level (cpu_vec.h's registers).
+ *
+ * Packed weights: blocks of 16 output columns (the last padded with zero columns), block b at
+ * b * 16 * K weights, in one of the weight formats below. A tile of TILE_VECS * VL columns and up
+ * to TILE_ROWS rows keeps its sums in registers over all of K, so each weight is read from memory
+ * once per call (later row tiles of a call read it from L2); tiles of columns are shared among
+ * OpenMP threads. Each row's sums take one order whatever M is, so a row's result never depends on
+ * the rows beside it; a dense format's order is the inputs' (0, 1, 2, ...), each product added
+ * to its column's float32 sum with one rounding where the level fuses multiply and add (a bf16
+ * weight times a bf16 input is exact in float32, so bf16 products are alike at every level), the
+ * vdpbf16ps path apart (below).
+ *
+ * A weight format is an entry of WeightFormat, a packer in cpu_kernels.py and a tile function
+ * here with tile_dense's arguments; linear's switch sends each call to its format's tiles.
+ */
+
+enum WeightFormat {
+    W_F32 = 0,      /* [K / 2][2][16] float32 a block: inputs 2p and 2p + 1, then the 16 columns */
+    W_BF16 = 1,     /* [K / 2][16][2] bfloat16 a block: per column, inputs 2p and 2p + 1 */
+};
+
+_Static_assert(16 % VL == 0 && TILE_VECS * VL % 16 == 0, "a tile holds whole blocks of 16 columns");
+_Static_assert(TILE_ROWS <= 12, "tiles_dense's cases reach 12 rows");
+#define TILE_COLS (TILE_VECS * VL)
+
+/* A tile's sums [rows][TILE_COLS] plus the bias (float32, NULL: none) into out [rows, N] from
+ * its first column, float32 when wide_out, else rounded to bfloat16; columns from `cols` on are
+ * not stored. Called once a tile, out of line: the tiles' loops stay small to compile. */
+static __attribute__((noinline)) void store_sums(const float sums[TILE_ROWS][TILE_COLS], long rows, long cols,
+                                                 const float *bias, void *out, int wide_out, long N) {
+    for (long m = 0; m < rows; m++) {
+        for (long c = 0; c < cols; c++) {
+            float s = bias ? sums[m][c] + bias[c] : sums[m][c];
+            if (wide_out) ((float *)out)[m * N + c] = s;
+            else ((bf16 *)out)[m * N + c] = f32_to_bf16(s);
+        }
+    }
+}
+
+/* the registers of sums acc[rows][vecs] to store_sums (loops over constants, unrolled: the sums
+ * stay in registers until here) */
+static inline __attribute__((always_inline)) void store_acc(VF acc[TILE_ROWS][TILE_VECS], long rows, int vecs,
+                                                            const float *bias, long n_valid, void *out,
+                                                            int wide_out, long N) {
+    float sums[TILE_ROWS][TILE_COLS];
+#pragma GCC unroll 16
+    for (int m = 0; m < TILE_ROWS; m++) {
+#pragma GCC unroll 16
+        for (int v = 0; v < TILE_VECS; v++) {
+            if (m < rows && v < vecs) vf_store(sums[m] + v * VL, acc[m][v]);
+        }
+    }
+    store_sums(sums, rows, vecs * VL < n_valid ? vecs * VL : n_valid, bias, out, wide_out, N);
+}
+
+/* W_F32 (wide) or W_BF16 weights, float32 inputs x [rows, K]: per pair of inputs, each block's
+ * 16 columns of both inputs' weights are loaded (bfloat16 ones widened in registers) and
+ * multiplied with the row's two inputs broadcast. */
+static inline __attribute__((always_inline)) void tile_dense(const float *x, long K, const char *w, int wide,
+                                                             long rows, int vecs, const float *bias, long n_valid,
+                                                             void *out, int wide_out, long N) {
+    long pairs = K / 2, pair_bytes = wide ? 128 : 64, block_bytes = pairs * pair_bytes;
+    VF acc[TILE_ROWS][TILE_VECS];
+#pragma GCC unroll 16
+    for (int m = 0; m < TILE_ROWS; m++) {
+#pragma GCC unroll 16
+        for (int v = 0; v < TILE_VECS; v++) acc[m][v] = vf_zero();
+    }
+    for (long p = 0; p < pairs; p++) {
+        VF even[TILE_VECS], odd[TILE_VECS];
+#pragma GCC unroll 16
+        for (int v = 0; v < TILE_VECS; v++) {
+            if (v >= vecs) continue;
+            int c = v * VL % 16;                            /* its first column in its block */
+            const char *at = w + v * VL / 16 * block_bytes + p * pair_bytes;
+            if (c == 0) {
+                __builtin_prefetch(at + PREFETCH_BYTES, 0, 2);
+                if (wide) __builtin_prefetch(at + PREFETCH_BYTES + 64, 0, 2);
+            }
+            if (wide) {
+                even[v] = vf_load((const float *)at + c);
+                odd[v] = vf_load((const float *)at + 16 + c);
+            } else {
+                vf_widen_pairs((const bf16 *)at + 2 * c, &even[v], &odd[v]);
+            }
+        }
+#pragma GCC unroll 16
+        for (int m = 0; m < TILE_ROWS; m++) {
+            if (m >= rows) continue;
+            VF x0 = vf_set1(x[m * K + 2 * p]), x1 = vf_set1(x[m * K + 2 * p + 1]);
+#pragma GCC unroll 16
+            for (int v = 0; v < TILE_VECS; v++) {
+                if (v >= vecs) continue;
+                acc[m][v] = vf_fma(x0, even[v], acc[m][v]);
+                acc[m][v] = vf_fma(x1, odd[v], acc[m][v]);
+            }
+        }
+    }
+    store_acc(acc, rows, vecs, bias, n_valid, out, wide_out, N);
+}
+
+#ifdef __AVX512BF16__
+/* W_BF16 weights and bfloat16 inputs with vdpbf16ps: a lane of a pair's load holds one column's
+ * weights of inputs 2p and 2p + 1, the row's two inputs are broadcast as one 32-bit value, and one
+ * instruction adds both products to the column's float32 sum (the odd input's product first,
+ * each rounded into it): half the instructions of two FMAs, and no widening. */
+static inline __attribute__((always_inline)) void tile_dot_bf16(const bf16 *x, long K, const char *w, long rows,
+                                                                int vecs, const float *bias, long n_valid,
+                                                                bf16 *out, long N) {
+    long pairs = K / 2, block_bytes = pairs * 64;
+    __m512 acc[TILE_ROWS][TILE_VECS];
+#pragma GCC unroll 16
+    for (int m = 0; m < TILE_ROWS; m++) {
+#pragma GCC unroll 16
+        for (int v = 0; v < TILE_VECS; v++) acc[m][v] = _mm512_setzero_ps();
+    }
+    for (long p = 0; p < pairs; p++) {
+        __m512bh wv[TILE_VECS];
+#pragma GCC unroll 16
+        for (int v = 0; v < TILE_VECS; v++) {
+            if (v >= vecs) continue;
+            const char *at = w + v * block_bytes + p * 64;
+            __builtin_prefetch(at + PREFETCH_BYTES, 0, 2);
+            wv[v] = (__m512bh)_mm512_loadu_si512(at);
+        }
+#pragma GCC unroll 16
+        for (int m = 0; m < TILE_ROWS; m++) {
+            if (m >= rows) continue;
+            int32_t both;
+            memcpy(&both, x + m * K + 2 * p, sizeof both);
+            __m512bh xp = (__m512bh)_mm512_set1_epi32(both);
+#pragma GCC unroll 16
+            for (int v = 0; v < TILE_VECS; v++) {
+                if (v < vecs) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xp, wv[v]);
+            }
+        }
+    }
+    store_acc(acc, rows, vecs, bias, n_valid, out, 0, N);
+}
+#endif
+
+/* each tile shape (rows, whole or partial tile, format) as its own loop, its sums in registers */
+#define DENSE(R, V) if (wide) tile_dense(x, K, w, 1, R, V, bias, n_valid, out, wide_out, N); \
+                    else tile_dense(x, K, w, 0, R, V, bias, n_valid, out, wide_out, N);
+#define DENSE_CASE(R) case R: if (R > TILE_ROWS) break;    /* never: rows <= TILE_ROWS */ \
+                      if (TILE_COLS == 16 || vecs == TILE_VECS) { DENSE(R, TILE_VECS) } else { DENSE(R, vecs) } break;
+
+static void tiles_dense(const float *x, long K, const char *w, int wide, long rows, int vecs, const float *bias,
+                        long n_valid, void *out, int wide_out, long N) {
+    switch (rows) {
+        DENSE_CASE(1) DENSE_CASE(2) DENSE_CASE(3) DENSE_CASE(4) DENSE_CASE(5) DENSE_CASE(6)
+        DENSE_CASE(7) DENSE_CASE(8) DENSE_CASE(9) DENSE_CASE(10) DENSE_CASE(11) DENSE_CASE(12)
+    }
+}
+
+#ifdef __AVX512BF16__
+#define DOT(R, V) tile_dot_bf16(x, K, w, R, V, bias, n_valid, out, N);
+#define DOT_CASE(R) case R: if (vecs == TILE_VECS) { DOT(R, TILE_VECS) } else { DOT(R, vecs) } break;
+
+static void tiles_dot_bf16(const bf16 *x, long K, const char *w, long rows, int vecs, const float *bias,
+                           long n_valid, bf16 *out, long N) {
+    switch (rows) {
+        DOT_CASE(1) DOT_CASE(2) DOT_CASE(3) DOT_CASE(4) DOT_CASE(5) DOT_CASE(6)
+        DOT_CASE(7) DOT_CASE(8) DOT_CASE(9) DOT_CASE(10) DOT_CASE(11) DOT_CASE(12)
+    }
+}
+#endif
+
+/* 1 where bfloat16 inputs over W_BF16 weights run on vdpbf16ps (tile_dot_bf16), else 0 */
+int linear_bf16_dot(void) {
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* out [M, N] = x [M, K] @ W^T + bias, W packed in `format`, K even; x and out float32 when wide_io,
+ * else bfloat16; bias float32 or NULL. Returns 0, -1 when memory for x widened to float32 ran
+ * out, -2 for an unknown format. */
+int linear(const void *x, int wide_io, long M, long K, const void *w, int format, long N, const float *bias,
+           void *out) {
+    if (format != W_F32 && format != W_BF16) return -2;
+    long tiles = (N + TILE_COLS - 1) / TILE_COLS, padded = (N + 15) / 16 * 16;
+    long parts = (M + TILE_ROWS - 1) / TILE_ROWS, per_part = (M + parts - 1) / parts;
+    long weight_size = format == W_F32 ? 4 : 2, out_size = wide_io ? 4 : 2;
+    int dot = 0;
+#ifdef __AVX512BF16__
+    dot = !wide_io && format == W_BF16;
+#endif
+    const float *x_f32 = x;
+    float *widened = NULL;
+    if (!wide_io && !dot) {
+        widened = malloc(sizeof(float) * (size_t)(M * K));
+        if (!widened) return -1;
+        for (long i = 0; i < M * K; i++) widened[i] = bf16_to_f32(((const bf16 *)x)[i]);
+        x_f32 = widened;
+    }
+#pragma omp parallel for schedule(static) if (tiles > 1)
+    for (long t = 0; t < tiles; t++) {
+        long col = t * TILE_COLS;
+        int vecs = (int)((padded - col < TILE_COLS ? padded - col : TILE_COLS) / VL);
+        const char *w_t = (const char *)w + col * K * weight_size;
+        const float *bias_t = bias ? bias + col : NULL;
+        for (long m0 = 0; m0 < M; m0 += per_part) {
+            long rows = M - m0 < per_part ? M - m0 : per_part;
+            void *out_t = (char *)out + (m0 * N + col) * out_size;
+#ifdef __AVX512BF16__
+            if (dot) {
+                tiles_dot_bf16((const bf16 *)x + m0 * K, K, w_t, rows, vecs, bias_t, N - col, out_t, N);
+                continue;
+            }
+#endif
+            tiles_dense(x_f32 + m0 * K, K, w_t, format == W_F32, rows, vecs, bias_t, N - col, out_t, wide_io, N);
+        }
+    }
+    free(widened);
+    return 0;
+}

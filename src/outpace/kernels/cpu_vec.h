@@ -1,0 +1,84 @@
+/* The level's register of floats for the product kernels (cpu_products.h), so one kernel text
+ * compiles to every level: VF holds VL floats; the build's flags pick the level (cpu_isa.py),
+ * OUTPACE_PORTABLE plain C whatever the compiler targets.
+ *
+ *   vf_zero()                      all zeros
+ *   vf_set1(x)                     x in every lane
+ *   vf_load(p)                     p[0..VL)
+ *   vf_store(p, v)                 p[0..VL) = v
+ *   vf_fma(a, b, c)                c + a * b, each lane (one rounding where the level fuses it)
+ *   vf_widen_pairs(p, &e, &o)      VL pairs of bfloat16 values p[2l], p[2l + 1]: e[l] = p[2l] and
+ *                                  o[l] = p[2l + 1] as floats (exact)
+ *
+ * TILE_VECS registers of sums a row and TILE_ROWS rows make a product tile: as many as the
+ * level's registers hold beside the weights' registers and the inputs' broadcasts.
+ * PREFETCH_BYTES: how far ahead of its reads a tile prefetches a column block's weights.
+ */
+#if !defined(OUTPACE_PORTABLE) && defined(__AVX512F__)
+#include <immintrin.h>
+#define VL 16
+#define TILE_VECS 2         /* two blocks of 16 columns */
+#define TILE_ROWS 12        /* 24 sums + 4 weights + 2 inputs of 32 registers */
+typedef __m512 VF;
+static inline VF vf_zero(void) { return _mm512_setzero_ps(); }
+static inline VF vf_set1(float x) { return _mm512_set1_ps(x); }
+static inline VF vf_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vf_store(float *p, VF v) { _mm512_storeu_ps(p, v); }
+static inline VF vf_fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
+    __m512i v = _mm512_loadu_si512(p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+#elif !defined(OUTPACE_PORTABLE) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VL 8
+#define TILE_VECS 2         /* one block of 16 columns (two: 9 and 16 rows 1.3-1.8x slower) */
+#define TILE_ROWS 5         /* 10 sums + 4 weights + 2 inputs of 16 registers (9 rows 1.2x faster than 4) */
+typedef __m256 VF;
+static inline VF vf_zero(void) { return _mm256_setzero_ps(); }
+static inline VF vf_set1(float x) { return _mm256_set1_ps(x); }
+static inline VF vf_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vf_store(float *p, VF v) { _mm256_storeu_ps(p, v); }
+static inline VF vf_fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+#elif !defined(OUTPACE_PORTABLE) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#define VL 4
+#define TILE_VECS 4         /* one block of 16 columns */
+#define TILE_ROWS 4         /* 16 sums + 8 weights + 2 inputs of 32 registers */
+typedef float32x4_t VF;
+static inline VF vf_zero(void) { return vdupq_n_f32(0.0f); }
+static inline VF vf_set1(float x) { return vdupq_n_f32(x); }
+static inline VF vf_load(const float *p) { return vld1q_f32(p); }
+static inline void vf_store(float *p, VF v) { vst1q_f32(p, v); }
+static inline VF vf_fma(VF a, VF b, VF c) { return vfmaq_f32(c, a, b); }
+static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
+    uint32x4_t v = vld1q_u32((const uint32_t *)p);
+    *even = vreinterpretq_f32_u32(vshlq_n_u32(v, 16));
+    *odd = vreinterpretq_f32_u32(vandq_u32(v, vdupq_n_u32(0xffff0000u)));
+}
+
+#else   /* portable: one float a "register"; the compiler vectorises the tile's loops over them */
+#define VL 1
+#define TILE_VECS 16        /* one block of 16 columns */
+#define TILE_ROWS 4
+typedef float VF;
+static inline VF vf_zero(void) { return 0.0f; }
+static inline VF vf_set1(float x) { return x; }
+static inline VF vf_load(const float *p) { return *p; }
+static inline void vf_store(float *p, VF v) { *p = v; }
+static inline VF vf_fma(VF a, VF b, VF c) { return c + a * b; }
+static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
+    *even = bf16_to_f32(p[0]);
+    *odd = bf16_to_f32(p[1]);
+}
+#endif
+
+#define PREFETCH_BYTES 65536
