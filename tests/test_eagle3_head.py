@@ -5,7 +5,9 @@ norm read as another norm would still draft, badly); the layer must compute EAGL
 (the embedding's norm first in the attention's 2H input, the feature as the residual, features
 fused from three layers); the layers a config names are numbered as vLLM and SGLang number them;
 a saved head must load back bit for bit; a head for another vocabulary, hidden size or depth, or
-with a broken vocabulary map, must be refused with a message that says what to do.
+with a broken vocabulary map, must be refused with a message that says what to do; the head that
+ships for the default model must load and draft well, and --spec eagle3 without a head on a model
+that ships none must say how to train one.
 """
 import json
 import math
@@ -14,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from outpace import LLM, SpecConfig
-from outpace.errors import CorruptModelError, IncompatibleModelsError
+from outpace import LLM, SamplingParams, SpecConfig
+from outpace.errors import CorruptModelError, IncompatibleModelsError, ModelNotFoundError
 from outpace.model.config import ModelConfig
 from outpace.model.draft_head import attend
 from outpace.model.eagle3 import default_layers, load_eagle3_head, save_eagle3_head
@@ -148,3 +150,24 @@ def test_the_engine_refuses_a_head_for_another_target(tmp_path, default_model_di
     with pytest.raises(IncompatibleModelsError, match="outpace train-head"):
         LLM(str(tmp_path / "target"), spec=SpecConfig(method="eagle3", draft_head=str(tmp_path / "head")),
             device="cpu", dtype="float32", calibrate=False, max_model_len=64)
+
+
+def test_without_a_head_a_model_that_ships_none_is_a_clear_error(target):
+    with pytest.raises(ModelNotFoundError, match="outpace train-head"):
+        LLM(str(target), spec=SpecConfig(method="eagle3"), device="cpu", dtype="float64", calibrate=False,
+            max_model_len=64)
+
+
+def test_the_default_models_head_ships_and_drafts(default_model_dir):
+    """--spec eagle3 alone on the default model takes the head that ships with the package (trained
+    by outpace train-head): greedy output stays the model's own, and its drafts are accepted where
+    a head that knows nothing would almost never be."""
+    llm = LLM("smollm2-135m", spec=SpecConfig(method="eagle3"), device="cpu", dtype="float32", calibrate=False,
+              max_num_seqs=1, max_model_len=512)
+    messages = [{"role": "user", "content": "Explain step by step how to compute 17 * 23."}]
+    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    spec = llm.chat(messages, params)[0]
+    assert spec.token_ids == llm.chat(messages, params, speculate=False)[0].token_ids
+    assert spec.spec["num_draft_tokens"] > 0
+    # a random head's argmax almost never is the target's token; this head's: 35 of 460 here
+    assert spec.spec["num_accepted_tokens"] >= max(10, 0.03 * spec.spec["num_draft_tokens"])

@@ -39,7 +39,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--p-min", type=float, default=0.0,
                    help="with --spec draft: stop drafting a row when the draft's top probability falls below this")
     p.add_argument("--draft-head", default=None,
-                   help="with --spec eagle3: the head's folder (outpace train-head makes one); with --spec mtp: "
+                   help="with --spec eagle3: the head's folder (outpace train-head makes one; default: the head that "
+                        "ships for a known model, smollm2-135m's); with --spec mtp: "
                         "the folder holding the module's weights")
     p.add_argument("--tree-width", type=int, default=1,
                    help="with --spec eagle3 or mtp: candidates per tree node, drafting token trees (default 1: "

@@ -62,7 +62,8 @@ class SpecConfig:
     """Speculative decoding. method 'ngram' drafts by prompt lookup over prompt plus output;
     'draft' by a small model of the same tokenizer (draft_model: a known name, a Hugging Face
     folder or a .gguf file), which stops drafting a row when its top probability falls below p_min;
-    'eagle3' by an EAGLE-3 head on the target's hidden states (draft_head: its folder); 'mtp' by
+    'eagle3' by an EAGLE-3 head on the target's hidden states (draft_head: its folder; without
+    one, the head that ships for a known model: outpace/heads/<name>); 'mtp' by
     a multi-token-prediction module (draft_head: the folder holding its weights, the target's own
     where it ships one). With ngram_first, n-gram lookup drafts where the sequence's tail matches,
     the model or head elsewhere.
@@ -99,8 +100,8 @@ class SpecConfig:
         _check(self.method != "draft" or bool(self.draft_model),
                "method 'draft' needs draft_model: a known model name, a Hugging Face folder or a .gguf file")
         _check(0.0 <= self.p_min < 1.0, f"p_min must be in [0, 1), got {self.p_min}")
-        _check(self.method not in ("eagle3", "mtp") or bool(self.draft_head),
-               f"method {self.method!r} needs draft_head: the folder of the head's weights")
+        _check(self.method != "mtp" or bool(self.draft_head),
+               "method 'mtp' needs draft_head: the folder holding the module's weights (the target's own where it ships one)")
         _check(1 <= self.tree_width <= MAX_TREE_WIDTH, f"tree_width must be in [1, {MAX_TREE_WIDTH}], got {self.tree_width}")
         _check(self.tree_width == 1 or self.method in ("eagle3", "mtp") and not self.ngram_first,
                "tree_width above 1 (token trees) needs method 'eagle3' or 'mtp' without ngram_first")

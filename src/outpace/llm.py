@@ -80,10 +80,11 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              *, use_tqdm: bool = False, on_tokens=None, speculate: bool = True) -> list[RequestOutput]:
-        """messages: one conversation (a list of {role, content}) or a list of conversations."""
+        """messages: one conversation (a list of {role, content}) or a list of conversations.
+        Special-token text inside a message stays text, as the server treats it (Tokenizer.encode_chat)."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         texts = [self.tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in conversations]
-        ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        ids = [self.tokenizer.encode_chat(m, add_generation_prompt=True) for m in conversations]
         return self._run(texts, ids, sampling_params or SamplingParams(), use_tqdm, on_tokens, speculate)
 
     def _run(self, prompts, ids, params, use_tqdm, on_tokens, speculate) -> list[RequestOutput]:

@@ -74,7 +74,7 @@ class LLMEngine:
         self.num_draft_tokens = num_draft_tokens
         exact_width = spec.num_draft_tokens + 1 if spec.exact else None     # exact mode's one width
         self.drafter = drafter if drafter is not None else make_drafter(
-            spec, self.device, config.max_num_seqs, config.max_model_len, config.cuda_graphs)
+            spec, config.model, self.device, config.max_num_seqs, config.max_model_len, config.cuda_graphs)
         self.runner = self._make_runner(config, num_draft_tokens, exact_width)
         self.drafter.bind(DraftContext(config.max_num_seqs, config.max_model_len, num_draft_tokens + 1,
                                        self.runner.device, self.dtype, self.model, self.tokenizer,

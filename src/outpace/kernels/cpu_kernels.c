@@ -118,8 +118,8 @@ static inline float lanes_sum(const float *parts) {
 
 /* out[r] = the index of row r's largest value in x [rows, cols] float32, as torch.argmax picks it:
  * the first of equal values, and the first NaN where a row has one. Rows are shared among OpenMP
- * threads. PyTorch's own took about 40 us a row of the default model's 49152 logits on the
- * fourteenth session's machine (Zen 4), this one about 13. */
+ * threads. PyTorch's own took about 40 us a row of the default model's 49152 logits on a Zen 4,
+ * this one about 13. */
 void argmax_f32(const float *x, long rows, long cols, int64_t *out) {
 #pragma omp parallel for if (rows * cols >= PARALLEL_MIN_VALUES) schedule(static)
     for (long r = 0; r < rows; r++) {

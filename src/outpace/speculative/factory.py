@@ -8,9 +8,12 @@ from outpace.speculative.drafter import Drafter
 from outpace.speculative.head_drafter import HEADS, HeadDrafter
 from outpace.speculative.ngram import NgramDrafter
 from outpace.speculative.ngram_device import DeviceNgramDrafter
+from outpace.weights.hub import shipped_head
 
 
-def make_drafter(spec: SpecConfig, device: str, max_seqs: int, max_len: int, cuda_graphs: bool) -> Drafter:
+def make_drafter(spec: SpecConfig, model: str, device: str, max_seqs: int, max_len: int, cuda_graphs: bool) -> Drafter:
+    """The drafter for `spec` on the target `model` (its name or path: an EAGLE-3 head without
+    draft_head is the one that ships for a known model)."""
     if spec.method == "ngram" and device.startswith("cuda"):
         # prompt lookup over a device token buffer: no host round trip per step
         return DeviceNgramDrafter(spec, max_seqs, max_len, device, use_graph=cuda_graphs)
@@ -20,6 +23,7 @@ def make_drafter(spec: SpecConfig, device: str, max_seqs: int, max_len: int, cud
         model = DraftModelDrafter(spec.draft_model, spec.p_min)
         return DrafterChain([NgramDrafter(spec), model]) if spec.ngram_first else model
     if spec.method in HEADS:
-        head = HeadDrafter(HEADS[spec.method](spec.draft_head), spec.tree_width)
+        folder = spec.draft_head or str(shipped_head(model))
+        head = HeadDrafter(HEADS[spec.method](folder), spec.tree_width)
         return DrafterChain([NgramDrafter(spec), head]) if spec.ngram_first else head
     return Drafter()

@@ -28,6 +28,8 @@ REGISTRY = {
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
 }
 DEFAULT_MODEL = "smollm2-135m"
+# EAGLE-3 heads that outpace trained (outpace train-head), shipped as package data: heads/<known name>/
+SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "heads"
 
 
 def resolve_model(model: str) -> Path:
@@ -49,6 +51,17 @@ def resolve_model(model: str) -> Path:
     raise ModelNotFoundError(f"no model {model!r}: it is not a known name, a folder or a .gguf file. "
                              f"Known names: {', '.join(sorted(REGISTRY))}. Or pass a path to a Hugging Face "
                              "style folder (config.json, *.safetensors, tokenizer.json) or to a .gguf file.")
+
+
+def shipped_head(model: str) -> Path:
+    """The folder of the EAGLE-3 head that ships for the known model `model`."""
+    folder = SHIPPED_HEADS / model
+    if model in REGISTRY and (folder / "config.json").is_file():
+        return folder
+    shipped = sorted(p.parent.name for p in SHIPPED_HEADS.glob("*/config.json"))
+    raise ModelNotFoundError(f"no EAGLE-3 head ships for model {model!r} (heads ship for: {', '.join(shipped) or 'none'}). "
+                             f"Train one with `outpace train-head --model {model} --prompts PROMPTS.jsonl.gz --out DIR` "
+                             "and pass --draft-head DIR/head.")
 
 
 def pull(name: str) -> Path:
