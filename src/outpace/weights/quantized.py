@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+from gguf import GGML_QUANT_SIZES
 from safetensors import safe_open
 from torch import nn
 
@@ -25,6 +26,8 @@ from outpace.errors import InvalidParameterError
 from outpace.kernels import cpu_kernels
 from outpace.kernels.cpu_linear import QuantizedLinear
 from outpace.weights.gguf import QTYPES_KEY, QUANTIZED_FOLDER
+
+_SIZES = {qtype.name: sizes for qtype, sizes in GGML_QUANT_SIZES.items()}     # (weights, bytes) a block
 
 
 def blocks_file(folder: Path) -> Path:
@@ -63,7 +66,7 @@ def install(model: nn.Module, folder: Path) -> set[str]:
                 parts.setdefault(mapped[0], {})[mapped[1]] = hf_name
         if model.cfg.tie_word_embeddings and "model.embed_tokens.weight" in qtypes:
             parts["lm_head.weight"] = {None: "model.embed_tokens.weight"}
-        taken, lacking = set(), {}
+        taken, dequantized = set(), []                          # HF names of blocks left to the float copy
         for name, by_index in parts.items():
             module_name = name.rpartition(".")[0]
             linear = model.get_submodule(module_name)
@@ -71,8 +74,7 @@ def install(model: nn.Module, folder: Path) -> set[str]:
                 continue
             types = {qtypes[hf_name] for hf_name in by_index.values()}
             if len(types) != 1 or not types <= set(cpu_kernels.QUANT_FORMATS) or linear.in_features % 32:
-                for hf_name in by_index.values():
-                    lacking[qtypes[hf_name]] = lacking.get(qtypes[hf_name], 0) + linear.weight.numel() // len(by_index)
+                dequantized += by_index.values()
                 continue
             blocks = torch.cat([f.get_tensor(by_index[i]) for i in sorted(by_index, key=lambda i: i or 0)])
             if blocks.shape[0] != linear.out_features:
@@ -82,10 +84,18 @@ def install(model: nn.Module, folder: Path) -> set[str]:
                                     linear.bias is not None)
             setattr(model.get_submodule(parent) if parent else model, child, layer)
             taken.add(name)
-    if lacking:
-        weights = sum(lacking.values())
-        print(f"outpace: no CPU kernels for {', '.join(sorted(lacking))} weights (kernels: "
-              f"{', '.join(sorted(cpu_kernels.QUANT_FORMATS))}): {weights / 1e6:.0f}M of them dequantized to the "
-              f"model's dtype, about {weights * 2 / 1e6:.0f} MB in bfloat16 where the file holds under half that",
-              file=sys.stderr)
+        if dequantized:
+            _warn(dequantized, qtypes, {n: f.get_slice(n).get_shape() for n in dequantized})
     return taken
+
+
+def _warn(names: list[str], qtypes: dict[str, str], shapes: dict[str, list[int]]) -> None:
+    """One stderr line: which blocks stay float, why, and what that costs."""
+    lacking = sorted({qtypes[n] for n in names} - set(cpu_kernels.QUANT_FORMATS))
+    file_bytes = sum(rows * row_bytes for rows, row_bytes in shapes.values())
+    weights = sum(rows * row_bytes // _SIZES[qtypes[n]][1] * _SIZES[qtypes[n]][0] for n, (rows, row_bytes) in shapes.items())
+    why = (f"no CPU kernels for {', '.join(lacking)} (kernels: {', '.join(sorted(cpu_kernels.QUANT_FORMATS))})"
+           if lacking else "fused layers whose parts differ in type")
+    print(f"outpace: {why}: {len(names)} matrices dequantized to the model's dtype, {2 * weights / 1e6:.1f} MB in "
+          f"bfloat16 ({4 * weights / 1e6:.1f} in float32) where the file holds {file_bytes / 1e6:.1f} MB",
+          file=sys.stderr)
