@@ -35,7 +35,7 @@ SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 MAX_HEAD_DIM, MAX_GROUP = 256, 64       # cpu_kernels.c's limits
 # cpu_products.h's WeightFormat of each packed weight dtype, and of each GGUF block type it computes on
 WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
-QUANT_FORMATS = {"Q8_0": 2, "Q4_1": 3}
+QUANT_FORMATS = {"Q8_0": 2, "Q4_1": 3, "Q4_0": 4}
 QUANT_BLOCK = 32                        # inputs a GGUF block of these types quantizes together
 
 
@@ -132,14 +132,15 @@ def pack_quantized(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     N = blocks.shape[0]
     padded = blocks.new_zeros((N + 15) // 16 * 16, blocks.shape[1])
     padded[:N] = blocks
-    size = 34 if qtype == "Q8_0" else 20
+    size = {"Q8_0": 34, "Q4_1": 20, "Q4_0": 18}[qtype]
     cols = padded.view(-1, 16, blocks.shape[1] // size, size).transpose(1, 2)    # [N / 16, K / 32, 16, size]
     if qtype == "Q8_0":         # GGUF: d float16, q[32] int8
         parts = [cols[..., :2], cols[..., 2:].transpose(-1, -2)]
-    else:                       # GGUF: d, m float16, q[16]: input i in the low nibble, i + 16 in the high
-        q = torch.cat([cols[..., 4:] & 15, cols[..., 4:] >> 4], dim=-1)            # [..., 16, 32] one a byte
+    else:                       # GGUF: d (Q4_1: and m) float16, q[16]: input i in the low nibble, i + 16 in the high
+        scales = 4 if qtype == "Q4_1" else 2
+        q = torch.cat([cols[..., scales:] & 15, cols[..., scales:] >> 4], dim=-1)  # [..., 16, 32] one a byte
         pairs = q[..., 0::2] | (q[..., 1::2] << 4)                                 # [..., 16, 16]
-        parts = [cols[..., :2], cols[..., 2:4], pairs.transpose(-1, -2)]
+        parts = [cols[..., s:s + 2] for s in range(0, scales, 2)] + [pairs.transpose(-1, -2)]
     return torch.cat([part.reshape(*cols.shape[:2], -1) for part in parts], dim=-1).contiguous()
 
 

@@ -24,9 +24,14 @@ enum WeightFormat {
     W_Q8_0 = 2,     /* 544 bytes: scales d[16] float16, then q[32][16] int8 (input, column); w = d * q */
     W_Q4_1 = 3,     /* 320 bytes: scales d[16], minima m[16] float16, then q[16][16] bytes (pair of
                      * inputs, column), input 2i in the low nibble, 2i + 1 in the high; w = d * q + m */
+    W_Q4_0 = 4,     /* 288 bytes: scales d[16] float16, then q[16][16] bytes as W_Q4_1's; w = d * (q - 8) */
 };
 #define Q8_0_GROUP_BYTES 544
 #define Q4_1_GROUP_BYTES 320
+#define Q4_0_GROUP_BYTES 288
+static inline long group_bytes_of(int format) {
+    return format == W_Q8_0 ? Q8_0_GROUP_BYTES : format == W_Q4_1 ? Q4_1_GROUP_BYTES : Q4_0_GROUP_BYTES;
+}
 
 _Static_assert(16 % VL == 0 && TILE_VECS * VL % 16 == 0, "a tile holds whole blocks of 16 columns");
 _Static_assert(TILE_ROWS <= 12, "tiles_dense's cases reach 12 rows");
@@ -108,7 +113,7 @@ static inline __attribute__((always_inline)) void tile_dense(const float *x, lon
     store_acc(acc, rows, vecs, bias, n_valid, out, wide_out, N);
 }
 
-/* W_Q8_0 or W_Q4_1 weights, float32 inputs x [rows, K]: per group of 32 inputs, each block's
+/* W_Q8_0, W_Q4_1 or W_Q4_0 weights, float32 inputs x [rows, K]: per group of 32 inputs, each block's
  * scales (and minima) are widened once, then per pair of inputs the quantized weights are widened
  * and dequantized in registers, a product and then a sum each as gguf.quants.dequantize rounds
  * them, and multiplied as tile_dense multiplies: a row's sums are tile_dense's over the
@@ -116,7 +121,7 @@ static inline __attribute__((always_inline)) void tile_dense(const float *x, lon
 static inline __attribute__((always_inline)) void tile_quant(const float *x, long K, const char *w, int format,
                                                              long rows, int vecs, const float *bias, long n_valid,
                                                              void *out, int wide_out, long N) {
-    long groups = K / 32, group_bytes = format == W_Q8_0 ? Q8_0_GROUP_BYTES : Q4_1_GROUP_BYTES;
+    long groups = K / 32, group_bytes = group_bytes_of(format);
     long block_bytes = groups * group_bytes;
     VF acc[TILE_ROWS][TILE_VECS];
 #pragma GCC unroll 16
@@ -137,7 +142,7 @@ static inline __attribute__((always_inline)) void tile_quant(const float *x, lon
             }
             scale[v] = vf_load_half((const uint16_t *)at[v] + c);
             if (format == W_Q4_1) low[v] = vf_load_half((const uint16_t *)at[v] + 16 + c);
-            at[v] += c + (format == W_Q8_0 ? 32 : 64);      /* its column's first quantized weight */
+            at[v] += c + (format == W_Q4_1 ? 64 : 32);      /* its column's first quantized weight */
         }
         for (int i = 0; i < 16; i++) {
             VF even[TILE_VECS], odd[TILE_VECS];
@@ -147,11 +152,16 @@ static inline __attribute__((always_inline)) void tile_quant(const float *x, lon
                 if (format == W_Q8_0) {
                     even[v] = vf_mul(vf_widen_i8((const int8_t *)at[v] + 32 * i), scale[v]);
                     odd[v] = vf_mul(vf_widen_i8((const int8_t *)at[v] + 32 * i + 16), scale[v]);
-                } else {
+                } else if (format == W_Q4_1) {
                     VF lo, hi;
                     vf_widen_nibbles((const uint8_t *)at[v] + 16 * i, &lo, &hi);
                     even[v] = vf_add(vf_mul(lo, scale[v]), low[v]);
                     odd[v] = vf_add(vf_mul(hi, scale[v]), low[v]);
+                } else {                                    /* q - 8 is exact in float32 */
+                    VF lo, hi, eight = vf_set1(-8.0f);
+                    vf_widen_nibbles((const uint8_t *)at[v] + 16 * i, &lo, &hi);
+                    even[v] = vf_mul(vf_add(lo, eight), scale[v]);
+                    odd[v] = vf_mul(vf_add(hi, eight), scale[v]);
                 }
             }
 #pragma GCC unroll 16
@@ -226,7 +236,8 @@ static void tiles_dense(const float *x, long K, const char *w, int wide, long ro
 }
 
 #define QUANT(R, V) if (format == W_Q8_0) tile_quant(x, K, w, W_Q8_0, R, V, bias, n_valid, out, wide_out, N); \
-                    else tile_quant(x, K, w, W_Q4_1, R, V, bias, n_valid, out, wide_out, N);
+                    else if (format == W_Q4_1) tile_quant(x, K, w, W_Q4_1, R, V, bias, n_valid, out, wide_out, N); \
+                    else tile_quant(x, K, w, W_Q4_0, R, V, bias, n_valid, out, wide_out, N);
 #define QUANT_CASE(R) case R: if (R > TILE_ROWS) break; \
                       if (TILE_COLS == 16 || vecs == TILE_VECS) { QUANT(R, TILE_VECS) } else { QUANT(R, vecs) } break;
 
@@ -265,12 +276,12 @@ int linear_bf16_dot(void) {
  * when memory for x widened to float32 ran out, -2 for an unknown format or a K it cannot take. */
 int linear(const void *x, int wide_io, long M, long K, const void *w, int format, long N, const float *bias,
            void *out) {
-    int quant = format == W_Q8_0 || format == W_Q4_1;
+    int quant = format == W_Q8_0 || format == W_Q4_1 || format == W_Q4_0;
     if ((format != W_F32 && format != W_BF16 && !quant) || K % (quant ? 32 : 2)) return -2;
     long tiles = (N + TILE_COLS - 1) / TILE_COLS, padded = (N + 15) / 16 * 16;
     long parts = (M + TILE_ROWS - 1) / TILE_ROWS, per_part = (M + parts - 1) / parts;
     long column_bytes = format == W_F32 ? 4 * K : format == W_BF16 ? 2 * K      /* a block's bytes / 16 */
-                        : K / 32 * (format == W_Q8_0 ? Q8_0_GROUP_BYTES : Q4_1_GROUP_BYTES) / 16;
+                        : K / 32 * group_bytes_of(format) / 16;
     long out_size = wide_io ? 4 : 2;
     int dot = 0;
 #ifdef __AVX512BF16__
