@@ -131,23 +131,23 @@ def test_a_converted_gguf_computes_as_its_float_copy(home, tmp_path, arch):
     """A small GGUF with quantized q/k/v (llama's rows permuted, qwen2's with biases), gate/up, down
     and an untied output head in each supported type: its quantized model's float32 logits are its
     float32 model's bit for bit."""
-    kinds = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "ffn_gate": "Q4_0", "ffn_up": "Q4_0",
-             "ffn_down": "Q8_0", "output": "Q8_0"}
+    kinds = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "Q5_0", "ffn_gate": "Q4_0",
+             "ffn_up": "Q4_0", "ffn_down": "Q8_0", "output": "Q8_0"}
     write_test_gguf(tmp_path / "m.gguf", arch, {"tie_word_embeddings": False, "vocab_size": 320}, quantized=kinds)
     folder = convert_gguf(tmp_path / "m.gguf")
     models = {weights: load_model(folder, torch.float32, "cpu", max_len=64, weights=weights)
               for weights in ("quantized", "fp32")}
     held = models["quantized"].modules()
-    assert {m.qtype for m in held if isinstance(m, QuantizedLinear)} == {"Q4_0", "Q4_1", "Q8_0"}
+    assert {m.qtype for m in held if isinstance(m, QuantizedLinear)} == {"Q4_0", "Q4_1", "Q5_0", "Q8_0"}
     ids = [Row(0, list(range(3, 40)), 0)]
     logits = [ModelRunner(m, num_slots=1, max_len=64, max_step_tokens=64).forward(ids)[0] for m in models.values()]
     assert torch.equal(logits[0], logits[1])
 
 
 def test_types_without_kernels_are_dequantized_with_a_warning(home, tmp_path, capsys):
-    """A Q5_0 matrix (no kernel) is dequantized, and stderr names the type, the supported ones and
-    the cost; a fused layer of mixed types (q Q4_1, k and v Q5_0) is dequantized whole."""
-    kinds = {"attn_q": "Q4_1", "attn_k": "Q5_0", "attn_v": "Q5_0", "ffn_down": "Q5_0", "ffn_gate": "Q8_0",
+    """A Q5_1 matrix (no kernel) is dequantized, and stderr names the type, the supported ones and
+    the cost; a fused layer of mixed types (q Q4_1, k and v Q5_1) is dequantized whole."""
+    kinds = {"attn_q": "Q4_1", "attn_k": "Q5_1", "attn_v": "Q5_1", "ffn_down": "Q5_1", "ffn_gate": "Q8_0",
              "ffn_up": "Q8_0"}
     write_test_gguf(tmp_path / "m.gguf", "llama", quantized=kinds)
     folder = convert_gguf(tmp_path / "m.gguf")
@@ -155,7 +155,7 @@ def test_types_without_kernels_are_dequantized_with_a_warning(home, tmp_path, ca
     model = load_model(folder, torch.float32, "cpu", max_len=64)
     err = capsys.readouterr().err
     # q, k, v and down of 2 layers: 32768 weights
-    assert "no CPU kernels for Q5_0 (kernels: Q4_0, Q4_1, Q8_0): 8 matrices dequantized" in err
+    assert "no CPU kernels for Q5_1 (kernels: Q4_0, Q4_1, Q5_0, Q8_0): 8 matrices dequantized" in err
     assert "0.1 MB in bfloat16 (0.1 in float32) where the file holds 0.0 MB" in err
     layer = model.layers[0]
     assert isinstance(layer.mlp.gate_up, QuantizedLinear) and not isinstance(layer.mlp.down, QuantizedLinear)

@@ -25,12 +25,16 @@ enum WeightFormat {
     W_Q4_1 = 3,     /* 320 bytes: scales d[16], minima m[16] float16, then q[16][16] bytes (pair of
                      * inputs, column), input 2i in the low nibble, 2i + 1 in the high; w = d * q + m */
     W_Q4_0 = 4,     /* 288 bytes: scales d[16] float16, then q[16][16] bytes as W_Q4_1's; w = d * (q - 8) */
+    W_Q5_0 = 5,     /* 352 bytes: scales d[16] float16, then high[32] uint16 (input; bit c: column c's
+                     * fifth bit), then q[16][16] bytes as W_Q4_1's (the low 4 bits); w = d * (q - 16) */
 };
 #define Q8_0_GROUP_BYTES 544
 #define Q4_1_GROUP_BYTES 320
 #define Q4_0_GROUP_BYTES 288
+#define Q5_0_GROUP_BYTES 352
 static inline long group_bytes_of(int format) {
-    return format == W_Q8_0 ? Q8_0_GROUP_BYTES : format == W_Q4_1 ? Q4_1_GROUP_BYTES : Q4_0_GROUP_BYTES;
+    return format == W_Q8_0 ? Q8_0_GROUP_BYTES : format == W_Q4_1 ? Q4_1_GROUP_BYTES
+           : format == W_Q4_0 ? Q4_0_GROUP_BYTES : Q5_0_GROUP_BYTES;
 }
 
 _Static_assert(16 % VL == 0 && TILE_VECS * VL % 16 == 0, "a tile holds whole blocks of 16 columns");
@@ -113,7 +117,7 @@ static inline __attribute__((always_inline)) void tile_dense(const float *x, lon
     store_acc(acc, rows, vecs, bias, n_valid, out, wide_out, N);
 }
 
-/* W_Q8_0, W_Q4_1 or W_Q4_0 weights, float32 inputs x [rows, K]: per group of 32 inputs, each block's
+/* W_Q8_0, W_Q4_1, W_Q4_0 or W_Q5_0 weights, float32 inputs x [rows, K]: per group of 32 inputs, each block's
  * scales (and minima) are widened once, then per pair of inputs the quantized weights are widened
  * and dequantized in registers, a product and then a sum each as gguf.quants.dequantize rounds
  * them, and multiplied as tile_dense multiplies: a row's sums are tile_dense's over the
@@ -142,7 +146,7 @@ static inline __attribute__((always_inline)) void tile_quant(const float *x, lon
             }
             scale[v] = vf_load_half((const uint16_t *)at[v] + c);
             if (format == W_Q4_1) low[v] = vf_load_half((const uint16_t *)at[v] + 16 + c);
-            at[v] += c + (format == W_Q4_1 ? 64 : 32);      /* its column's first quantized weight */
+            at[v] += c + (format == W_Q4_1 ? 64 : format == W_Q5_0 ? 96 : 32);    /* its column's first quantized weight */
         }
         for (int i = 0; i < 16; i++) {
             VF even[TILE_VECS], odd[TILE_VECS];
@@ -157,11 +161,20 @@ static inline __attribute__((always_inline)) void tile_quant(const float *x, lon
                     vf_widen_nibbles((const uint8_t *)at[v] + 16 * i, &lo, &hi);
                     even[v] = vf_add(vf_mul(lo, scale[v]), low[v]);
                     odd[v] = vf_add(vf_mul(hi, scale[v]), low[v]);
-                } else {                                    /* q - 8 is exact in float32 */
+                } else if (format == W_Q4_0) {              /* q - 8 is exact in float32 */
                     VF lo, hi, eight = vf_set1(-8.0f);
                     vf_widen_nibbles((const uint8_t *)at[v] + 16 * i, &lo, &hi);
                     even[v] = vf_mul(vf_add(lo, eight), scale[v]);
                     odd[v] = vf_mul(vf_add(hi, eight), scale[v]);
+                } else {                                    /* q + 16 * fifth bit - 16, exact */
+                    VF lo, hi, sixteen = vf_set1(-16.0f);
+                    int c = v * VL % 16;
+                    const uint16_t *high = (const uint16_t *)(at[v] - c - 64);
+                    vf_widen_nibbles((const uint8_t *)at[v] + 16 * i, &lo, &hi);
+                    lo = vf_add(lo, vf_bits((unsigned)high[2 * i] >> c, 16.0f));
+                    hi = vf_add(hi, vf_bits((unsigned)high[2 * i + 1] >> c, 16.0f));
+                    even[v] = vf_mul(vf_add(lo, sixteen), scale[v]);
+                    odd[v] = vf_mul(vf_add(hi, sixteen), scale[v]);
                 }
             }
 #pragma GCC unroll 16
@@ -237,7 +250,8 @@ static void tiles_dense(const float *x, long K, const char *w, int wide, long ro
 
 #define QUANT(R, V) if (format == W_Q8_0) tile_quant(x, K, w, W_Q8_0, R, V, bias, n_valid, out, wide_out, N); \
                     else if (format == W_Q4_1) tile_quant(x, K, w, W_Q4_1, R, V, bias, n_valid, out, wide_out, N); \
-                    else tile_quant(x, K, w, W_Q4_0, R, V, bias, n_valid, out, wide_out, N);
+                    else if (format == W_Q4_0) tile_quant(x, K, w, W_Q4_0, R, V, bias, n_valid, out, wide_out, N); \
+                    else tile_quant(x, K, w, W_Q5_0, R, V, bias, n_valid, out, wide_out, N);
 #define QUANT_CASE(R) case R: if (R > TILE_ROWS) break; \
                       if (TILE_COLS == 16 || vecs == TILE_VECS) { QUANT(R, TILE_VECS) } else { QUANT(R, vecs) } break;
 
@@ -276,7 +290,7 @@ int linear_bf16_dot(void) {
  * when memory for x widened to float32 ran out, -2 for an unknown format or a K it cannot take. */
 int linear(const void *x, int wide_io, long M, long K, const void *w, int format, long N, const float *bias,
            void *out) {
-    int quant = format == W_Q8_0 || format == W_Q4_1 || format == W_Q4_0;
+    int quant = format == W_Q8_0 || format == W_Q4_1 || format == W_Q4_0 || format == W_Q5_0;
     if ((format != W_F32 && format != W_BF16 && !quant) || K % (quant ? 32 : 2)) return -2;
     long tiles = (N + TILE_COLS - 1) / TILE_COLS, padded = (N + 15) / 16 * 16;
     long parts = (M + TILE_ROWS - 1) / TILE_ROWS, per_part = (M + parts - 1) / parts;

@@ -13,6 +13,7 @@
  *   vf_load_half(p)                VL float16 values p[0..VL) as floats (exact)
  *   vf_widen_i8(p)                 VL int8 values p[0..VL) as floats (exact)
  *   vf_widen_nibbles(p, &lo, &hi)  VL bytes p[0..VL): lo[l] = p[l] & 15, hi[l] = p[l] >> 4 as floats
+ *   vf_bits(bits, x)               lane l: x where bit l of bits is set, else 0
  *
  * TILE_VECS registers of sums a row and TILE_ROWS rows make a product tile: as many as the
  * level's registers hold beside the weights' registers and the inputs' broadcasts.
@@ -50,6 +51,7 @@ static inline void vf_widen_nibbles(const uint8_t *p, VF *lo, VF *hi) {
     *lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
     *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
 }
+static inline VF vf_bits(unsigned bits, float x) { return _mm512_maskz_mov_ps((__mmask16)bits, _mm512_set1_ps(x)); }
 static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
     __m512i v = _mm512_loadu_si512(p);
     *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
@@ -77,6 +79,11 @@ static inline void vf_widen_nibbles(const uint8_t *p, VF *lo, VF *hi) {
     __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
     *lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
     *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+}
+static inline VF vf_bits(unsigned bits, float x) {
+    __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)bits), lane), lane);
+    return _mm256_and_ps(_mm256_castsi256_ps(set), _mm256_set1_ps(x));
 }
 static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
     __m256i v = _mm256_loadu_si256((const __m256i *)p);
@@ -111,6 +118,12 @@ static inline void vf_widen_nibbles(const uint8_t *p, VF *lo, VF *hi) {
     *lo = vcvtq_f32_u32(vandq_u32(v, vdupq_n_u32(15)));
     *hi = vcvtq_f32_u32(vshrq_n_u32(v, 4));
 }
+static inline VF vf_bits(unsigned bits, float x) {
+    const uint32_t lanes[4] = {1, 2, 4, 8};
+    uint32x4_t lane = vld1q_u32(lanes);
+    uint32x4_t set = vceqq_u32(vandq_u32(vdupq_n_u32(bits), lane), lane);
+    return vreinterpretq_f32_u32(vandq_u32(set, vreinterpretq_u32_f32(vdupq_n_f32(x))));
+}
 static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
     uint32x4_t v = vld1q_u32((const uint32_t *)p);
     *even = vreinterpretq_f32_u32(vshlq_n_u32(v, 16));
@@ -135,6 +148,7 @@ static inline void vf_widen_nibbles(const uint8_t *p, VF *lo, VF *hi) {
     *lo = (float)(*p & 15);
     *hi = (float)(*p >> 4);
 }
+static inline VF vf_bits(unsigned bits, float x) { return bits & 1 ? x : 0.0f; }
 static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
     *even = bf16_to_f32(p[0]);
     *odd = bf16_to_f32(p[1]);
