@@ -53,8 +53,8 @@ def chosen(folder: Path, weights: str, device: str, sharded: bool) -> bool:
 
 
 def install(model: nn.Module, folder: Path) -> set[str]:
-    """Replaces model's linear layers (on any device, before their weights are allocated or
-    loaded) with QuantizedLinear layers over the folder's blocks wherever every part has kernels
+    """Replaces model's linear layers (on the CPU, their float weights allocated but untouched, as
+    loader.empty_model calls it) with QuantizedLinear layers over the folder's blocks wherever every part has kernels
     and the parts share a type. Returns the weight names (model.map_weight's) they took; says on
     stderr which types stay float, and what that costs."""
     with safe_open(str(blocks_file(folder)), framework="pt", device="cpu") as f:
@@ -78,7 +78,7 @@ def install(model: nn.Module, folder: Path) -> set[str]:
                 continue
             blocks = torch.cat([f.get_tensor(by_index[i]) for i in sorted(by_index, key=lambda i: i or 0)])
             if blocks.shape[0] != linear.out_features:
-                continue                                        # the loader reports the shapes
+                continue                                        # a part is not quantized: the float copy serves
             parent, _, child = module_name.rpartition(".")
             layer = QuantizedLinear(blocks, types.pop(), linear.in_features, linear.out_features,
                                     linear.bias is not None)
