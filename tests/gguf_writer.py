@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import gguf
+import gguf.quants
 import numpy as np
 
 from outpace.weights.gguf import hf_tensor_name, llama3_rope_factors, rotary_permute
@@ -15,7 +16,8 @@ TEST_CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\
 
 
 def write_test_gguf(path: str | Path, arch: str = "llama", config_overrides: dict | None = None, *,
-                    dtype: str = "f32", tokenizer: str = "gpt2", seed: int = 0) -> dict[str, np.ndarray]:
+                    dtype: str = "f32", tokenizer: str = "gpt2", seed: int = 0,
+                    quantized: dict[str, str] | None = None) -> dict[str, np.ndarray]:
     """Writes a tiny random-weight GGUF laid out as llama.cpp writes one; returns the Hugging Face
     tensors (float32, HF names and row order) that converting it must give back.
 
@@ -25,6 +27,8 @@ def write_test_gguf(path: str | Path, arch: str = "llama", config_overrides: dic
         "factor": 8.0} ...).
     dtype: "f32" or "f16" matrices (norms and biases stay f32, as llama.cpp writes them).
     tokenizer: "gpt2" (byte-level BPE with ChatML specials) or "llama" (sentencepiece, byte fallback).
+    quantized: a matrix's role (attn_q, ffn_down, token_embd, output ...) -> the GGUF type it is
+        quantized to (Q4_1, Q8_0 ...); the expected tensor is its dequantized value.
     """
     tokens, types, extra = _test_vocab(tokenizer)
     cfg = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -63,9 +67,17 @@ def write_test_gguf(path: str | Path, arch: str = "llama", config_overrides: dic
         else:  # rounded as stored, so the expected tensor is exactly what comes back
             value = (0.02 * rng.standard_normal(shape, np.float32)).astype(stored)
         expected[hf_tensor_name(name)] = value.astype(np.float32)
-        if arch not in ("qwen2", "qwen3") and name.split(".")[-2] in heads:
-            value = rotary_permute(value, heads[name.split(".")[-2]])
-        writer.add_tensor(name, value)
+        role = name.split(".")[-2]
+        qtype = (quantized or {}).get(role)
+        if qtype is not None:
+            qtype = gguf.GGMLQuantizationType[qtype]
+            expected[hf_tensor_name(name)] = gguf.quants.dequantize(gguf.quants.quantize(value, qtype), qtype)
+        if arch not in ("qwen2", "qwen3") and role in heads:
+            value = rotary_permute(value, heads[role])
+        if qtype is None:
+            writer.add_tensor(name, value)
+        else:       # quantized after the permutation, as llama.cpp's files are: each row's blocks move whole
+            writer.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
     if (cfg["rope_scaling"] or {}).get("rope_type") == "llama3":
         factors = llama3_rope_factors(cfg["head_dim"], cfg["rope_theta"], cfg["rope_scaling"]["factor"])
         writer.add_tensor("rope_freqs.weight", factors.astype(np.float32))

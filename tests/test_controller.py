@@ -181,8 +181,9 @@ def test_calibration_times_the_rows_each_runner_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("OUTPACE_HOME", str(tmp_path))
     for packs in (False, True):
         seen = []
-        runner = SimpleNamespace(model=SimpleNamespace(cfg=Shape()), dtype=torch.float32, device=torch.device("cpu"),
-                                 packs_rows=packs, forward=lambda rows: seen.append([len(r.token_ids) for r in rows]),
+        model = SimpleNamespace(cfg=Shape(), modules=lambda: [])
+        runner = SimpleNamespace(model=model, dtype=torch.float32, device=torch.device("cpu"), packs_rows=packs,
+                                 forward=lambda rows: seen.append([len(r.token_ids) for r in rows]),
                                  cache=SimpleNamespace(commit=lambda slots, num_accepted: None))
         cost = measure_verify_cost(runner, max_seqs=2, num_draft_tokens=2, reps=1)
         shapes = seen[1:]                                          # after the warm-up call

@@ -7,6 +7,8 @@ import subprocess
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 
 from outpace.errors import InvalidParameterError
 from outpace.kernels import cpu_build, cpu_isa, cpu_kernels, cpu_linear
@@ -183,5 +185,11 @@ def test_aarch64_products_equal_the_portable_build(level, tmp_path, monkeypatch)
                     else:       # fused or not: float32 sums differ in their last bits, a bf16 out by a step
                         step = 2 ** -7 if x_dtype == torch.bfloat16 else 1e-5
                         torch.testing.assert_close(got.float(), expected.float(), rtol=step, atol=step)
+        for qtype, fmt in cpu_kernels.QUANT_FORMATS.items():     # GGUF blocks: as the float32 weights
+            weight = np.random.default_rng(fmt).standard_normal((80, 96)).astype(np.float32)
+            blocks = torch.from_numpy(quantize(weight, GGMLQuantizationType[qtype]))
+            packed, x = cpu_kernels.pack_quantized(blocks, qtype), torch.randn(5, 96, generator=g)
+            got, expected = _run_aarch64(program, x, packed, fmt, None, 80), cpu_kernels.linear(x, packed, fmt, None, 80)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     finally:
         cpu_kernels.reload()

@@ -65,9 +65,26 @@ def test_second_resolve_is_a_cache_hit(default_model_dir, monkeypatch):
 
 def test_converted_folder_is_hugging_face_layout(default_model_dir):
     assert {p.name for p in default_model_dir.iterdir()} == {
-        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"}
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+        "quantized"}
     assert json.loads((default_model_dir / "generation_config.json").read_text())["eos_token_id"] == [2]
     assert resolve_model(str(default_model_dir)) == default_model_dir
+
+
+def test_quantized_blocks_are_the_float_copy(default_model_dir):
+    """The kept blocks of each quantized matrix (q and k rows permuted back as the float copy's)
+    dequantize to the float32 copy bit for bit, and every quantized matrix is kept."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    with safe_open(default_model_dir / "quantized" / "model.safetensors", "np") as f, \
+            safe_open(default_model_dir / "model.safetensors", "np") as floats:
+        qtypes = json.loads(f.metadata()["qtypes"])
+        assert set(qtypes) == set(f.keys()) and len(qtypes) == 30 * 7 + 1     # the linears and the embedding
+        assert set(qtypes.values()) == {"Q4_1", "Q8_0"}
+        for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
+                     "model.layers.29.mlp.down_proj.weight", "model.embed_tokens.weight"):
+            dequantized = dequantize(f.get_tensor(name), GGMLQuantizationType[qtypes[name]])
+            assert np.array_equal(dequantized, floats.get_tensor(name)), name
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -18,6 +18,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m",
                    help=f"a known name ({KNOWN_MODELS}), a Hugging Face folder, or a .gguf file")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    p.add_argument("--weights", default="auto", choices=["auto", "quantized", "bf16", "fp32"],
+                   help="a GGUF's quantized matrices: quantized keeps them in the file's types (CPU), bf16 or fp32 "
+                        "dequantizes them (and sets --dtype); auto (default): quantized on the CPU")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
     p.add_argument("--max-model-len", type=int, default=2048, help="prompt plus output tokens (default 2048)")
     p.add_argument("--no-cuda-graphs", action="store_true",
@@ -80,7 +83,7 @@ def sampling_params(args):
 def cmd_generate(args) -> None:
     from outpace.llm import LLM
     params = sampling_params(args)
-    llm = LLM(args.model, spec=spec_config(args), dtype=args.dtype, device=args.device,
+    llm = LLM(args.model, spec=spec_config(args), dtype=args.dtype, weights=args.weights, device=args.device,
               max_model_len=args.max_model_len, max_num_seqs=1, cuda_graphs=not args.no_cuda_graphs,
               overlap=not args.no_overlap, tensor_parallel_size=args.tensor_parallel_size)
     printed = 0
@@ -125,7 +128,8 @@ def cmd_serve(args) -> None:
     server_config = serve_config(args)          # bad flags fail before the model loads
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+    config = EngineConfig(model=args.model, dtype=args.dtype, weights=args.weights, device=args.device,
+                          max_num_seqs=args.max_num_seqs,
                           max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
                           spec=spec_config(args), calibrate=not args.no_calibrate,
                           cuda_graphs=not args.no_cuda_graphs, overlap=not args.no_overlap,

@@ -111,12 +111,18 @@ class SpecConfig:
         return self.method != "none"
 
 
+WEIGHTS = ("auto", "quantized", "bf16", "fp32")
+
+
 @dataclass
 class EngineConfig:
     """Capacity and placement, fixed at start. Defaults suit the default model on this CPU."""
 
     model: str = "smollm2-135m"
     dtype: str = "auto"             # auto: bfloat16 (CPU with bf16 support, and CUDA), else float32
+    # a GGUF's quantized matrices: quantized keeps the file's blocks (CPU kernels; elsewhere they are
+    # dequantized, saying so), bf16 / fp32 dequantize them and set dtype; auto: quantized on the CPU
+    weights: str = "auto"
     device: str = "auto"            # auto: cuda when available, else cpu
     max_num_seqs: int = 8           # running sequences (KV slots); more requests wait in a queue
     max_model_len: int = 2048       # prompt plus output tokens per sequence
@@ -134,6 +140,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16", "float64"),
                f"dtype must be auto, float32, bfloat16, float16 or float64, got {self.dtype!r}")
+        _check(self.weights in WEIGHTS, f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
+        implied = {"bf16": "bfloat16", "fp32": "float32"}.get(self.weights)
+        _check(implied is None or self.dtype in ("auto", implied),
+               f"weights {self.weights} holds the model in {implied}: leave dtype auto, or pass weights quantized "
+               f"to keep dtype {self.dtype}")
+        self.dtype = implied or self.dtype
         _check(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
                f"device must be auto, cpu or cuda, got {self.device!r}")
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

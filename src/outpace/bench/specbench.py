@@ -139,7 +139,8 @@ def bench_command(args, spec: SpecConfig, params: SamplingParams) -> None:
         raise OutpaceError("outpace bench compares speculation with plain decoding: use --spec ngram")
     records = load_spec_bench(args.dataset, args.category, args.limit_per_category)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    llm = LLM(args.model, spec=spec, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+    llm = LLM(args.model, spec=spec, dtype=args.dtype, weights=args.weights, device=args.device,
+              max_model_len=args.max_model_len,
               max_num_seqs=1, cuda_graphs=not args.no_cuda_graphs, overlap=not args.no_overlap,
               tensor_parallel_size=args.tensor_parallel_size)
     config = {"command": " ".join(["outpace"] + sys.argv[1:]), "model": args.model, "dataset": str(args.dataset),

@@ -66,7 +66,7 @@ class LLMEngine:
         tp = config.tensor_parallel_size
         self.workers = start_workers(folder, self.dtype, self.device, config.max_model_len, tp) if tp > 1 else None
         self.model = load_model(folder, self.dtype, self.device, config.max_model_len,
-                                self.workers.shard if self.workers else None)
+                                self.workers.shard if self.workers else None, config.weights)
         # the CUDA graph runner on a GPU (its padded steps do not suit recurrent state yet)
         self.uses_graphs = self.device.startswith("cuda") and not self.model.is_recurrent
         spec = config.spec

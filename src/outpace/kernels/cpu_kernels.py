@@ -33,8 +33,10 @@ from outpace.kernels import cpu_build, cpu_isa
 
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 MAX_HEAD_DIM, MAX_GROUP = 256, 64       # cpu_kernels.c's limits
-# cpu_products.h's WeightFormat of each packed weight dtype
+# cpu_products.h's WeightFormat of each packed weight dtype, and of each GGUF block type it computes on
 WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
+QUANT_FORMATS = {"Q8_0": 2, "Q4_1": 3, "Q4_0": 4, "Q5_0": 5}
+QUANT_BLOCK = 32                        # inputs a GGUF block of these types quantizes together
 
 
 @functools.cache
@@ -122,6 +124,32 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, 16, K // 2, 2).transpose(1, 2).contiguous()
 
 
+def pack_quantized(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """A GGUF weight's raw blocks [N, K / 32 * block bytes] uint8 (rows of type `qtype`, a key of
+    QUANT_FORMATS) regrouped for linear: blocks of 16 output columns (the last padded with zero
+    blocks), each K / 32 groups of cpu_products.h's layout. Bytes are moved, never converted, so the
+    packed weight is the file's size."""
+    N = blocks.shape[0]
+    padded = blocks.new_zeros((N + 15) // 16 * 16, blocks.shape[1])
+    padded[:N] = blocks
+    size = {"Q8_0": 34, "Q4_1": 20, "Q4_0": 18, "Q5_0": 22}[qtype]
+    cols = padded.view(-1, 16, blocks.shape[1] // size, size).transpose(1, 2)    # [N / 16, K / 32, 16, size]
+    if qtype == "Q8_0":         # GGUF: d float16, q[32] int8
+        parts = [cols[..., :2], cols[..., 2:].transpose(-1, -2)]
+    else:   # GGUF: d (Q4_1: and m) float16 (Q5_0: then the fifth bits, uint32), q[16]: input i in the low nibble, i + 16 in the high
+        start = {"Q4_1": 4, "Q4_0": 2, "Q5_0": 6}[qtype]
+        q = torch.cat([cols[..., start:] & 15, cols[..., start:] >> 4], dim=-1)    # [..., 16, 32] one a byte
+        pairs = q[..., 0::2] | (q[..., 1::2] << 4)                                 # [..., 16, 16]
+        parts = [cols[..., s:s + 2] for s in range(0, 4 if qtype == "Q4_1" else 2, 2)]
+        if qtype == "Q5_0":     # per input k, bit c of a uint16: column c's fifth bit
+            qh = sum(cols[..., 2 + b].long() << (8 * b) for b in range(4))           # [..., 16]
+            bits = (qh.unsqueeze(-1) >> torch.arange(32)) & 1                          # [..., 16, 32]
+            high = (bits << torch.arange(16).unsqueeze(-1)).sum(-2)                    # [..., 32]
+            parts.append(torch.stack([high & 255, high >> 8], dim=-1).to(torch.uint8))
+        parts.append(pairs.transpose(-1, -2))
+    return torch.cat([part.reshape(*cols.shape[:2], -1) for part in parts], dim=-1).contiguous()
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, fmt: int, bias: torch.Tensor | None,
            out_features: int) -> torch.Tensor:
     """x [..., K] @ weight.T + bias, the weight as pack_weight laid it out in format fmt, bias
@@ -133,7 +161,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, fmt: int, bias: torch.Tensor |
                                out_features, None if bias is None else bias.data_ptr(), out.data_ptr())
     if failed:
         raise MemoryError("out of memory for a product's input") if failed == -1 else ValueError(
-            f"CPU product kernel: unknown weight format {fmt}")
+            f"CPU product kernel: unknown weight format {fmt}, or inputs of {K} it cannot take")
     return out
 
 

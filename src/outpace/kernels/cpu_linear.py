@@ -98,3 +98,20 @@ def pack_linears(model: nn.Module) -> None:
             raise InvalidParameterError(f"bfloat16 on this CPU needs outpace's CPU kernels (PyTorch's bfloat16 "
                                         f"products need AVX-512 BW/VL/DQ or AVX-NE-CONVERT), and {why}; "
                                         f"or use --dtype float32")
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer over a GGUF weight's blocks, kept in the file's type (cpu_kernels.QUANT_FORMATS)
+    and bytes: x [..., K] float32 or bfloat16 -> [..., N] in x's dtype. The bias, where the layer
+    has one, is a parameter the loader fills like any other."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.in_features, self.out_features, self.qtype = in_features, out_features, qtype
+        self.format = cpu_kernels.QUANT_FORMATS[qtype]
+        self.register_buffer("packed", cpu_kernels.pack_quantized(blocks, qtype), persistent=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        return cpu_kernels.linear(x, self.packed, self.format, bias, self.out_features)

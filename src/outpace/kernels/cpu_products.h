@@ -9,7 +9,8 @@
  * the rows beside it; a dense format's order is the inputs' (0, 1, 2, ...), each product added
  * to its column's float32 sum with one rounding where the level fuses multiply and add (a bf16
  * weight times a bf16 input is exact in float32, so bf16 products are alike at every level), the
- * vdpbf16ps path apart (below).
+ * vdpbf16ps path apart (below). GGUF's quantized formats keep the file's blocks, widened and
+dequantized in registers, and sum as the float32 format does over the dequantized weights.
  *
  * A weight format is an entry of WeightFormat, a packer in cpu_kernels.py and a tile function
  * here with tile_dense's arguments; linear's switch sends each call to its format's tiles.
@@ -18,7 +19,23 @@
 enum WeightFormat {
     W_F32 = 0,      /* [K / 2][2][16] float32 a block: inputs 2p and 2p + 1, then the 16 columns */
     W_BF16 = 1,     /* [K / 2][16][2] bfloat16 a block: per column, inputs 2p and 2p + 1 */
+    /* GGUF's blocks of 32 inputs (K a multiple of 32), regrouped per 16 columns
+     * (cpu_kernels.pack_quantized): a block of columns is K / 32 groups, one per 32 inputs, each */
+    W_Q8_0 = 2,     /* 544 bytes: scales d[16] float16, then q[32][16] int8 (input, column); w = d * q */
+    W_Q4_1 = 3,     /* 320 bytes: scales d[16], minima m[16] float16, then q[16][16] bytes (pair of
+                     * inputs, column), input 2i in the low nibble, 2i + 1 in the high; w = d * q + m */
+    W_Q4_0 = 4,     /* 288 bytes: scales d[16] float16, then q[16][16] bytes as W_Q4_1's; w = d * (q - 8) */
+    W_Q5_0 = 5,     /* 352 bytes: scales d[16] float16, then high[32] uint16 (input; bit c: column c's
+                     * fifth bit), then q[16][16] bytes as W_Q4_1's (the low 4 bits); w = d * (q - 16) */
 };
+#define Q8_0_GROUP_BYTES 544
+#define Q4_1_GROUP_BYTES 320
+#define Q4_0_GROUP_BYTES 288
+#define Q5_0_GROUP_BYTES 352
+static inline long group_bytes_of(int format) {
+    return format == W_Q8_0 ? Q8_0_GROUP_BYTES : format == W_Q4_1 ? Q4_1_GROUP_BYTES
+           : format == W_Q4_0 ? Q4_0_GROUP_BYTES : Q5_0_GROUP_BYTES;
+}
 
 _Static_assert(16 % VL == 0 && TILE_VECS * VL % 16 == 0, "a tile holds whole blocks of 16 columns");
 _Static_assert(TILE_ROWS <= 12, "tiles_dense's cases reach 12 rows");
@@ -100,6 +117,83 @@ static inline __attribute__((always_inline)) void tile_dense(const float *x, lon
     store_acc(acc, rows, vecs, bias, n_valid, out, wide_out, N);
 }
 
+/* W_Q8_0, W_Q4_1, W_Q4_0 or W_Q5_0 weights, float32 inputs x [rows, K]: per group of 32 inputs, each block's
+ * scales (and minima) are widened once, then per pair of inputs the quantized weights are widened
+ * and dequantized in registers, a product and then a sum each as gguf.quants.dequantize rounds
+ * them, and multiplied as tile_dense multiplies: a row's sums are tile_dense's over the
+ * dequantized float32 weights, bit for bit, at every level. */
+static inline __attribute__((always_inline)) void tile_quant(const float *x, long K, const char *w, int format,
+                                                             long rows, int vecs, const float *bias, long n_valid,
+                                                             void *out, int wide_out, long N) {
+    long groups = K / 32, group_bytes = group_bytes_of(format);
+    long block_bytes = groups * group_bytes;
+    VF acc[TILE_ROWS][TILE_VECS];
+#pragma GCC unroll 16
+    for (int m = 0; m < TILE_ROWS; m++) {
+#pragma GCC unroll 16
+        for (int v = 0; v < TILE_VECS; v++) acc[m][v] = vf_zero();
+    }
+    for (long j = 0; j < groups; j++) {
+        VF scale[TILE_VECS], low[TILE_VECS];
+        const char *at[TILE_VECS];
+#pragma GCC unroll 16
+        for (int v = 0; v < TILE_VECS; v++) {
+            if (v >= vecs) continue;
+            int c = v * VL % 16;                            /* its first column in its block */
+            at[v] = w + v * VL / 16 * block_bytes + j * group_bytes;
+            if (c == 0) {
+                for (long line = 0; line < group_bytes; line += 64) __builtin_prefetch(at[v] + PREFETCH_BYTES + line, 0, 2);
+            }
+            scale[v] = vf_load_half((const uint16_t *)at[v] + c);
+            if (format == W_Q4_1) low[v] = vf_load_half((const uint16_t *)at[v] + 16 + c);
+            at[v] += c + (format == W_Q4_1 ? 64 : format == W_Q5_0 ? 96 : 32);    /* its column's first quantized weight */
+        }
+        for (int i = 0; i < 16; i++) {
+            VF even[TILE_VECS], odd[TILE_VECS];
+#pragma GCC unroll 16
+            for (int v = 0; v < TILE_VECS; v++) {
+                if (v >= vecs) continue;
+                if (format == W_Q8_0) {
+                    even[v] = vf_mul(vf_widen_i8((const int8_t *)at[v] + 32 * i), scale[v]);
+                    odd[v] = vf_mul(vf_widen_i8((const int8_t *)at[v] + 32 * i + 16), scale[v]);
+                } else if (format == W_Q4_1) {
+                    VF lo, hi;
+                    vf_widen_nibbles((const uint8_t *)at[v] + 16 * i, &lo, &hi);
+                    even[v] = vf_add(vf_mul(lo, scale[v]), low[v]);
+                    odd[v] = vf_add(vf_mul(hi, scale[v]), low[v]);
+                } else if (format == W_Q4_0) {              /* q - 8 is exact in float32 */
+                    VF lo, hi, eight = vf_set1(-8.0f);
+                    vf_widen_nibbles((const uint8_t *)at[v] + 16 * i, &lo, &hi);
+                    even[v] = vf_mul(vf_add(lo, eight), scale[v]);
+                    odd[v] = vf_mul(vf_add(hi, eight), scale[v]);
+                } else {                                    /* q + 16 * fifth bit - 16, exact */
+                    VF lo, hi, sixteen = vf_set1(-16.0f);
+                    int c = v * VL % 16;
+                    const uint16_t *high = (const uint16_t *)(at[v] - c - 64);
+                    vf_widen_nibbles((const uint8_t *)at[v] + 16 * i, &lo, &hi);
+                    lo = vf_add(lo, vf_bits((unsigned)high[2 * i] >> c, 16.0f));
+                    hi = vf_add(hi, vf_bits((unsigned)high[2 * i + 1] >> c, 16.0f));
+                    even[v] = vf_mul(vf_add(lo, sixteen), scale[v]);
+                    odd[v] = vf_mul(vf_add(hi, sixteen), scale[v]);
+                }
+            }
+#pragma GCC unroll 16
+            for (int m = 0; m < TILE_ROWS; m++) {
+                if (m >= rows) continue;
+                const float *in = x + m * K + 32 * j + 2 * i;
+                VF x0 = vf_set1(in[0]), x1 = vf_set1(in[1]);
+#pragma GCC unroll 16
+                for (int v = 0; v < TILE_VECS; v++) {
+                    if (v >= vecs) continue;
+                    acc[m][v] = vf_fma(x0, even[v], acc[m][v]);
+                    acc[m][v] = vf_fma(x1, odd[v], acc[m][v]);
+                }
+            }
+        }
+    }
+    store_acc(acc, rows, vecs, bias, n_valid, out, wide_out, N);
+}
+
 #ifdef __AVX512BF16__
 /* W_BF16 weights and bfloat16 inputs with vdpbf16ps: a lane of a pair's load holds one column's
  * weights of inputs 2p and 2p + 1, the row's two inputs are broadcast as one 32-bit value, and one
@@ -154,6 +248,21 @@ static void tiles_dense(const float *x, long K, const char *w, int wide, long ro
     }
 }
 
+#define QUANT(R, V) if (format == W_Q8_0) tile_quant(x, K, w, W_Q8_0, R, V, bias, n_valid, out, wide_out, N); \
+                    else if (format == W_Q4_1) tile_quant(x, K, w, W_Q4_1, R, V, bias, n_valid, out, wide_out, N); \
+                    else if (format == W_Q4_0) tile_quant(x, K, w, W_Q4_0, R, V, bias, n_valid, out, wide_out, N); \
+                    else tile_quant(x, K, w, W_Q5_0, R, V, bias, n_valid, out, wide_out, N);
+#define QUANT_CASE(R) case R: if (R > TILE_ROWS) break; \
+                      if (TILE_COLS == 16 || vecs == TILE_VECS) { QUANT(R, TILE_VECS) } else { QUANT(R, vecs) } break;
+
+static void tiles_quant(const float *x, long K, const char *w, int format, long rows, int vecs, const float *bias,
+                        long n_valid, void *out, int wide_out, long N) {
+    switch (rows) {
+        QUANT_CASE(1) QUANT_CASE(2) QUANT_CASE(3) QUANT_CASE(4) QUANT_CASE(5) QUANT_CASE(6)
+        QUANT_CASE(7) QUANT_CASE(8) QUANT_CASE(9) QUANT_CASE(10) QUANT_CASE(11) QUANT_CASE(12)
+    }
+}
+
 #ifdef __AVX512BF16__
 #define DOT(R, V) tile_dot_bf16(x, K, w, R, V, bias, n_valid, out, N);
 #define DOT_CASE(R) case R: if (vecs == TILE_VECS) { DOT(R, TILE_VECS) } else { DOT(R, vecs) } break;
@@ -176,15 +285,18 @@ int linear_bf16_dot(void) {
 #endif
 }
 
-/* out [M, N] = x [M, K] @ W^T + bias, W packed in `format`, K even; x and out float32 when wide_io,
- * else bfloat16; bias float32 or NULL. Returns 0, -1 when memory for x widened to float32 ran
- * out, -2 for an unknown format. */
+/* out [M, N] = x [M, K] @ W^T + bias, W packed in `format`, K even (a multiple of 32 for GGUF's
+ * formats); x and out float32 when wide_io, else bfloat16; bias float32 or NULL. Returns 0, -1
+ * when memory for x widened to float32 ran out, -2 for an unknown format or a K it cannot take. */
 int linear(const void *x, int wide_io, long M, long K, const void *w, int format, long N, const float *bias,
            void *out) {
-    if (format != W_F32 && format != W_BF16) return -2;
+    int quant = format == W_Q8_0 || format == W_Q4_1 || format == W_Q4_0 || format == W_Q5_0;
+    if ((format != W_F32 && format != W_BF16 && !quant) || K % (quant ? 32 : 2)) return -2;
     long tiles = (N + TILE_COLS - 1) / TILE_COLS, padded = (N + 15) / 16 * 16;
     long parts = (M + TILE_ROWS - 1) / TILE_ROWS, per_part = (M + parts - 1) / parts;
-    long weight_size = format == W_F32 ? 4 : 2, out_size = wide_io ? 4 : 2;
+    long column_bytes = format == W_F32 ? 4 * K : format == W_BF16 ? 2 * K      /* a block's bytes / 16 */
+                        : K / 32 * group_bytes_of(format) / 16;
+    long out_size = wide_io ? 4 : 2;
     int dot = 0;
 #ifdef __AVX512BF16__
     dot = !wide_io && format == W_BF16;
@@ -201,7 +313,7 @@ int linear(const void *x, int wide_io, long M, long K, const void *w, int format
     for (long t = 0; t < tiles; t++) {
         long col = t * TILE_COLS;
         int vecs = (int)((padded - col < TILE_COLS ? padded - col : TILE_COLS) / VL);
-        const char *w_t = (const char *)w + col * K * weight_size;
+        const char *w_t = (const char *)w + col * column_bytes;
         const float *bias_t = bias ? bias + col : NULL;
         for (long m0 = 0; m0 < M; m0 += per_part) {
             long rows = M - m0 < per_part ? M - m0 : per_part;
@@ -212,7 +324,8 @@ int linear(const void *x, int wide_io, long M, long K, const void *w, int format
                 continue;
             }
 #endif
-            tiles_dense(x_f32 + m0 * K, K, w_t, format == W_F32, rows, vecs, bias_t, N - col, out_t, wide_io, N);
+            if (quant) tiles_quant(x_f32 + m0 * K, K, w_t, format, rows, vecs, bias_t, N - col, out_t, wide_io, N);
+            else tiles_dense(x_f32 + m0 * K, K, w_t, format == W_F32, rows, vecs, bias_t, N - col, out_t, wide_io, N);
         }
     }
     free(widened);

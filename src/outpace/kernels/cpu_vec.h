@@ -7,13 +7,28 @@
  *   vf_load(p)                     p[0..VL)
  *   vf_store(p, v)                 p[0..VL) = v
  *   vf_fma(a, b, c)                c + a * b, each lane (one rounding where the level fuses it)
+ *   vf_mul(a, b), vf_add(a, b)     a * b, a + b, each lane (one rounding each)
  *   vf_widen_pairs(p, &e, &o)      VL pairs of bfloat16 values p[2l], p[2l + 1]: e[l] = p[2l] and
  *                                  o[l] = p[2l + 1] as floats (exact)
+ *   vf_load_half(p)                VL float16 values p[0..VL) as floats (exact)
+ *   vf_widen_i8(p)                 VL int8 values p[0..VL) as floats (exact)
+ *   vf_widen_nibbles(p, &lo, &hi)  VL bytes p[0..VL): lo[l] = p[l] & 15, hi[l] = p[l] >> 4 as floats
+ *   vf_bits(bits, x)               lane l: x where bit l of bits is set, else 0
  *
  * TILE_VECS registers of sums a row and TILE_ROWS rows make a product tile: as many as the
  * level's registers hold beside the weights' registers and the inputs' broadcasts.
  * PREFETCH_BYTES: how far ahead of its reads a tile prefetches a column block's weights.
  */
+/* a float16 value as a float (exact, subnormals included) */
+static inline float half_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    union { uint32_t u; float f; } v;
+    if (exponent == 0x1f) v.u = sign | 0x7f800000u | (mantissa << 13);
+    else if (exponent) v.u = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    else { v.f = (float)mantissa * 5.9604644775390625e-8f; v.u |= sign; }    /* mantissa * 2^-24 */
+    return v.f;
+}
+
 #if !defined(OUTPACE_PORTABLE) && defined(__AVX512F__)
 #include <immintrin.h>
 #define VL 16
@@ -25,6 +40,18 @@ static inline VF vf_set1(float x) { return _mm512_set1_ps(x); }
 static inline VF vf_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline void vf_store(float *p, VF v) { _mm512_storeu_ps(p, v); }
 static inline VF vf_fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+static inline VF vf_mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+static inline VF vf_add(VF a, VF b) { return _mm512_add_ps(a, b); }
+static inline VF vf_load_half(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline VF vf_widen_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline void vf_widen_nibbles(const uint8_t *p, VF *lo, VF *hi) {
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
+static inline VF vf_bits(unsigned bits, float x) { return _mm512_maskz_mov_ps((__mmask16)bits, _mm512_set1_ps(x)); }
 static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
     __m512i v = _mm512_loadu_si512(p);
     *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
@@ -42,6 +69,22 @@ static inline VF vf_set1(float x) { return _mm256_set1_ps(x); }
 static inline VF vf_load(const float *p) { return _mm256_loadu_ps(p); }
 static inline void vf_store(float *p, VF v) { _mm256_storeu_ps(p, v); }
 static inline VF vf_fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+static inline VF vf_mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+static inline VF vf_add(VF a, VF b) { return _mm256_add_ps(a, b); }
+static inline VF vf_load_half(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline VF vf_widen_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline void vf_widen_nibbles(const uint8_t *p, VF *lo, VF *hi) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+}
+static inline VF vf_bits(unsigned bits, float x) {
+    __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)bits), lane), lane);
+    return _mm256_and_ps(_mm256_castsi256_ps(set), _mm256_set1_ps(x));
+}
 static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
     __m256i v = _mm256_loadu_si256((const __m256i *)p);
     *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
@@ -59,6 +102,28 @@ static inline VF vf_set1(float x) { return vdupq_n_f32(x); }
 static inline VF vf_load(const float *p) { return vld1q_f32(p); }
 static inline void vf_store(float *p, VF v) { vst1q_f32(p, v); }
 static inline VF vf_fma(VF a, VF b, VF c) { return vfmaq_f32(c, a, b); }
+static inline VF vf_mul(VF a, VF b) { return vmulq_f32(a, b); }
+static inline VF vf_add(VF a, VF b) { return vaddq_f32(a, b); }
+static inline VF vf_load_half(const uint16_t *p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+static inline uint8x8_t four_bytes(const void *p) {     /* p[0..4) in the low lanes */
+    uint32_t w;
+    memcpy(&w, p, sizeof w);
+    return vreinterpret_u8_u32(vdup_n_u32(w));
+}
+static inline VF vf_widen_i8(const int8_t *p) {
+    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u8(four_bytes(p))))));
+}
+static inline void vf_widen_nibbles(const uint8_t *p, VF *lo, VF *hi) {
+    uint32x4_t v = vmovl_u16(vget_low_u16(vmovl_u8(four_bytes(p))));
+    *lo = vcvtq_f32_u32(vandq_u32(v, vdupq_n_u32(15)));
+    *hi = vcvtq_f32_u32(vshrq_n_u32(v, 4));
+}
+static inline VF vf_bits(unsigned bits, float x) {
+    const uint32_t lanes[4] = {1, 2, 4, 8};
+    uint32x4_t lane = vld1q_u32(lanes);
+    uint32x4_t set = vceqq_u32(vandq_u32(vdupq_n_u32(bits), lane), lane);
+    return vreinterpretq_f32_u32(vandq_u32(set, vreinterpretq_u32_f32(vdupq_n_f32(x))));
+}
 static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
     uint32x4_t v = vld1q_u32((const uint32_t *)p);
     *even = vreinterpretq_f32_u32(vshlq_n_u32(v, 16));
@@ -75,6 +140,15 @@ static inline VF vf_set1(float x) { return x; }
 static inline VF vf_load(const float *p) { return *p; }
 static inline void vf_store(float *p, VF v) { *p = v; }
 static inline VF vf_fma(VF a, VF b, VF c) { return c + a * b; }
+static inline VF vf_mul(VF a, VF b) { return a * b; }
+static inline VF vf_add(VF a, VF b) { return a + b; }
+static inline VF vf_load_half(const uint16_t *p) { return half_to_f32(*p); }
+static inline VF vf_widen_i8(const int8_t *p) { return (float)*p; }
+static inline void vf_widen_nibbles(const uint8_t *p, VF *lo, VF *hi) {
+    *lo = (float)(*p & 15);
+    *hi = (float)(*p >> 4);
+}
+static inline VF vf_bits(unsigned bits, float x) { return bits & 1 ? x : 0.0f; }
 static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
     *even = bf16_to_f32(p[0]);
     *odd = bf16_to_f32(p[1]);

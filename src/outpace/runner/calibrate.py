@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from outpace.runner.model_runner import ModelRunner, Row
 from outpace.kernels import cpu_kernels
+from outpace.kernels.cpu_linear import QuantizedLinear
 from outpace.paths import outpace_home
 
 CONTEXT = 128   # positions the timing rows sit at: a typical short context
@@ -40,8 +41,10 @@ def measure_verify_cost(runner: ModelRunner, max_seqs: int, num_draft_tokens: in
     overwrite."""
     shape = dataclasses.asdict(runner.model.cfg)
     kernels = cpu_kernels.build_key() if runner.device.type == "cpu" and cpu_kernels.has_library() else None
+    quantized = sorted({m.qtype for m in runner.model.modules() if isinstance(m, QuantizedLinear)})
     key = json.dumps([shape, str(runner.dtype), str(runner.device), torch.get_num_threads(), torch.__version__,
-                      type(runner).__name__, runner.packs_rows, max_seqs, num_draft_tokens + 1, kernels, VERSION],
+                      type(runner).__name__, runner.packs_rows, max_seqs, num_draft_tokens + 1, kernels, VERSION]
+                     + ([quantized] if quantized else []),
                      sort_keys=True, default=str)
     path = outpace_home() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.exists():

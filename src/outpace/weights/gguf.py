@@ -1,7 +1,12 @@
 """GGUF files -> Hugging Face style model folders, converted once into the outpace cache.
 
     <home>/models/<stem>-<key>/   config.json, model.safetensors (float32, Hugging Face names),
-                                  tokenizer.json, tokenizer_config.json, generation_config.json
+                                  tokenizer.json, tokenizer_config.json, generation_config.json,
+                                  quantized/model.safetensors (the quantized matrices' GGUF blocks)
+
+The quantized matrices are kept a second time as the file holds them (uint8 [rows, bytes a row],
+their GGUF types in the header's metadata, weights.quantized), so a CPU model computes on them
+(--weights quantized) and any other model reads the float32 copy.
 
 <home> is $OUTPACE_HOME or ~/.cache/outpace. <key> hashes the GGUF's path, size and mtime and the
 converter's FORMAT, so an unchanged file converts once and a changed file (or converter) again.
@@ -37,7 +42,9 @@ from outpace.paths import outpace_home
 from outpace.weights.tokenizer import tokenizer_from_gguf
 
 _REQUIRED = object()
-FORMAT = 1  # bump when the converted folder changes, so old conversions are redone
+FORMAT = 2  # bump when the converted folder changes, so old conversions are redone
+QUANTIZED_FOLDER, QTYPES_KEY = "quantized", "qtypes"      # the GGUF blocks' file, and its metadata's key
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 # GGUF architecture -> (Hugging Face class, model_type). llama.cpp files Mistral under llama.
 ARCHITECTURES = {
@@ -108,6 +115,10 @@ class GGUFFile:
         """The tensor as float32, in numpy order."""
         raw = np.frombuffer(self._buf, np.uint8, info.num_bytes, info.offset)
         return dequantize(raw.reshape(quant_shape_to_byte_shape(info.shape, info.qtype)), info.qtype)
+
+    def blocks(self, info: TensorInfo) -> np.ndarray:
+        """A matrix's raw GGUF blocks as uint8 [rows, bytes a row], in the file's memory."""
+        return np.frombuffer(self._buf, np.uint8, info.num_bytes, info.offset).reshape(info.shape[0], -1)
 
     def _parse(self) -> tuple[dict[str, Any], list[TensorInfo]]:
         self._pos = 4
@@ -313,15 +324,29 @@ def _convert(gguf: GGUFFile, folder: Path) -> None:
     specs = [(hf_tensor_name(t.name), t.shape) for t in by_name.values()]
     write_safetensors(folder / "model.safetensors", specs, tensors())
 
+    quantized = [t for t in by_name.values() if len(t.shape) == 2 and t.qtype.name not in FLOAT_TYPES]
 
-def write_safetensors(path: Path, specs: list[tuple[str, tuple[int, ...]]], arrays: Iterator[np.ndarray]) -> None:
-    """Streams float32 tensors into a safetensors file: header first (shapes are known), then each
-    tensor as it is produced, so at most two dequantized tensors are in memory at a time."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    def blocks() -> Iterator[np.ndarray]:
+        for info in quantized:      # rows permuted as the float32 copy's: a row's blocks move whole
+            raw, role = gguf.blocks(info), info.name.split(".")[-2]
+            yield rotary_permute(raw, heads[role], inverse=True) if is_permuted and role in heads else raw
+
+    (folder / QUANTIZED_FOLDER).mkdir()
+    write_safetensors(folder / QUANTIZED_FOLDER / "model.safetensors",
+                      [(hf_tensor_name(t.name), (t.shape[0], t.num_bytes // t.shape[0])) for t in quantized], blocks(),
+                      np.uint8, {QTYPES_KEY: json.dumps({hf_tensor_name(t.name): t.qtype.name for t in quantized})})
+
+
+def write_safetensors(path: Path, specs: list[tuple[str, tuple[int, ...]]], arrays: Iterator[np.ndarray],
+                      dtype: type = np.float32, metadata: dict[str, str] | None = None) -> None:
+    """Streams float32 (or uint8) tensors into a safetensors file: header first (shapes are known),
+    then each tensor as it is produced, so at most two dequantized tensors are in memory at a time."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    item, kind = np.dtype(dtype).itemsize, {np.float32: "F32", np.uint8: "U8"}[dtype]
     offset = 0
     for name, shape in specs:
-        end = offset + 4 * int(np.prod(shape, dtype=np.int64))
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, end]}
+        end = offset + item * int(np.prod(shape, dtype=np.int64))
+        header[name] = {"dtype": kind, "shape": list(shape), "data_offsets": [offset, end]}
         offset = end
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
@@ -333,7 +358,7 @@ def write_safetensors(path: Path, specs: list[tuple[str, tuple[int, ...]]], arra
             assert array.shape == shape, (name, array.shape, shape)
             if pending is not None:
                 pending.result()
-            pending = writer.submit(f.write, np.ascontiguousarray(array, dtype="<f4").data)
+            pending = writer.submit(f.write, np.ascontiguousarray(array, dtype=dtype).data)
         if pending is not None:
             pending.result()
 

@@ -14,23 +14,34 @@ from outpace.model.decoder import DecoderLM
 from outpace.model.registry import FAMILIES
 from outpace.model.rope import rope_tables
 from outpace.model.tensor_parallel import Shard, TensorParallelLM, check_shardable
+from outpace.weights import quantized
 
 
-def load_model(folder: Path, dtype: torch.dtype, device: str, max_len: int, shard: Shard | None = None) -> DecoderLM:
-    """shard: this rank's part of a tensor-parallel model (None: the whole model)."""
+def load_model(folder: Path, dtype: torch.dtype, device: str, max_len: int, shard: Shard | None = None,
+               weights: str = "auto") -> DecoderLM:
+    """shard: this rank's part of a tensor-parallel model (None: the whole model). weights: how a
+    GGUF folder's quantized matrices are held (weights.quantized: "auto" keeps them quantized on
+    the CPU)."""
     folder = Path(folder)
     cfg = ModelConfig.from_folder(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"no *.safetensors weights in {folder}")
-    model = empty_model(cfg, dtype, device, max_len, shard)
+    is_quantized = quantized.chosen(folder, weights, device, shard is not None)
+    taken: set[str] = set()         # weights held by QuantizedLinear layers, not read from the float copy
+    model = empty_model(cfg, dtype, device, max_len, shard,
+                        before_cast=(lambda m: taken.update(quantized.install(m, folder))) if is_quantized else None)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for hf_name in f.keys():
-                    if model.map_weight(hf_name) is None:
+                    mapped = model.map_weight(hf_name)
+                    if mapped is None:
+                        continue
+                    if mapped[0] in taken:
+                        loaded.add(mapped[0] if mapped[1] is None else f"{mapped[0]}#{mapped[1]}")
                         continue
                     tensor = model.read_weight(f, hf_name)
                     try:
@@ -46,7 +57,8 @@ def load_model(folder: Path, dtype: torch.dtype, device: str, max_len: int, shar
                         loaded.add(name if index is None else f"{name}#{index}")
         except SafetensorError as e:
             raise CorruptModelError(f"{file} is not a readable safetensors file: {e}") from None
-    model.tie_weights()
+    if "lm_head.weight" not in taken:
+        model.tie_weights()
     missing = [n for n in _expected(model) if n not in loaded]
     if missing:
         raise CorruptModelError(f"weights missing from {folder}: {', '.join(missing[:5])}"
@@ -56,14 +68,18 @@ def load_model(folder: Path, dtype: torch.dtype, device: str, max_len: int, shar
 
 
 def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: str, max_len: int,
-                shard: Shard | None = None) -> DecoderLM:
-    """The model of cfg (or rank shard's part of it) on device, its weights uninitialised."""
+                shard: Shard | None = None, before_cast=None) -> DecoderLM:
+    """The model of cfg (or rank shard's part of it) on device, its weights uninitialised.
+    before_cast(model): called while the weights are allocated in float32 but untouched (layers
+    it replaces never take memory)."""
     family = FAMILIES[cfg.family]
     if shard is not None:
         check_shardable(cfg, shard.world_size, family)
     with torch.device("meta"):
         model = family(cfg, max_len) if shard is None else TensorParallelLM(cfg, max_len, shard)
     model.to_empty(device=device)
+    if before_cast is not None:
+        before_cast(model)
     model.to(dtype)
     # rope tables stay float32 whatever the model dtype; to_empty left them uninitialised
     cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_len, cfg.rope_scaling, cfg.rotary_dim)

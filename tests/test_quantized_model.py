@@ -1,0 +1,183 @@
+"""GGUF models with their quantized matrices kept quantized on the CPU (weights.quantized).
+
+The default model's linears and tied LM head compute on the file's Q4_1 and Q8_0 blocks, hold about
+the file's bytes, compute in float32 bit for bit as the dequantized float32 model does, and keep
+speculation lossless (each token computes alike whatever shares its forward). Types without
+kernels, CUDA and bad choices say so."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from outpace import LLM, SamplingParams, SpecConfig
+from outpace.config import EngineConfig
+from outpace.errors import InvalidParameterError
+from outpace.kernels import cpu_kernels
+from outpace.kernels.cpu_linear import QuantizedLinear
+from outpace.runner.model_runner import ModelRunner, Row
+from outpace.weights import quantized
+from outpace.weights.gguf import GGUFFile, convert_gguf
+from outpace.weights.loader import load_model
+from gguf_writer import write_test_gguf
+from tiny import make_tiny
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler: the quantized kernels cannot build here")
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "Summarize: Paris is the capital of France. It is known for the Eiffel Tower. Summary:",
+]
+
+
+def test_default_model_holds_the_files_blocks(default_model_dir, default_gguf):
+    """Every linear and the tied LM head are QuantizedLinear layers whose packed bytes are the
+    GGUF's bytes of their tensors (the embedding's for the LM head), nothing more."""
+    model = load_model(default_model_dir, torch.bfloat16, "cpu", max_len=64)
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 4 * model.cfg.num_layers + 1 and isinstance(model.lm_head, QuantizedLinear)
+    assert {m.qtype for m in model.layers.modules() if isinstance(m, QuantizedLinear)} == {"Q4_1"}
+    assert model.lm_head.qtype == "Q8_0"
+    matrices = [t for t in GGUFFile(default_gguf).tensors if len(t.shape) == 2]
+    assert sum(m.packed.numel() for m in layers) == sum(t.num_bytes for t in matrices)
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+
+
+def test_float32_forward_is_the_dequantized_models(default_model_dir):
+    """In float32 the quantized model's logits are the float32 (dequantized) model's, bit for bit:
+    a prompt and decode steps."""
+    ids = list(range(1000, 1030))
+    logits = []
+    for weights in ("quantized", "fp32"):
+        model = load_model(default_model_dir, torch.float32, "cpu", max_len=128, weights=weights)
+        runner = ModelRunner(model, num_slots=1, max_len=128, max_step_tokens=64)
+        prompt, _ = runner.forward([Row(0, ids[:-3], 0)])
+        steps = [runner.forward([Row(0, [t], len(ids) - 3 + i)])[0][0, 0] for i, t in enumerate(ids[-3:])]
+        logits.append(torch.cat([prompt[0], torch.stack(steps)]))
+    assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_token_computes_alike_in_any_forward(default_model_dir, dtype, cpu_level):
+    """At every level: a verify row packed beside another sequence's row gives each token the bits
+    of its own one-token step, so fast mode's speculative greedy output is plain decoding's."""
+    model = load_model(default_model_dir, dtype, "cpu", max_len=256)
+    runner = ModelRunner(model, num_slots=2, max_len=256, max_step_tokens=64)
+    prompts, draft = [list(range(1000, 1040)), list(range(2000, 2023))], [5, 17, 300, 42, 7, 9000]
+    for slot, prompt in enumerate(prompts):
+        runner.forward([Row(slot, prompt, 0)], logits="none")
+    alone = [runner.forward([Row(0, [t], len(prompts[0]) + i)])[0][0, 0].clone() for i, t in enumerate(draft)]
+    together, _ = runner.forward([Row(0, draft, len(prompts[0])), Row(1, [11], len(prompts[1]))])
+    for i in range(len(draft)):
+        assert torch.equal(together[0, i], alone[i]), i
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_speculative_greedy_equals_plain_greedy(default_model_dir, exact):
+    """n-gram speculation over the quantized model, fast and exact mode: the plain greedy tokens."""
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    opts = dict(dtype="bfloat16", device="cpu", max_num_seqs=2, max_model_len=512)
+    spec = LLM(str(default_model_dir), spec=SpecConfig(num_draft_tokens=6, exact=exact), **opts)
+    plain = LLM(str(default_model_dir), spec=SpecConfig(method="none", num_draft_tokens=6, exact=exact), **opts)
+    assert isinstance(spec.engine.model.lm_head, QuantizedLinear)
+    assert [o.token_ids for o in spec.generate(PROMPTS, params)] == [o.token_ids for o in plain.generate(PROMPTS, params)]
+    assert spec.engine.stats.num_accepted_tokens > 0, "the prompts were chosen to give accepted drafts"
+
+
+RSS_SCRIPT = """
+import ctypes, json, sys, torch
+from outpace.kernels import cpu_kernels
+from outpace.model.config import ModelConfig
+from outpace.model.registry import FAMILIES
+from outpace.weights.loader import load_model
+def rss(): return int(open("/proc/self/statm").read().split()[1]) * 4096
+cpu_kernels.linear(torch.ones(1, 64), cpu_kernels.pack_weight(torch.ones(16, 64)), 0, None, 16)   # libraries in
+cfg = ModelConfig.from_folder(sys.argv[1])
+with torch.device("meta"):          # the model code's first use loads more libraries
+    FAMILIES[cfg.family](cfg, 64)
+before = rss()
+model = load_model(sys.argv[1], torch.bfloat16, "cpu", max_len=64, weights=sys.argv[2])
+ctypes.CDLL("libc.so.6").malloc_trim(0)
+print(json.dumps(rss() - before))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_resident_memory_is_about_the_files(default_model_dir, default_gguf):
+    """Loading the default model quantized (bfloat16 embedding) adds about the GGUF's size to the
+    process, under 60% of what the bfloat16 model adds."""
+    grown = {}
+    for weights in ("quantized", "bf16"):
+        done = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(default_model_dir), weights],
+                              capture_output=True, text=True, check=True)
+        grown[weights] = json.loads(done.stdout.strip().splitlines()[-1])
+    size = default_gguf.stat().st_size
+    assert grown["quantized"] < 1.8 * size, (grown, size)
+    assert grown["quantized"] < 0.6 * grown["bf16"], (grown, size)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUTPACE_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_converted_gguf_computes_as_its_float_copy(home, tmp_path, arch):
+    """A small GGUF with quantized q/k/v (llama's rows permuted, qwen2's with biases), gate/up, down
+    and an untied output head in each supported type: its quantized model's float32 logits are its
+    float32 model's bit for bit."""
+    kinds = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "Q5_0", "ffn_gate": "Q4_0",
+             "ffn_up": "Q4_0", "ffn_down": "Q8_0", "output": "Q8_0"}
+    write_test_gguf(tmp_path / "m.gguf", arch, {"tie_word_embeddings": False, "vocab_size": 320}, quantized=kinds)
+    folder = convert_gguf(tmp_path / "m.gguf")
+    models = {weights: load_model(folder, torch.float32, "cpu", max_len=64, weights=weights)
+              for weights in ("quantized", "fp32")}
+    held = models["quantized"].modules()
+    assert {m.qtype for m in held if isinstance(m, QuantizedLinear)} == {"Q4_0", "Q4_1", "Q5_0", "Q8_0"}
+    ids = [Row(0, list(range(3, 40)), 0)]
+    logits = [ModelRunner(m, num_slots=1, max_len=64, max_step_tokens=64).forward(ids)[0] for m in models.values()]
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_types_without_kernels_are_dequantized_with_a_warning(home, tmp_path, capsys):
+    """A Q5_1 matrix (no kernel) is dequantized, and stderr names the type, the supported ones and
+    the cost; a fused layer of mixed types (q Q4_1, k and v Q5_1) is dequantized whole."""
+    kinds = {"attn_q": "Q4_1", "attn_k": "Q5_1", "attn_v": "Q5_1", "ffn_down": "Q5_1", "ffn_gate": "Q8_0",
+             "ffn_up": "Q8_0"}
+    write_test_gguf(tmp_path / "m.gguf", "llama", quantized=kinds)
+    folder = convert_gguf(tmp_path / "m.gguf")
+    capsys.readouterr()
+    model = load_model(folder, torch.float32, "cpu", max_len=64)
+    err = capsys.readouterr().err
+    # q, k, v and down of 2 layers: 32768 weights
+    assert "no CPU kernels for Q5_1 (kernels: Q4_0, Q4_1, Q5_0, Q8_0): 8 matrices dequantized" in err
+    assert "0.1 MB in bfloat16 (0.1 in float32) where the file holds 0.0 MB" in err
+    layer = model.layers[0]
+    assert isinstance(layer.mlp.gate_up, QuantizedLinear) and not isinstance(layer.mlp.down, QuantizedLinear)
+    assert not isinstance(layer.attn.qkv, QuantizedLinear)
+    reference = load_model(folder, torch.float32, "cpu", max_len=64, weights="fp32")
+    rows = [Row(0, list(range(3, 30)), 0)]
+    assert torch.equal(ModelRunner(model, 1, 64, 64).forward(rows)[0], ModelRunner(reference, 1, 64, 64).forward(rows)[0])
+
+
+def test_unmet_choices_say_so(default_model_dir, tmp_path, capsys):
+    """On CUDA (or sharded) a GGUF is dequantized with one stderr line; weights quantized on a float
+    model, or bf16 weights with a float32 dtype, are errors that say what to do."""
+    assert not quantized.chosen(default_model_dir, "auto", "cuda", sharded=False)
+    assert "dequantized (the quantized kernels run on the CPU)" in capsys.readouterr().err
+    assert not quantized.chosen(default_model_dir, "bf16", "cpu", sharded=False)
+    assert quantized.chosen(default_model_dir, "quantized", "cpu", sharded=False) == cpu_kernels.has_library()
+    make_tiny("llama", tmp_path)
+    assert not quantized.chosen(tmp_path, "auto", "cpu", sharded=False)
+    with pytest.raises(InvalidParameterError, match="needs a GGUF model"):
+        quantized.chosen(tmp_path, "quantized", "cpu", sharded=False)
+    with pytest.raises(InvalidParameterError, match="leave dtype auto"):
+        EngineConfig(weights="bf16", dtype="float32")
+    with pytest.raises(InvalidParameterError, match="weights must be one of"):
+        EngineConfig(weights="int4")
+    assert EngineConfig(weights="fp32").dtype == "float32"
