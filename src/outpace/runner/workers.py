@@ -211,8 +211,7 @@ class Workers:
         for p in self.processes:
             p.join(max(0.0, deadline - time.monotonic()))
         _kill(self.processes)
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+        _leave_group(self.device)
         if self.device == "cpu":
             torch.set_num_threads(self.threads_before)
 
@@ -277,7 +276,19 @@ def _serve(rank: int, world_size: int, local_rank: int, init: dict) -> None:
         # this one with a line rather than this traceback
         time.sleep(1.0)
         raise
-    dist.destroy_process_group()
+    _leave_group(spec.device)
+
+
+def _leave_group(device: str) -> None:
+    """Leave the process group without waiting for the other ranks. NCCL's orderly destroy
+    waits until every rank destroys its communicators too, so a rank that has exited, been killed
+    or not got there yet hangs it: on CUDA the communicators are aborted instead, which is local."""
+    if device == "cuda":
+        with contextlib.suppress(Exception):
+            dist.distributed_c10d._abort_process_group()
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def _watch_parent(rank: int) -> None:
