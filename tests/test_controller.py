@@ -1,5 +1,5 @@
 """The draft controller: drafts when it pays, stops when it does not, and probes again later."""
-from outpace.speculative.controller import DraftController
+from outpace.speculative.controller import PROBE_DRAFTS, DraftController
 
 FLAT = {1: [1.0] * 9}
 STEEP = {1: [1.0 + 0.2 * k for k in range(9)]}     # each drafted token costs a fifth of a plain step
@@ -300,3 +300,21 @@ def test_new_sequences_start_at_the_population_rate():
     for _ in range(100):
         bad.observe(0, 4, 4, 0)
     assert bad.acceptance(100) == 0.5
+
+
+def test_a_drafter_priced_out_by_the_priors_is_measured_first():
+    """Drafted tokens that cost half a plain step never pay at the static prior (one half), so
+    without probing no draft is ever verified and the drafter's real rate is never seen. The
+    first steps (about PROBE_DRAFTS: the pool's counts decay) draft one token; a drafter accepted
+    every time then drafts on its measured rate, one accepted 10% of the time stops."""
+    costly = {1: [1.0 + 0.5 * k for k in range(9)]}
+    assert DraftController(8, costly).acceptance(0) == 0.5
+    for accepted, drafts_after in ((True, True), (False, False)):
+        c = DraftController(8, costly)
+        probes = 0
+        while c.num_draft([probes], 1) > 0 and probes < 100:
+            c.observe(probes, 8, 1, int(accepted or probes % 10 == 9))
+            c.end(probes)
+            probes += 1
+        assert PROBE_DRAFTS <= probes < 2 * PROBE_DRAFTS if not accepted else probes == 100
+        assert (c.num_draft([1000], 1) > 0) == drafts_after

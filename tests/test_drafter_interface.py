@@ -13,6 +13,7 @@ import torch
 
 from outpace import LLM, SamplingParams, SpecConfig
 from outpace.runner.model_runner import ModelRunner, Row
+from outpace.speculative.controller import PROBE_DRAFTS
 from outpace.speculative.drafter import Drafter, Drafts
 from tiny import make_tiny
 
@@ -110,7 +111,8 @@ class Costly(Drafter):
 
 def test_a_drafters_cost_per_token_reaches_the_controller(tiny_folder, plain):
     """With a flat calibration an always-right drafter pays; the same drafter priced at ten
-    forwards a token never does, and the controller drafts nothing for it."""
+    forwards a token never does, and the controller drafts nothing for it beyond its probe (one
+    token a step until about PROBE_DRAFTS drafts were verified)."""
     truth = {tuple(p): o for p, o in zip(PROMPTS, plain)}
     drafted = {}
     for price in (0.0, 10e-3):
@@ -123,7 +125,7 @@ def test_a_drafters_cost_per_token_reaches_the_controller(tiny_folder, plain):
         out = llm.generate(PROMPTS, PARAMS)
         assert [o.token_ids for o in out] == plain
         drafted[price] = sum(o.spec["num_draft_tokens"] for o in out)
-    assert drafted[0.0] > 0 and drafted[10e-3] == 0
+    assert PROBE_DRAFTS <= drafted[10e-3] < 2 * PROBE_DRAFTS < drafted[0.0]
 
 
 class OnDevice(Drafter):

@@ -18,7 +18,9 @@ the tokens it holds, and the controller takes the most promising drafted tokens 
 where they are padded it drafts one k for the batch (cut to what each row has). Either
 maximises the batch's expected tokens per second, among drafts whose tokens return at least
 MIN_RETURN times a plain step's tokens per second for the time they add, and no draft is a plain
-step, so speculation that does not pay does not run.
+step, so speculation that does not pay does not run. Until PROBE_DRAFTS drafts were verified, a
+step that would not draft drafts one token: a drafter that the priors price out (a draft model,
+whose drafted tokens cost far more than n-gram lookup's) would otherwise never be measured.
 """
 from __future__ import annotations
 
@@ -37,6 +39,9 @@ SLOPE_PRIOR = 0.5
 # add (estimates are noisy). Per drafted token, not per step: one drafted token costs about 2% of a
 # 32-row step, so a step-wide margin would ask for several good drafts in one step
 MIN_RETURN = 1.2
+# verified drafts (decayed) a drafter gets on trust: below them a step drafts at least one token,
+# so that acceptance is measured before the priors can rule drafting out
+PROBE_DRAFTS = 8.0
 MATCH_PRIOR = 4.0         # drafts' weight of the pooled rate in a match length's rate (shrinkage)
 # what a sequence's rates start from before its own evidence: [accepted, trials] at the first
 # drafted position and at later ones (the pool's rates replace them where they are higher)
@@ -239,7 +244,13 @@ class DraftController:
         gains = self._gains(seq_ids, available, matches)
         longest = max(map(len, gains), default=0)
         columns = (sum(row[k - 1] for row in gains if len(row) >= k) for k in range(1, longest + 1))
-        return self._best_prefix(batch_size, (batch_size * (1 + k) for k in itertools.count(1)), columns)
+        best = self._best_prefix(batch_size, (batch_size * (1 + k) for k in itertools.count(1)), columns)
+        return 1 if best == 0 and longest and self.probing else best
+
+    @property
+    def probing(self) -> bool:
+        """Whether fewer than PROBE_DRAFTS drafts were verified: drafting is then tried on trust."""
+        return self.pool[0].reached < PROBE_DRAFTS
 
     def draft_lengths(self, seq_ids: list[int], batch_size: int, available: list[int] | None = None,
                       matches: list[int] | None = None) -> list[int]:
@@ -260,6 +271,8 @@ class DraftController:
         gains = self._gains(seq_ids, available, matches)
         ranked = sorted((-g, j, i) for i, row in enumerate(gains) for j, g in enumerate(row))
         best_n = self._best_prefix(batch_size, itertools.count(batch_size + 1), (-g for g, _, _ in ranked))
+        if best_n == 0 and ranked and self.probing:
+            best_n = 1
         lengths = [0] * len(seq_ids)
         for _, _, i in ranked[:best_n]:
             lengths[i] += 1
