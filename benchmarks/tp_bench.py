@@ -5,8 +5,9 @@ limit, and the verification cost T(1+k)/T(1), on random weights of Llama-3's sha
     PYTHONPATH=src python benchmarks/tp_bench.py --smoke --out /tmp/tp      # the CPU, a tiny shape
 
 For each shape and N (the 8B shape at N = 1, 2, 4; the 70B shape at every N whose share of its
-weights fits a card, i.e. 4 and 8), rank 0 and its workers build random bfloat16 weights on their
-devices (never written to disk) and the runners the engine builds on a GPU (CUDA graphs, the
+weights fits a card, i.e. 4 and 8), in a process of its own (at most --timeout-each seconds; a
+size that runs out is reported, the others' rows kept), rank 0 and its workers build random
+bfloat16 weights on their devices (never written to disk) and the runners the engine builds on a GPU (CUDA graphs, the
 all-reduces captured in them; N = 1 is a plain CudaGraphRunner, the baseline of the same run).
 Decoding is the runner's: one row on slot 0, each step's token the argmax of the last one's
 logits, read on the host every step (as the engine's one synchronisation), at positions from 64
@@ -24,9 +25,9 @@ Prints tables and writes tp_bench.json under --out.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
+import subprocess
 import sys
 import time
 from functools import partial
@@ -47,6 +48,9 @@ from outpace.runner.workers import Workers
 SMOKE_SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
                    rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+SHAPES = {"tiny shape": (SMOKE_SHAPE, True), "Llama-3-8B shape": (LLAMA3_8B, True),     # label: (shape, T(1+k)?)
+          "Llama-3-70B shape": (LLAMA3_70B, False)}
+RESULT = "tp_bench result: "    # a --one process's stdout line that carries its row as JSON
 MAX_LEN = 1024
 START = 64                      # decode and verify rows sit here (attention reads the 512-key bucket)
 VERIFY_K = list(range(9))
@@ -140,35 +144,50 @@ def fits(shape: dict, n: int, device: str, dtype: torch.dtype) -> bool:
     return weight_bytes(shape, dtype)[0] / n < 0.85 * torch.cuda.get_device_properties(0).total_memory
 
 
-def measure(label: str, shape: dict, sizes: list[int], args, bandwidth: float, verify: bool) -> dict:
+def measure_one(shape: dict, n: int, args, bandwidth: float, verify: bool) -> dict:
+    """Decode rate (and T(1+k)) of the shape over n ranks, in this process."""
     total, embedding = weight_bytes(shape, args.dtype)
-    out = {"weight_bytes": total, "embedding_bytes": embedding, "by_size": {}}
+    runner, workers = build(shape, n, args.device, args.dtype)
+    try:
+        rate = decode_rate(runner, args.device, args.steps)
+        limit = n * bandwidth / total
+        row = {"decode_tokens_per_s": rate, "limit_tokens_per_s": limit,
+               "limit_without_embedding_tokens_per_s": n * bandwidth / (total - embedding),
+               "of_limit": rate / limit}
+        if verify:
+            seconds = verify_seconds(runner, args.device, args.reps)
+            row["verify_seconds"] = seconds
+            row["verify_ratio"] = [s / seconds[0] for s in seconds]
+    finally:
+        if workers is not None:
+            workers.close()
+    return row
+
+
+def measure(label: str, shape: dict, sizes: list[int], args, bandwidth: float) -> dict:
+    """Each N in a process of its own (this script with --one), so that one size's state (CUDA
+    graphs, a process group, memory) never reaches the next, and a size that hangs or fails
+    costs only its --timeout-each: the others' rows are kept."""
+    total, embedding = weight_bytes(shape, args.dtype)
+    out = {"weight_bytes": total, "embedding_bytes": embedding, "by_size": {}, "failed": {}}
     for n in sizes:
         if not fits(shape, n, args.device, args.dtype):
             log(f"[{label}] N = {n}: a rank's {total / n / 2**30:.1f} GiB of weights do not fit a card; skipped")
             continue
+        command = [sys.executable, __file__, "--out", args.out, "--one", f"{label}:{n}", "--bandwidth", str(bandwidth),
+                   "--steps", str(args.steps), "--reps", str(args.reps)] + (["--smoke"] if args.smoke else [])
         t0 = time.perf_counter()
-        runner, workers = build(shape, n, args.device, args.dtype)
-        log(f"[{label}] N = {n}: built in {time.perf_counter() - t0:.1f} s")
         try:
-            rate = decode_rate(runner, args.device, args.steps)
-            limit = n * bandwidth / total
-            row = {"decode_tokens_per_s": rate, "limit_tokens_per_s": limit,
-                   "limit_without_embedding_tokens_per_s": n * bandwidth / (total - embedding),
-                   "of_limit": rate / limit}
-            if verify:
-                seconds = verify_seconds(runner, args.device, args.reps)
-                row["verify_seconds"] = seconds
-                row["verify_ratio"] = [s / seconds[0] for s in seconds]
-        finally:
-            if workers is not None:
-                workers.close()
-            del runner
-            gc.collect()
-            if args.device == "cuda":
-                torch.cuda.empty_cache()
-        out["by_size"][n] = row
-        log(f"[{label}] N = {n}: {row}")
+            done = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=args.timeout_each)
+        except subprocess.TimeoutExpired:
+            out["failed"][n] = f"no result within --timeout-each {args.timeout_each} s"
+        else:
+            found = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
+            if done.returncode == 0 and found:
+                out["by_size"][n] = json.loads(found[-1].removeprefix(RESULT))
+            else:
+                out["failed"][n] = f"exited {done.returncode} without a result"
+        log(f"[{label}] N = {n} ({time.perf_counter() - t0:.0f} s): {out['by_size'].get(n) or out['failed'][n]}")
     return out
 
 
@@ -205,6 +224,8 @@ def checks(args, gpus: int) -> dict:
 
 
 def report(label: str, result: dict, dtype: torch.dtype) -> None:
+    for n, why in result["failed"].items():
+        print(f"\n{label}, N = {n}: {why}")
     rows = result["by_size"]
     if not rows:
         return
@@ -238,6 +259,10 @@ def main() -> None:
     parser.add_argument("--check-tokens", type=int, default=64, help="tokens a prompt of --check (default 64)")
     parser.add_argument("--scratch", default=str(outpace_home() / "models"),
                         help="where --check saves its random model once (default: the outpace cache's models)")
+    parser.add_argument("--timeout-each", type=float, default=300.0,
+                        help="seconds a shape at one N may take, building included (default 300)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)               # "LABEL:N": one size, in this process
+    parser.add_argument("--bandwidth", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.device = "cpu" if args.smoke else "cuda"
     args.dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -245,6 +270,11 @@ def main() -> None:
         args.steps, args.reps = min(args.steps, 16), min(args.reps, 3)
     if not 1 <= args.steps <= 512 - START - len(VERIFY_K):
         parser.error(f"--steps must be in [1, {512 - START - len(VERIFY_K)}]: rows stay in the 512-key graphs")
+    if args.one:
+        label, n = args.one.rsplit(":", 1)
+        shape, verify = SHAPES[label]
+        print(RESULT + json.dumps(measure_one(shape, int(n), args, args.bandwidth, verify)), flush=True)
+        return
     gpus = torch.cuda.device_count() if args.device == "cuda" else 2
     sizes = [n for n in (args.sizes or [1, 2, 4, 8]) if n <= gpus]
     bandwidth = copy_bandwidth(args.device)
@@ -253,16 +283,15 @@ def main() -> None:
     log(f"copy bandwidth (read + write) on {results['device']}: {bandwidth / 1e9:.1f} GB/s")
     if args.check:
         results["checks"] = checks(args, gpus)
-    shapes = [("tiny shape", SMOKE_SHAPE, sizes, True)] if args.smoke else [
-        ("Llama-3-8B shape", LLAMA3_8B, [n for n in sizes if n <= 4], True)]
+    shapes = [("tiny shape", sizes)] if args.smoke else [("Llama-3-8B shape", [n for n in sizes if n <= 4])]
     if not args.smoke and not args.no_70b:
-        shapes.append(("Llama-3-70B shape", LLAMA3_70B, [n for n in sizes if n >= 2], False))
-    for label, shape, shape_sizes, verify in shapes:
-        results["shapes"][label] = measure(label, shape, shape_sizes, args, bandwidth, verify)
-        report(label, results["shapes"][label], args.dtype)
+        shapes.append(("Llama-3-70B shape", [n for n in sizes if n >= 2]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tp_bench.json").write_text(json.dumps(results, indent=1))
+    for label, shape_sizes in shapes:
+        results["shapes"][label] = measure(label, SHAPES[label][0], shape_sizes, args, bandwidth)
+        report(label, results["shapes"][label], args.dtype)
+        (out / "tp_bench.json").write_text(json.dumps(results, indent=1))     # kept if a later shape hangs
     print(f"\nwritten: {out / 'tp_bench.json'}")
 
 
