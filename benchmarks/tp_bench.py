@@ -147,9 +147,12 @@ def fits(shape: dict, n: int, device: str, dtype: torch.dtype) -> bool:
 def measure_one(shape: dict, n: int, args, bandwidth: float, verify: bool) -> dict:
     """Decode rate (and T(1+k)) of the shape over n ranks, in this process."""
     total, embedding = weight_bytes(shape, args.dtype)
+    t0 = time.perf_counter()
     runner, workers = build(shape, n, args.device, args.dtype)
+    log(f"N = {n}: built in {time.perf_counter() - t0:.1f} s")
     try:
         rate = decode_rate(runner, args.device, args.steps)
+        log(f"N = {n}: decode {rate:.1f} tokens/s")
         limit = n * bandwidth / total
         row = {"decode_tokens_per_s": rate, "limit_tokens_per_s": limit,
                "limit_without_embedding_tokens_per_s": n * bandwidth / (total - embedding),
@@ -158,8 +161,10 @@ def measure_one(shape: dict, n: int, args, bandwidth: float, verify: bool) -> di
             seconds = verify_seconds(runner, args.device, args.reps)
             row["verify_seconds"] = seconds
             row["verify_ratio"] = [s / seconds[0] for s in seconds]
+            log(f"N = {n}: T(1+k) measured")
     finally:
         if workers is not None:
+            log(f"N = {n}: closing the workers")
             workers.close()
     return row
 
