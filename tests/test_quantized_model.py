@@ -181,3 +181,13 @@ def test_unmet_choices_say_so(default_model_dir, tmp_path, capsys):
     with pytest.raises(InvalidParameterError, match="weights must be one of"):
         EngineConfig(weights="int4")
     assert EngineConfig(weights="fp32").dtype == "float32"
+
+
+@pytest.mark.parametrize("weights", ["auto", "bf16"])
+def test_a_draft_model_holds_its_weights_as_the_target_does(default_model_dir, weights):
+    """`weights` reaches the draft model: a GGUF draft is quantized beside a quantized target and
+    float beside a bf16 one (the default model drafting for itself)."""
+    llm = LLM(str(default_model_dir), spec=SpecConfig(method="draft", draft_model=str(default_model_dir)),
+              device="cpu", max_num_seqs=1, max_model_len=256, weights=weights, calibrate=False)
+    quantized_in = [isinstance(m.lm_head, QuantizedLinear) for m in (llm.engine.model, llm.engine.drafter.model)]
+    assert quantized_in == [weights == "auto"] * 2

@@ -78,7 +78,7 @@ class LLMEngine:
         self.runner = self._make_runner(config, num_draft_tokens, exact_width)
         self.drafter.bind(DraftContext(config.max_num_seqs, config.max_model_len, num_draft_tokens + 1,
                                        self.runner.device, self.dtype, self.model, self.tokenizer,
-                                       self._draft_runner))
+                                       self._draft_runner, config.weights))
         cost = None
         if num_draft_tokens and config.calibrate and not spec.exact:
             # measure_verify_cost waits for the device after each forward, so host clocks time it

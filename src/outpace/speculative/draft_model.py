@@ -56,7 +56,7 @@ class DraftModelDrafter(Drafter):
         folder = resolve_model(self.source)
         # ids below `vocab` mean the same token to both models; drafts stay below it
         shared = check_vocab_compatible(context.tokenizer, Tokenizer.from_folder(folder))
-        self.model = load_model(folder, context.dtype, str(context.device), context.max_len)
+        self.model = load_model(folder, context.dtype, str(context.device), context.max_len, weights=context.weights)
         if self.model.is_recurrent:
             raise InvalidParameterError(f"the draft model {self.source!r} has recurrent layers, whose state "
                                         "cannot be rolled back across draft steps yet: use an attention-only draft model")

@@ -131,7 +131,8 @@ class Prefilled:
 @dataclass
 class DraftContext:
     """What the engine lends a drafter at construction (Drafter.bind): the target's slots and
-    context length, its device and dtype, and how to run a model of its own beside the target.
+    context length, its device, dtype and weight format, and how to run a model of its own beside
+    the target.
     make_runner(model) gives a runner of the target's kind (CUDA graphs on a GPU) whose KV cache
     has the target's slots and length: a sequence's rows sit in the same slot in both, and a
     drafter rolls its cache back as the target's is, by the sequence's length (entries past it
@@ -145,6 +146,7 @@ class DraftContext:
     target: torch.nn.Module         # the target model (its config, embedding and LM head may be shared)
     tokenizer: object               # the target's Tokenizer (a draft model's vocabulary is checked against it)
     make_runner: object             # (model) -> ModelRunner with the target's slots and length
+    weights: str = "auto"           # how the target's GGUF matrices are held (EngineConfig.weights); a draft model's alike
 
 
 class Drafter:
