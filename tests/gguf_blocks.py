@@ -10,7 +10,7 @@ from gguf.quants import quantize as gguf_quantize
 
 
 def quantize(weight: np.ndarray, qtype: str) -> np.ndarray:
-    """weight [rows, K] float32 -> its blocks [rows, K / block inputs * block bytes] uint8."""
+    """weight [..., K] float32 -> its blocks [..., K / block inputs * block bytes] uint8."""
     if qtype == "Q4_K":
         return _q4_k(weight.astype(np.float32))
     if qtype == "Q6_K":
@@ -42,7 +42,7 @@ def _q4_k(weight: np.ndarray) -> np.ndarray:
                              (sc[:, 4:] & 15) | (m[:, 4:] & 15) << 4], axis=-1)
     qs = (q[:, :, 0] | q[:, :, 1] << 4).reshape(-1, 128)
     blocks = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), scales, qs], axis=-1)
-    return blocks.reshape(weight.shape[0], -1)
+    return blocks.reshape(*weight.shape[:-1], -1)
 
 
 def _q6_k(weight: np.ndarray) -> np.ndarray:
@@ -57,4 +57,4 @@ def _q6_k(weight: np.ndarray) -> np.ndarray:
     ql = (low[:, :, 0] | low[:, :, 1] << 4).reshape(-1, 128)
     qh = (high[:, :, 0] | high[:, :, 1] << 2 | high[:, :, 2] << 4 | high[:, :, 3] << 6).reshape(-1, 64)
     blocks = np.concatenate([ql, qh, scale.view(np.int8).view(np.uint8), d.view(np.uint8)], axis=-1)
-    return blocks.reshape(weight.shape[0], -1)
+    return blocks.reshape(*weight.shape[:-1], -1)
