@@ -206,43 +206,34 @@ static inline __attribute__((always_inline)) void tile_quant(const float *x, lon
     store_acc(acc, rows, vecs, bias, n_valid, out, wide_out, N);
 }
 
-/* A k-quant group's scales of a block of 16 columns as gguf.quants.dequantize rounds them: per 16
- * inputs (W_Q6_K) scale[u][c] = d * scale; per 32 inputs (W_Q4_K) scale[u][c] = d * sc and
- * low[u][c] = -(dmin * m) (adding it subtracts dmin * m, bit for bit). Plain loops over the 16
- * columns, vectorised by the compiler; once a group, beside 256 inputs' products. */
-static inline __attribute__((always_inline)) void kquant_scales(const char *group, int format, float scale[16][16],
-                                                                float low[8][16]) {
-    float d[16], dmin[16];
-    for (int c = 0; c < 16; c += VL) vf_store(d + c, vf_load_half((const uint16_t *)group + c));
-    if (format == W_Q6_K) {
-        const int8_t *sc = (const int8_t *)group + 32;
-        for (int u = 0; u < 16; u++) {
-            for (int c = 0; c < 16; c++) scale[u][c] = d[c] * (float)sc[16 * u + c];
-        }
-        return;
+/* W_Q4_K's scale (d * sc) and negated minimum (-(dmin * m)) of sub-block j (inputs 32j .. 32j + 31)
+ * of the columns whose 12 scale bytes b[16k] (k = 0..11) start at b, with d and -dmin: GGUF's 6-bit
+ * sc and m, the first four sub-blocks' whole in a byte, the last four's split into 4 and 2 bits
+ * (each integer exact as a float), then one rounding each, as gguf.quants.dequantize rounds them
+ * ((-dmin) * m = -(dmin * m), bit for bit). */
+static inline __attribute__((always_inline)) void q4_k_scales(const uint8_t *b, int j, VF d, VF neg_dmin, VF *scale,
+                                                              VF *low) {
+    VF sc, m, sixteen = vf_set1(16.0f);
+    if (j < 4) {
+        sc = vf_widen_bits(b + 16 * j, 0, 63);
+        m = vf_widen_bits(b + 16 * (j + 4), 0, 63);
+    } else {
+        sc = vf_add(vf_widen_bits(b + 16 * (j + 4), 0, 15), vf_mul(vf_widen_bits(b + 16 * (j - 4), 6, 3), sixteen));
+        m = vf_add(vf_widen_bits(b + 16 * (j + 4), 4, 15), vf_mul(vf_widen_bits(b + 16 * j, 6, 3), sixteen));
     }
-    for (int c = 0; c < 16; c += VL) vf_store(dmin + c, vf_load_half((const uint16_t *)group + 16 + c));
-    const uint8_t *b = (const uint8_t *)group + 64;     /* b[16 k + c]: byte k of column c's 12 */
-    for (int u = 0; u < 8; u++) {
-        for (int c = 0; c < 16; c++) {          /* GGUF's packing: 6 bits of sc and m, the first 4 whole */
-            unsigned sc = u < 4 ? b[16 * u + c] & 63u : (b[16 * (u + 4) + c] & 15u) | (b[16 * (u - 4) + c] >> 6) << 4;
-            unsigned m = u < 4 ? b[16 * (u + 4) + c] & 63u : (b[16 * (u + 4) + c] >> 4) | (b[16 * u + c] >> 6) << 4;
-            scale[u][c] = d[c] * (float)sc;
-            low[u][c] = -(dmin[c] * (float)m);
-        }
-    }
+    *scale = vf_mul(d, sc);
+    *low = vf_mul(neg_dmin, m);
 }
 
-/* W_Q4_K or W_Q6_K weights, float32 inputs x [rows, K]: per group of 256 inputs, each block's
- * scales are computed once (kquant_scales), then per pair of inputs the quantized weights are
- * widened and dequantized in registers, a product (and a sum) each as gguf.quants.dequantize
- * rounds them, and multiplied as tile_dense multiplies: a row's sums are tile_dense's over the
- * dequantized float32 weights, bit for bit, at every level. */
+/* W_Q4_K or W_Q6_K weights, float32 inputs x [rows, K]: per 16 inputs (one scale), each block's
+ * scales are computed in registers from the group's bytes, then per pair of inputs the quantized
+ * weights are widened and dequantized in registers, a product (and a sum) each as
+ * gguf.quants.dequantize rounds them, and multiplied as tile_dense multiplies: a row's sums are
+ * tile_dense's over the dequantized float32 weights, bit for bit, at every level. */
 static inline __attribute__((always_inline)) void tile_kquant(const float *x, long K, const char *w, int format,
                                                               long rows, int vecs, const float *bias, long n_valid,
                                                               void *out, int wide_out, long N) {
     long groups = K / 256, group_bytes = kquant_group_bytes(format), block_bytes = groups * group_bytes;
-    int blocks = (vecs * VL + 15) / 16;
     VF acc[TILE_ROWS][TILE_VECS];
 #pragma GCC unroll 16
     for (int m = 0; m < TILE_ROWS; m++) {
@@ -250,32 +241,36 @@ static inline __attribute__((always_inline)) void tile_kquant(const float *x, lo
         for (int v = 0; v < TILE_VECS; v++) acc[m][v] = vf_zero();
     }
     for (long j = 0; j < groups; j++) {
-        float scale[TILE_COLS / 16][16][16], low[TILE_COLS / 16][8][16];
-        for (int b = 0; b < blocks; b++) {
-            const char *group = w + b * block_bytes + j * group_bytes;
-            for (long line = 0; line < group_bytes; line += 64) __builtin_prefetch(group + PREFETCH_BYTES + line, 0, 2);
-            kquant_scales(group, format, scale[b], low[b]);
+        const uint8_t *group[TILE_VECS];        /* the column's bytes of the group: byte k at [16 k] */
+        VF d[TILE_VECS], neg_dmin[TILE_VECS];
+#pragma GCC unroll 16
+        for (int v = 0; v < TILE_VECS; v++) {
+            if (v >= vecs) continue;
+            int c = v * VL % 16;                            /* its first column in its block */
+            const char *at = w + v * VL / 16 * block_bytes + j * group_bytes;
+            if (c == 0) {
+                for (long line = 0; line < group_bytes; line += 64) __builtin_prefetch(at + PREFETCH_BYTES + line, 0, 2);
+            }
+            d[v] = vf_load_half((const uint16_t *)at + c);
+            if (format == W_Q4_K) neg_dmin[v] = vf_mul(vf_load_half((const uint16_t *)at + 16 + c), vf_set1(-1.0f));
+            group[v] = (const uint8_t *)at + c;
         }
         for (int u = 0; u < 16; u++) {          /* inputs 16u .. 16u + 15 of the group, one scale */
             const uint8_t *lo[TILE_VECS], *hi[TILE_VECS];    /* the column's bytes of input 16u */
             VF s[TILE_VECS], m[TILE_VECS];
-            int lo_shift, hi_shift = 2 * (u % 8 / 2);
+            int lo_shift = format == W_Q4_K ? 4 * (u / 2 % 2) : 4 * (u % 8 / 4), hi_shift = 2 * (u % 8 / 2);
 #pragma GCC unroll 16
             for (int v = 0; v < TILE_VECS; v++) {
                 if (v >= vecs) continue;
-                int b = v * VL / 16, c = v * VL % 16;
-                const uint8_t *q = (const uint8_t *)(w + b * block_bytes + j * group_bytes) + c;
                 if (format == W_Q4_K) {
-                    lo[v] = q + 256 + 16 * (32 * (u / 4) + 16 * (u % 2));
-                    s[v] = vf_load(scale[b][u / 2] + c);
-                    m[v] = vf_load(low[b][u / 2] + c);
+                    q4_k_scales(group[v] + 64, u / 2, d[v], neg_dmin[v], &s[v], &m[v]);
+                    lo[v] = group[v] + 256 + 16 * (32 * (u / 4) + 16 * (u % 2));
                 } else {
-                    lo[v] = q + 288 + 16 * (64 * (u / 8) + 16 * (u % 4));
-                    hi[v] = q + 288 + 2048 + 16 * (32 * (u / 8) + 16 * (u % 2));
-                    s[v] = vf_load(scale[b][u] + c);
+                    s[v] = vf_mul(d[v], vf_widen_i8((const int8_t *)group[v] + 32 + 16 * u));
+                    lo[v] = group[v] + 288 + 16 * (64 * (u / 8) + 16 * (u % 4));
+                    hi[v] = group[v] + 288 + 2048 + 16 * (32 * (u / 8) + 16 * (u % 2));
                 }
             }
-            lo_shift = format == W_Q4_K ? 4 * (u / 2 % 2) : 4 * (u % 8 / 4);
 #pragma GCC unroll 8
             for (int i = 0; i < 8; i++) {       /* inputs 16u + 2i and 16u + 2i + 1: rows 2i, 2i + 1 of bytes */
                 VF even[TILE_VECS], odd[TILE_VECS];
