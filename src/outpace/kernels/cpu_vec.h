@@ -15,6 +15,7 @@
  *   vf_widen_nibbles(p, &lo, &hi)  VL bytes p[0..VL): lo[l] = p[l] & 15, hi[l] = p[l] >> 4 as floats
  *   vf_bits(bits, x)               lane l: x where bit l of bits is set, else 0
  *   vf_widen_bits(p, shift, mask)  VL bytes p[0..VL): lane l = (p[l] >> shift) & mask as a float
+ *                                  (mask << shift < 256)
  *   vf_widen_q6(lo, hi, ls, hs)    VL bytes lo[0..VL), hi[0..VL): lane l = ((lo[l] >> ls) & 15 |
  *                                  ((hi[l] >> hs) & 3) << 4) - 32 as a float (GGUF Q6_K's weights)
  *
@@ -55,16 +56,17 @@ static inline void vf_widen_nibbles(const uint8_t *p, VF *lo, VF *hi) {
     *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
 }
 static inline VF vf_bits(unsigned bits, float x) { return _mm512_maskz_mov_ps((__mmask16)bits, _mm512_set1_ps(x)); }
-static inline __m512i widen_u8x16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+/* (p[l] >> shift) & mask on 16 bytes (mask << shift < 256: 16-bit shifts bring no bits of the next byte in) */
+static inline __m128i bits_u8x16(const uint8_t *p, int shift, int mask) {
+    __m128i v = _mm_srl_epi16(_mm_loadu_si128((const __m128i *)p), _mm_cvtsi32_si128(shift));
+    return _mm_and_si128(v, _mm_set1_epi8((char)mask));
+}
 static inline VF vf_widen_bits(const uint8_t *p, int shift, int mask) {
-    __m512i v = _mm512_srl_epi32(widen_u8x16(p), _mm_cvtsi32_si128(shift));
-    return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(mask)));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bits_u8x16(p, shift, mask)));
 }
 static inline VF vf_widen_q6(const uint8_t *lo, const uint8_t *hi, int lo_shift, int hi_shift) {
-    __m512i l = _mm512_and_si512(_mm512_srl_epi32(widen_u8x16(lo), _mm_cvtsi32_si128(lo_shift)), _mm512_set1_epi32(15));
-    __m512i h = _mm512_and_si512(_mm512_srl_epi32(widen_u8x16(hi), _mm_cvtsi32_si128(hi_shift)), _mm512_set1_epi32(3));
-    __m512i q = _mm512_or_si512(l, _mm512_slli_epi32(h, 4));
-    return _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(32)));
+    __m128i q = _mm_or_si128(bits_u8x16(lo, lo_shift, 15), _mm_slli_epi16(bits_u8x16(hi, hi_shift, 3), 4));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(q, _mm_set1_epi8(32))));
 }
 static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
     __m512i v = _mm512_loadu_si512(p);
@@ -99,16 +101,17 @@ static inline VF vf_bits(unsigned bits, float x) {
     __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)bits), lane), lane);
     return _mm256_and_ps(_mm256_castsi256_ps(set), _mm256_set1_ps(x));
 }
-static inline __m256i widen_u8x8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+/* (p[l] >> shift) & mask on 8 bytes (mask << shift < 256: 16-bit shifts bring no bits of the next byte in) */
+static inline __m128i bits_u8x8(const uint8_t *p, int shift, int mask) {
+    __m128i v = _mm_srl_epi16(_mm_loadl_epi64((const __m128i *)p), _mm_cvtsi32_si128(shift));
+    return _mm_and_si128(v, _mm_set1_epi8((char)mask));
+}
 static inline VF vf_widen_bits(const uint8_t *p, int shift, int mask) {
-    __m256i v = _mm256_srl_epi32(widen_u8x8(p), _mm_cvtsi32_si128(shift));
-    return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(mask)));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bits_u8x8(p, shift, mask)));
 }
 static inline VF vf_widen_q6(const uint8_t *lo, const uint8_t *hi, int lo_shift, int hi_shift) {
-    __m256i l = _mm256_and_si256(_mm256_srl_epi32(widen_u8x8(lo), _mm_cvtsi32_si128(lo_shift)), _mm256_set1_epi32(15));
-    __m256i h = _mm256_and_si256(_mm256_srl_epi32(widen_u8x8(hi), _mm_cvtsi32_si128(hi_shift)), _mm256_set1_epi32(3));
-    __m256i q = _mm256_or_si256(l, _mm256_slli_epi32(h, 4));
-    return _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(32)));
+    __m128i q = _mm_or_si128(bits_u8x8(lo, lo_shift, 15), _mm_slli_epi16(bits_u8x8(hi, hi_shift, 3), 4));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_sub_epi8(q, _mm_set1_epi8(32))));
 }
 static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
     __m256i v = _mm256_loadu_si256((const __m256i *)p);
