@@ -18,7 +18,9 @@ int main(void) {
     long M = head[0], K = head[1], N = head[2], padded = (N + 15) / 16 * 16;
     int format = (int)head[3], wide_io = (int)head[4];
     size_t io = wide_io ? 4 : 2;
-    size_t weight = format == W_F32 ? 4 * K : format == W_BF16 ? 2 * K : K / 32 * group_bytes_of(format) / 16;
+    size_t weight = format == W_F32 ? 4 * K : format == W_BF16 ? 2 * K
+                    : format == W_Q4_K || format == W_Q6_K ? K / 256 * kquant_group_bytes(format) / 16
+                    : K / 32 * group_bytes_of(format) / 16;
     void *x = read_all(M * K * io), *w = read_all(padded * weight);
     float *bias = head[5] ? read_all(N * 4) : NULL;
     void *out = malloc(M * N * io);

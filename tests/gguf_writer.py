@@ -9,6 +9,7 @@ import gguf.quants
 import numpy as np
 
 from outpace.weights.gguf import hf_tensor_name, llama3_rope_factors, rotary_permute
+from gguf_blocks import quantize
 
 
 TEST_CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
@@ -28,7 +29,7 @@ def write_test_gguf(path: str | Path, arch: str = "llama", config_overrides: dic
     dtype: "f32" or "f16" matrices (norms and biases stay f32, as llama.cpp writes them).
     tokenizer: "gpt2" (byte-level BPE with ChatML specials) or "llama" (sentencepiece, byte fallback).
     quantized: a matrix's role (attn_q, ffn_down, token_embd, output ...) -> the GGUF type it is
-        quantized to (Q4_1, Q8_0 ...); the expected tensor is its dequantized value.
+        quantized to (Q4_1, Q8_0, Q4_K ...: gguf_blocks.quantize); the expected tensor is its dequantized value.
     """
     tokens, types, extra = _test_vocab(tokenizer)
     cfg = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -68,16 +69,16 @@ def write_test_gguf(path: str | Path, arch: str = "llama", config_overrides: dic
             value = (0.02 * rng.standard_normal(shape, np.float32)).astype(stored)
         expected[hf_tensor_name(name)] = value.astype(np.float32)
         role = name.split(".")[-2]
-        qtype = (quantized or {}).get(role)
+        qtype = (quantized or {}).get(role) if len(shape) == 2 else None      # biases stay float, as llama.cpp's
         if qtype is not None:
             qtype = gguf.GGMLQuantizationType[qtype]
-            expected[hf_tensor_name(name)] = gguf.quants.dequantize(gguf.quants.quantize(value, qtype), qtype)
+            expected[hf_tensor_name(name)] = gguf.quants.dequantize(quantize(value, qtype.name), qtype)
         if arch not in ("qwen2", "qwen3") and role in heads:
             value = rotary_permute(value, heads[role])
         if qtype is None:
             writer.add_tensor(name, value)
         else:       # quantized after the permutation, as llama.cpp's files are: each row's blocks move whole
-            writer.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+            writer.add_tensor(name, quantize(value, qtype.name), raw_dtype=qtype)
     if (cfg["rope_scaling"] or {}).get("rope_type") == "llama3":
         factors = llama3_rope_factors(cfg["head_dim"], cfg["rope_theta"], cfg["rope_scaling"]["factor"])
         writer.add_tensor("rope_freqs.weight", factors.astype(np.float32))

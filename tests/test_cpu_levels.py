@@ -7,11 +7,10 @@ import subprocess
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import quantize
 
 from outpace.errors import InvalidParameterError
 from outpace.kernels import cpu_build, cpu_isa, cpu_kernels, cpu_linear
+from gguf_blocks import quantize
 
 AVX2_CPU = frozenset("sse2 avx avx2 fma f16c bmi2".split())
 AVX512_CPU = AVX2_CPU | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
@@ -186,9 +185,9 @@ def test_aarch64_products_equal_the_portable_build(level, tmp_path, monkeypatch)
                         step = 2 ** -7 if x_dtype == torch.bfloat16 else 1e-5
                         torch.testing.assert_close(got.float(), expected.float(), rtol=step, atol=step)
         for qtype, fmt in cpu_kernels.QUANT_FORMATS.items():     # GGUF blocks: as the float32 weights
-            weight = np.random.default_rng(fmt).standard_normal((80, 96)).astype(np.float32)
-            blocks = torch.from_numpy(quantize(weight, GGMLQuantizationType[qtype]))
-            packed, x = cpu_kernels.pack_quantized(blocks, qtype), torch.randn(5, 96, generator=g)
+            weight = np.random.default_rng(fmt).standard_normal((80, 256)).astype(np.float32)
+            blocks = torch.from_numpy(quantize(weight, qtype))
+            packed, x = cpu_kernels.pack_quantized(blocks, qtype), torch.randn(5, 256, generator=g)
             got, expected = _run_aarch64(program, x, packed, fmt, None, 80), cpu_kernels.linear(x, packed, fmt, None, 80)
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     finally:

@@ -2,8 +2,9 @@
 
 The default model's linears and tied LM head compute on the file's Q4_1 and Q8_0 blocks, hold about
 the file's bytes, compute in float32 bit for bit as the dequantized float32 model does, and keep
-speculation lossless (each token computes alike whatever shares its forward). Types without
-kernels, CUDA and bad choices say so."""
+speculation lossless (each token computes alike whatever shares its forward); so do small GGUFs of
+every supported type, k-quants and fused layers of mixed types included. Types without kernels,
+inputs that are not whole blocks, CUDA and bad choices say so."""
 import json
 import shutil
 import subprocess
@@ -11,15 +12,17 @@ import sys
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from outpace import LLM, SamplingParams, SpecConfig
 from outpace.config import EngineConfig
 from outpace.errors import InvalidParameterError
 from outpace.kernels import cpu_kernels
-from outpace.kernels.cpu_linear import QuantizedLinear
+from outpace.kernels.cpu_linear import QuantizedLinear, QuantizedParts
 from outpace.runner.model_runner import ModelRunner, Row
 from outpace.weights import quantized
-from outpace.weights.gguf import GGUFFile, convert_gguf
+from outpace.weights.gguf import QTYPES_KEY, GGUFFile, convert_gguf
 from outpace.weights.loader import load_model
 from gguf_writer import write_test_gguf
 from tiny import make_tiny
@@ -144,6 +147,59 @@ def test_a_converted_gguf_computes_as_its_float_copy(home, tmp_path, arch):
     assert torch.equal(logits[0], logits[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_k_quant_gguf_computes_as_its_float_copy(home, tmp_path, dtype):
+    """Q4_K_M's mix, as llama.cpp writes it: Q4_K matrices, Q6_K values (a qkv of mixed types:
+    QuantizedParts), down and LM head, and a Q4_K embedding; qwen2's q/k/v biases. Every matrix
+    keeps the file's bytes, and the quantized model's logits are its float32 model's bit for bit in
+    float32; in bfloat16, each token's logits are the same bits alone as beside another sequence's
+    draft (speculation stays lossless)."""
+    kinds = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K",
+             "ffn_up": "Q4_K", "ffn_down": "Q6_K", "output": "Q6_K", "token_embd": "Q4_K"}
+    shape = {"tie_word_embeddings": False, "vocab_size": 320, "hidden_size": 256, "intermediate_size": 512,
+             "head_dim": 64}
+    write_test_gguf(tmp_path / "m.gguf", "qwen2", shape, quantized=kinds)
+    folder = convert_gguf(tmp_path / "m.gguf")
+    model = load_model(folder, dtype, "cpu", max_len=64, weights="quantized")
+    assert all(isinstance(layer.attn.qkv, QuantizedParts) for layer in model.layers)
+    held = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert {m.qtype for m in held} == {"Q4_K", "Q6_K"} and not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    matrices = [t for t in GGUFFile(tmp_path / "m.gguf").tensors if len(t.shape) == 2 and "token_embd" not in t.name]
+    assert sum(m.packed.numel() for m in held) == sum(t.num_bytes for t in matrices)    # rows all whole blocks of 16
+    runner = ModelRunner(model, num_slots=2, max_len=64, max_step_tokens=64)
+    prompt = list(range(3, 40))
+    if dtype == torch.float32:
+        reference = load_model(folder, torch.float32, "cpu", max_len=64, weights="fp32")
+        rows = [Row(0, prompt, 0)]
+        assert torch.equal(runner.forward(rows)[0], ModelRunner(reference, 1, 64, 64).forward(rows)[0])
+        return
+    draft = [5, 17, 300, 42]
+    runner.forward([Row(0, prompt, 0)], logits="none")
+    runner.forward([Row(1, prompt[:9], 0)], logits="none")
+    alone = [runner.forward([Row(0, [t], len(prompt) + i)])[0][0, 0].clone() for i, t in enumerate(draft)]
+    together, _ = runner.forward([Row(0, draft, len(prompt)), Row(1, [11], 9)])
+    for i in range(len(draft)):
+        assert torch.equal(together[0, i], alone[i]), i
+
+
+def test_inputs_not_whole_blocks_are_dequantized_with_a_warning(home, tmp_path, capsys):
+    """A matrix whose inputs are not whole blocks of its type (a converted folder whose block types
+    say Q4_K for 64 inputs a row; llama.cpp never writes one) is left to the float copy, and stderr
+    says why."""
+    write_test_gguf(tmp_path / "m.gguf", "llama", quantized={"ffn_down": "Q8_0", "ffn_gate": "Q8_0", "ffn_up": "Q8_0"})
+    folder = convert_gguf(tmp_path / "m.gguf")
+    blocks = quantized.blocks_file(folder)
+    with safe_open(str(blocks), framework="pt") as f:
+        tensors, metadata = {n: f.get_tensor(n) for n in f.keys()}, f.metadata()
+    qtypes = json.loads(metadata[QTYPES_KEY])
+    qtypes.update({n: "Q4_K" for n in qtypes if "gate_proj" in n or "up_proj" in n})
+    save_file(tensors, str(blocks), metadata={**metadata, QTYPES_KEY: json.dumps(qtypes)})
+    capsys.readouterr()
+    model = load_model(folder, torch.float32, "cpu", max_len=64)
+    assert "64 inputs are not whole blocks of Q4_K (256 inputs a block): 4 matrices dequantized" in capsys.readouterr().err
+    assert isinstance(model.layers[0].mlp.down, QuantizedLinear) and not isinstance(model.layers[0].mlp.gate_up, QuantizedLinear)
+
+
 def test_types_without_kernels_are_dequantized_with_a_warning(home, tmp_path, capsys):
     """A Q5_1 matrix (no kernel) is dequantized, and stderr names the type, the supported ones and
     the cost; a fused layer of mixed types (q Q4_1, k and v Q5_1) is dequantized whole."""
@@ -155,7 +211,7 @@ def test_types_without_kernels_are_dequantized_with_a_warning(home, tmp_path, ca
     model = load_model(folder, torch.float32, "cpu", max_len=64)
     err = capsys.readouterr().err
     # q, k, v and down of 2 layers: 32768 weights
-    assert "no CPU kernels for Q5_1 (kernels: Q4_0, Q4_1, Q5_0, Q8_0): 8 matrices dequantized" in err
+    assert "no CPU kernels for Q5_1 (kernels: Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0): 8 matrices dequantized" in err
     assert "0.1 MB in bfloat16 (0.1 in float32) where the file holds 0.0 MB" in err
     layer = model.layers[0]
     assert isinstance(layer.mlp.gate_up, QuantizedLinear) and not isinstance(layer.mlp.down, QuantizedLinear)

@@ -35,8 +35,12 @@ SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 MAX_HEAD_DIM, MAX_GROUP = 256, 64       # cpu_kernels.c's limits
 # cpu_products.h's WeightFormat of each packed weight dtype, and of each GGUF block type it computes on
 WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
-QUANT_FORMATS = {"Q8_0": 2, "Q4_1": 3, "Q4_0": 4, "Q5_0": 5}
-QUANT_BLOCK = 32                        # inputs a GGUF block of these types quantizes together
+QUANT_FORMATS = {"Q8_0": 2, "Q4_1": 3, "Q4_0": 4, "Q5_0": 5, "Q4_K": 6, "Q6_K": 7}
+# the byte ranges of a k-quant block (256 inputs, one column) that pack_quantized lays out one after
+# another per 16 columns, the 16 columns' float16 values side by side, other bytes transposed (byte
+# k of the 16 columns side by side): cpu_products.h's W_Q4_K and W_Q6_K
+_KQUANT_PARTS = {"Q4_K": ((0, 2), (2, 4), (4, 16), (16, 144)),              # d, dmin, scales, q
+                 "Q6_K": ((208, 210), (192, 208), (0, 128), (128, 192))}    # d, scales, ql, qh
 
 
 @functools.cache
@@ -125,16 +129,18 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_quantized(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
-    """A GGUF weight's raw blocks [N, K / 32 * block bytes] uint8 (rows of type `qtype`, a key of
-    QUANT_FORMATS) regrouped for linear: blocks of 16 output columns (the last padded with zero
-    blocks), each K / 32 groups of cpu_products.h's layout. Bytes are moved, never converted, so the
-    packed weight is the file's size."""
+    """A GGUF weight's raw blocks [N, K / block inputs * block bytes] uint8 (rows of type `qtype`, a
+    key of QUANT_FORMATS; blocks of 32 inputs, 256 for the k-quants) regrouped for linear: blocks
+    of 16 output columns (the last padded with zero blocks), each K / block inputs groups of
+    cpu_products.h's layout. Bits are moved, never converted, so the packed weight is the file's size."""
     N = blocks.shape[0]
     padded = blocks.new_zeros((N + 15) // 16 * 16, blocks.shape[1])
     padded[:N] = blocks
-    size = {"Q8_0": 34, "Q4_1": 20, "Q4_0": 18, "Q5_0": 22}[qtype]
-    cols = padded.view(-1, 16, blocks.shape[1] // size, size).transpose(1, 2)    # [N / 16, K / 32, 16, size]
-    if qtype == "Q8_0":         # GGUF: d float16, q[32] int8
+    size = {"Q8_0": 34, "Q4_1": 20, "Q4_0": 18, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210}[qtype]
+    cols = padded.view(-1, 16, blocks.shape[1] // size, size).transpose(1, 2)    # [N / 16, K / block, 16, size]
+    if qtype in _KQUANT_PARTS:  # a float16 part [16, 2] as it is, others [16, bytes] -> [bytes, 16]
+        parts = [cols[..., a:b] if b - a == 2 else cols[..., a:b].transpose(-1, -2) for a, b in _KQUANT_PARTS[qtype]]
+    elif qtype == "Q8_0":       # GGUF: d float16, q[32] int8
         parts = [cols[..., :2], cols[..., 2:].transpose(-1, -2)]
     else:   # GGUF: d (Q4_1: and m) float16 (Q5_0: then the fifth bits, uint32), q[16]: input i in the low nibble, i + 16 in the high
         start = {"Q4_1": 4, "Q4_0": 2, "Q5_0": 6}[qtype]

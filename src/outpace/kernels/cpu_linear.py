@@ -115,3 +115,27 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.float()
         return cpu_kernels.linear(x, self.packed, self.format, bias, self.out_features)
+
+
+class QuantizedParts(nn.Module):
+    """A fused layer (qkv, gate_up) whose parts are GGUF weights of different types (cpu_kernels.
+    QUANT_FORMATS): one QuantizedLinear a part, over its rows in order; x [..., K] -> their results
+    side by side [..., N]. The bias, a parameter the loader fills like any other, goes into each
+    part's product as its rows' slice, so each row computes as a QuantizedLinear of its type does."""
+
+    def __init__(self, parts: list[tuple[torch.Tensor, str]], in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.parts = nn.ModuleList(QuantizedLinear(blocks, qtype, in_features, blocks.shape[0], False)
+                                   for blocks, qtype in parts)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        outs, start = [], 0
+        for part in self.parts:
+            rows = part.out_features
+            outs.append(cpu_kernels.linear(x, part.packed, part.format, None if bias is None else bias[start:start + rows],
+                                           rows))
+            start += rows
+        return torch.cat(outs, dim=-1)

@@ -27,6 +27,15 @@ enum WeightFormat {
     W_Q4_0 = 4,     /* 288 bytes: scales d[16] float16, then q[16][16] bytes as W_Q4_1's; w = d * (q - 8) */
     W_Q5_0 = 5,     /* 352 bytes: scales d[16] float16, then high[32] uint16 (input; bit c: column c's
                      * fifth bit), then q[16][16] bytes as W_Q4_1's (the low 4 bits); w = d * (q - 16) */
+    /* GGUF's k-quants, super-blocks of 256 inputs (K a multiple of 256), each column's block of the
+     * file transposed per 16 columns (cpu_kernels.pack_quantized): a block of columns is K / 256
+     * groups, one per 256 inputs, each the blocks' parts below with byte k of column c at [k][c] */
+    W_Q4_K = 6,     /* 2304 bytes: d[16], dmin[16] float16, scales[12][16] (GGUF's 6-bit scale sc and
+                     * minimum m of each 32 inputs), q[128][16]: inputs 64g + i (low nibble) and 64g + 32 + i
+                     * (high) in byte 32g + i; w = (d * sc) * q - dmin * m */
+    W_Q6_K = 7,     /* 3360 bytes: d[16] float16, scales[16][16] int8 (one a 16 inputs), ql[128][16],
+                     * qh[64][16]: input 128h + r's low 4 bits in ql[64h + r % 64] (nibble r / 64), its
+                     * high 2 in qh[32h + r % 32] (bits 2 (r / 32) on); w = (d * scale) * (q - 32) */
 };
 #define Q8_0_GROUP_BYTES 544
 #define Q4_1_GROUP_BYTES 320
@@ -40,6 +49,9 @@ static inline long group_bytes_of(int format) {
 _Static_assert(16 % VL == 0 && TILE_VECS * VL % 16 == 0, "a tile holds whole blocks of 16 columns");
 _Static_assert(TILE_ROWS <= 12, "tiles_dense's cases reach 12 rows");
 #define TILE_COLS (TILE_VECS * VL)
+#define Q4_K_GROUP_BYTES 2304
+#define Q6_K_GROUP_BYTES 3360
+static inline long kquant_group_bytes(int format) { return format == W_Q4_K ? Q4_K_GROUP_BYTES : Q6_K_GROUP_BYTES; }
 
 /* A tile's sums [rows][TILE_COLS] plus the bias (float32, NULL: none) into out [rows, N] from
  * its first column, float32 when wide_out, else rounded to bfloat16; columns from `cols` on are
@@ -194,6 +206,103 @@ static inline __attribute__((always_inline)) void tile_quant(const float *x, lon
     store_acc(acc, rows, vecs, bias, n_valid, out, wide_out, N);
 }
 
+/* W_Q4_K's scale (d * sc) and negated minimum (-(dmin * m)) of sub-block j (inputs 32j .. 32j + 31)
+ * of the columns whose 12 scale bytes b[16k] (k = 0..11) start at b, with d and -dmin: GGUF's 6-bit
+ * sc and m, the first four sub-blocks' whole in a byte, the last four's split into 4 and 2 bits
+ * (each integer exact as a float), then one rounding each, as gguf.quants.dequantize rounds them
+ * ((-dmin) * m = -(dmin * m), bit for bit). */
+static inline __attribute__((always_inline)) void q4_k_scales(const uint8_t *b, int j, VF d, VF neg_dmin, VF *scale,
+                                                              VF *low) {
+    VF sc, m, sixteen = vf_set1(16.0f);
+    if (j < 4) {
+        sc = vf_widen_bits(b + 16 * j, 0, 63);
+        m = vf_widen_bits(b + 16 * (j + 4), 0, 63);
+    } else {
+        sc = vf_add(vf_widen_bits(b + 16 * (j + 4), 0, 15), vf_mul(vf_widen_bits(b + 16 * (j - 4), 6, 3), sixteen));
+        m = vf_add(vf_widen_bits(b + 16 * (j + 4), 4, 15), vf_mul(vf_widen_bits(b + 16 * j, 6, 3), sixteen));
+    }
+    *scale = vf_mul(d, sc);
+    *low = vf_mul(neg_dmin, m);
+}
+
+/* W_Q4_K or W_Q6_K weights, float32 inputs x [rows, K]: per 16 inputs (one scale), each block's
+ * scales are computed in registers from the group's bytes, then per pair of inputs the quantized
+ * weights are widened and dequantized in registers, a product (and a sum) each as
+ * gguf.quants.dequantize rounds them, and multiplied as tile_dense multiplies: a row's sums are
+ * tile_dense's over the dequantized float32 weights, bit for bit, at every level. */
+static inline __attribute__((always_inline)) void tile_kquant(const float *x, long K, const char *w, int format,
+                                                              long rows, int vecs, const float *bias, long n_valid,
+                                                              void *out, int wide_out, long N) {
+    long groups = K / 256, group_bytes = kquant_group_bytes(format), block_bytes = groups * group_bytes;
+    VF acc[TILE_ROWS][TILE_VECS];
+#pragma GCC unroll 16
+    for (int m = 0; m < TILE_ROWS; m++) {
+#pragma GCC unroll 16
+        for (int v = 0; v < TILE_VECS; v++) acc[m][v] = vf_zero();
+    }
+    for (long j = 0; j < groups; j++) {
+        const uint8_t *group[TILE_VECS];        /* the column's bytes of the group: byte k at [16 k] */
+        VF d[TILE_VECS], neg_dmin[TILE_VECS];
+#pragma GCC unroll 16
+        for (int v = 0; v < TILE_VECS; v++) {
+            if (v >= vecs) continue;
+            int c = v * VL % 16;                            /* its first column in its block */
+            const char *at = w + v * VL / 16 * block_bytes + j * group_bytes;
+            if (c == 0) {
+                for (long line = 0; line < group_bytes; line += 64) __builtin_prefetch(at + PREFETCH_BYTES + line, 0, 2);
+            }
+            d[v] = vf_load_half((const uint16_t *)at + c);
+            if (format == W_Q4_K) neg_dmin[v] = vf_mul(vf_load_half((const uint16_t *)at + 16 + c), vf_set1(-1.0f));
+            group[v] = (const uint8_t *)at + c;
+        }
+        for (int u = 0; u < 16; u++) {          /* inputs 16u .. 16u + 15 of the group, one scale */
+            const uint8_t *lo[TILE_VECS], *hi[TILE_VECS];    /* the column's bytes of input 16u */
+            VF s[TILE_VECS], m[TILE_VECS];
+            int lo_shift = format == W_Q4_K ? 4 * (u / 2 % 2) : 4 * (u % 8 / 4), hi_shift = 2 * (u % 8 / 2);
+#pragma GCC unroll 16
+            for (int v = 0; v < TILE_VECS; v++) {
+                if (v >= vecs) continue;
+                if (format == W_Q4_K) {
+                    q4_k_scales(group[v] + 64, u / 2, d[v], neg_dmin[v], &s[v], &m[v]);
+                    lo[v] = group[v] + 256 + 16 * (32 * (u / 4) + 16 * (u % 2));
+                } else {
+                    s[v] = vf_mul(d[v], vf_widen_i8((const int8_t *)group[v] + 32 + 16 * u));
+                    lo[v] = group[v] + 288 + 16 * (64 * (u / 8) + 16 * (u % 4));
+                    hi[v] = group[v] + 288 + 2048 + 16 * (32 * (u / 8) + 16 * (u % 2));
+                }
+            }
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++) {       /* inputs 16u + 2i and 16u + 2i + 1: rows 2i, 2i + 1 of bytes */
+                VF even[TILE_VECS], odd[TILE_VECS];
+#pragma GCC unroll 16
+                for (int v = 0; v < TILE_VECS; v++) {
+                    if (v >= vecs) continue;
+                    if (format == W_Q4_K) {
+                        even[v] = vf_add(vf_mul(vf_widen_bits(lo[v] + 32 * i, lo_shift, 15), s[v]), m[v]);
+                        odd[v] = vf_add(vf_mul(vf_widen_bits(lo[v] + 32 * i + 16, lo_shift, 15), s[v]), m[v]);
+                    } else {                    /* q - 32 is exact */
+                        even[v] = vf_mul(vf_widen_q6(lo[v] + 32 * i, hi[v] + 32 * i, lo_shift, hi_shift), s[v]);
+                        odd[v] = vf_mul(vf_widen_q6(lo[v] + 32 * i + 16, hi[v] + 32 * i + 16, lo_shift, hi_shift), s[v]);
+                    }
+                }
+#pragma GCC unroll 16
+                for (int r = 0; r < TILE_ROWS; r++) {
+                    if (r >= rows) continue;
+                    const float *in = x + r * K + 256 * j + 16 * u + 2 * i;
+                    VF x0 = vf_set1(in[0]), x1 = vf_set1(in[1]);
+#pragma GCC unroll 16
+                    for (int v = 0; v < TILE_VECS; v++) {
+                        if (v >= vecs) continue;
+                        acc[r][v] = vf_fma(x0, even[v], acc[r][v]);
+                        acc[r][v] = vf_fma(x1, odd[v], acc[r][v]);
+                    }
+                }
+            }
+        }
+    }
+    store_acc(acc, rows, vecs, bias, n_valid, out, wide_out, N);
+}
+
 #ifdef __AVX512BF16__
 /* W_BF16 weights and bfloat16 inputs with vdpbf16ps: a lane of a pair's load holds one column's
  * weights of inputs 2p and 2p + 1, the row's two inputs are broadcast as one 32-bit value, and one
@@ -263,6 +372,19 @@ static void tiles_quant(const float *x, long K, const char *w, int format, long 
     }
 }
 
+#define KQUANT(R, V) if (format == W_Q4_K) tile_kquant(x, K, w, W_Q4_K, R, V, bias, n_valid, out, wide_out, N); \
+                     else tile_kquant(x, K, w, W_Q6_K, R, V, bias, n_valid, out, wide_out, N);
+#define KQUANT_CASE(R) case R: if (R > TILE_ROWS) break; \
+                       if (TILE_COLS == 16 || vecs == TILE_VECS) { KQUANT(R, TILE_VECS) } else { KQUANT(R, vecs) } break;
+
+static void tiles_kquant(const float *x, long K, const char *w, int format, long rows, int vecs, const float *bias,
+                         long n_valid, void *out, int wide_out, long N) {
+    switch (rows) {
+        KQUANT_CASE(1) KQUANT_CASE(2) KQUANT_CASE(3) KQUANT_CASE(4) KQUANT_CASE(5) KQUANT_CASE(6)
+        KQUANT_CASE(7) KQUANT_CASE(8) KQUANT_CASE(9) KQUANT_CASE(10) KQUANT_CASE(11) KQUANT_CASE(12)
+    }
+}
+
 #ifdef __AVX512BF16__
 #define DOT(R, V) tile_dot_bf16(x, K, w, R, V, bias, n_valid, out, N);
 #define DOT_CASE(R) case R: if (vecs == TILE_VECS) { DOT(R, TILE_VECS) } else { DOT(R, vecs) } break;
@@ -286,16 +408,17 @@ int linear_bf16_dot(void) {
 }
 
 /* out [M, N] = x [M, K] @ W^T + bias, W packed in `format`, K even (a multiple of 32 for GGUF's
- * formats); x and out float32 when wide_io, else bfloat16; bias float32 or NULL. Returns 0, -1
+ * formats, of 256 for its k-quants); x and out float32 when wide_io, else bfloat16; bias float32 or NULL. Returns 0, -1
  * when memory for x widened to float32 ran out, -2 for an unknown format or a K it cannot take. */
 int linear(const void *x, int wide_io, long M, long K, const void *w, int format, long N, const float *bias,
            void *out) {
     int quant = format == W_Q8_0 || format == W_Q4_1 || format == W_Q4_0 || format == W_Q5_0;
-    if ((format != W_F32 && format != W_BF16 && !quant) || K % (quant ? 32 : 2)) return -2;
+    int kquant = format == W_Q4_K || format == W_Q6_K;
+    if ((format != W_F32 && format != W_BF16 && !quant && !kquant) || K % (kquant ? 256 : quant ? 32 : 2)) return -2;
     long tiles = (N + TILE_COLS - 1) / TILE_COLS, padded = (N + 15) / 16 * 16;
     long parts = (M + TILE_ROWS - 1) / TILE_ROWS, per_part = (M + parts - 1) / parts;
     long column_bytes = format == W_F32 ? 4 * K : format == W_BF16 ? 2 * K      /* a block's bytes / 16 */
-                        : K / 32 * group_bytes_of(format) / 16;
+                        : kquant ? K / 256 * kquant_group_bytes(format) / 16 : K / 32 * group_bytes_of(format) / 16;
     long out_size = wide_io ? 4 : 2;
     int dot = 0;
 #ifdef __AVX512BF16__
@@ -324,7 +447,8 @@ int linear(const void *x, int wide_io, long M, long K, const void *w, int format
                 continue;
             }
 #endif
-            if (quant) tiles_quant(x_f32 + m0 * K, K, w_t, format, rows, vecs, bias_t, N - col, out_t, wide_io, N);
+            if (kquant) tiles_kquant(x_f32 + m0 * K, K, w_t, format, rows, vecs, bias_t, N - col, out_t, wide_io, N);
+            else if (quant) tiles_quant(x_f32 + m0 * K, K, w_t, format, rows, vecs, bias_t, N - col, out_t, wide_io, N);
             else tiles_dense(x_f32 + m0 * K, K, w_t, format == W_F32, rows, vecs, bias_t, N - col, out_t, wide_io, N);
         }
     }

@@ -14,6 +14,10 @@
  *   vf_widen_i8(p)                 VL int8 values p[0..VL) as floats (exact)
  *   vf_widen_nibbles(p, &lo, &hi)  VL bytes p[0..VL): lo[l] = p[l] & 15, hi[l] = p[l] >> 4 as floats
  *   vf_bits(bits, x)               lane l: x where bit l of bits is set, else 0
+ *   vf_widen_bits(p, shift, mask)  VL bytes p[0..VL): lane l = (p[l] >> shift) & mask as a float
+ *                                  (mask << shift < 256)
+ *   vf_widen_q6(lo, hi, ls, hs)    VL bytes lo[0..VL), hi[0..VL): lane l = ((lo[l] >> ls) & 15 |
+ *                                  ((hi[l] >> hs) & 3) << 4) - 32 as a float (GGUF Q6_K's weights)
  *
  * TILE_VECS registers of sums a row and TILE_ROWS rows make a product tile: as many as the
  * level's registers hold beside the weights' registers and the inputs' broadcasts.
@@ -52,6 +56,18 @@ static inline void vf_widen_nibbles(const uint8_t *p, VF *lo, VF *hi) {
     *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
 }
 static inline VF vf_bits(unsigned bits, float x) { return _mm512_maskz_mov_ps((__mmask16)bits, _mm512_set1_ps(x)); }
+/* (p[l] >> shift) & mask on 16 bytes (mask << shift < 256: 16-bit shifts bring no bits of the next byte in) */
+static inline __m128i bits_u8x16(const uint8_t *p, int shift, int mask) {
+    __m128i v = _mm_srl_epi16(_mm_loadu_si128((const __m128i *)p), _mm_cvtsi32_si128(shift));
+    return _mm_and_si128(v, _mm_set1_epi8((char)mask));
+}
+static inline VF vf_widen_bits(const uint8_t *p, int shift, int mask) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bits_u8x16(p, shift, mask)));
+}
+static inline VF vf_widen_q6(const uint8_t *lo, const uint8_t *hi, int lo_shift, int hi_shift) {
+    __m128i q = _mm_or_si128(bits_u8x16(lo, lo_shift, 15), _mm_slli_epi16(bits_u8x16(hi, hi_shift, 3), 4));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(q, _mm_set1_epi8(32))));
+}
 static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
     __m512i v = _mm512_loadu_si512(p);
     *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
@@ -84,6 +100,18 @@ static inline VF vf_bits(unsigned bits, float x) {
     __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)bits), lane), lane);
     return _mm256_and_ps(_mm256_castsi256_ps(set), _mm256_set1_ps(x));
+}
+/* (p[l] >> shift) & mask on 8 bytes (mask << shift < 256: 16-bit shifts bring no bits of the next byte in) */
+static inline __m128i bits_u8x8(const uint8_t *p, int shift, int mask) {
+    __m128i v = _mm_srl_epi16(_mm_loadl_epi64((const __m128i *)p), _mm_cvtsi32_si128(shift));
+    return _mm_and_si128(v, _mm_set1_epi8((char)mask));
+}
+static inline VF vf_widen_bits(const uint8_t *p, int shift, int mask) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bits_u8x8(p, shift, mask)));
+}
+static inline VF vf_widen_q6(const uint8_t *lo, const uint8_t *hi, int lo_shift, int hi_shift) {
+    __m128i q = _mm_or_si128(bits_u8x8(lo, lo_shift, 15), _mm_slli_epi16(bits_u8x8(hi, hi_shift, 3), 4));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_sub_epi8(q, _mm_set1_epi8(32))));
 }
 static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
     __m256i v = _mm256_loadu_si256((const __m256i *)p);
@@ -124,6 +152,17 @@ static inline VF vf_bits(unsigned bits, float x) {
     uint32x4_t set = vceqq_u32(vandq_u32(vdupq_n_u32(bits), lane), lane);
     return vreinterpretq_f32_u32(vandq_u32(set, vreinterpretq_u32_f32(vdupq_n_f32(x))));
 }
+static inline uint32x4_t widen_u8x4(const uint8_t *p) { return vmovl_u16(vget_low_u16(vmovl_u8(four_bytes(p)))); }
+static inline VF vf_widen_bits(const uint8_t *p, int shift, int mask) {     /* a shift left by -shift: right */
+    uint32x4_t v = vshlq_u32(widen_u8x4(p), vdupq_n_s32(-shift));
+    return vcvtq_f32_u32(vandq_u32(v, vdupq_n_u32((uint32_t)mask)));
+}
+static inline VF vf_widen_q6(const uint8_t *lo, const uint8_t *hi, int lo_shift, int hi_shift) {
+    uint32x4_t l = vandq_u32(vshlq_u32(widen_u8x4(lo), vdupq_n_s32(-lo_shift)), vdupq_n_u32(15));
+    uint32x4_t h = vandq_u32(vshlq_u32(widen_u8x4(hi), vdupq_n_s32(-hi_shift)), vdupq_n_u32(3));
+    int32x4_t q = vreinterpretq_s32_u32(vorrq_u32(l, vshlq_n_u32(h, 4)));
+    return vcvtq_f32_s32(vsubq_s32(q, vdupq_n_s32(32)));
+}
 static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
     uint32x4_t v = vld1q_u32((const uint32_t *)p);
     *even = vreinterpretq_f32_u32(vshlq_n_u32(v, 16));
@@ -149,6 +188,10 @@ static inline void vf_widen_nibbles(const uint8_t *p, VF *lo, VF *hi) {
     *hi = (float)(*p >> 4);
 }
 static inline VF vf_bits(unsigned bits, float x) { return bits & 1 ? x : 0.0f; }
+static inline VF vf_widen_bits(const uint8_t *p, int shift, int mask) { return (float)((*p >> shift) & mask); }
+static inline VF vf_widen_q6(const uint8_t *lo, const uint8_t *hi, int lo_shift, int hi_shift) {
+    return (float)((((*lo >> lo_shift) & 15) | ((*hi >> hi_shift) & 3) << 4) - 32);
+}
 static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
     *even = bf16_to_f32(p[0]);
     *odd = bf16_to_f32(p[1]);

@@ -5,8 +5,9 @@ model.safetensors, and as the file's blocks in quantized/model.safetensors (weig
 model's linear layers whose blocks have CPU kernels (cpu_kernels.QUANT_FORMATS) become
 QuantizedLinear layers over those blocks before any float weight is allocated for them, so memory
 holds about the GGUF's bytes for them; a fused layer (qkv, gate_up) takes its parts' rows in order,
-when they share one type. The tied LM head computes on the embedding's blocks; the embedding, the
-norms and layers of types without kernels keep float weights in the model's dtype.
+one QuantizedLinear when they share one type, else a QuantizedParts of one a part. The tied LM head
+computes on the embedding's blocks; the embedding, the norms, layers of types without kernels and
+layers whose inputs are not whole blocks of their type keep float weights in the model's dtype.
 
 `weights`: "quantized" or "auto" (quantized where it can be: a GGUF folder, on the CPU, the kernels
 loaded, one rank), or "bf16" / "fp32" (the float copy, EngineConfig makes them the model's dtype).
@@ -24,7 +25,7 @@ from torch import nn
 
 from outpace.errors import InvalidParameterError
 from outpace.kernels import cpu_kernels
-from outpace.kernels.cpu_linear import QuantizedLinear
+from outpace.kernels.cpu_linear import QuantizedLinear, QuantizedParts
 from outpace.weights.gguf import QTYPES_KEY, QUANTIZED_FOLDER
 
 _SIZES = {qtype.name: sizes for qtype, sizes in GGML_QUANT_SIZES.items()}     # (weights, bytes) a block
@@ -54,9 +55,10 @@ def chosen(folder: Path, weights: str, device: str, sharded: bool) -> bool:
 
 def install(model: nn.Module, folder: Path) -> set[str]:
     """Replaces model's linear layers (on the CPU, their float weights allocated but untouched, as
-    loader.empty_model calls it) with QuantizedLinear layers over the folder's blocks wherever every part has kernels
-    and the parts share a type. Returns the weight names (model.map_weight's) they took; says on
-    stderr which types stay float, and what that costs."""
+    loader.empty_model calls it) with QuantizedLinear (or QuantizedParts) layers over the folder's
+    blocks wherever every part has kernels and the inputs are whole blocks of each part's type.
+    Returns the weight names (model.map_weight's) they took; says on stderr which matrices stay
+    float, why, and what that costs."""
     with safe_open(str(blocks_file(folder)), framework="pt", device="cpu") as f:
         qtypes: dict[str, str] = json.loads(f.metadata()[QTYPES_KEY])
         parts: dict[str, dict[int | None, str]] = {}            # our weight name -> shard index -> HF name
@@ -66,36 +68,48 @@ def install(model: nn.Module, folder: Path) -> set[str]:
                 parts.setdefault(mapped[0], {})[mapped[1]] = hf_name
         if model.cfg.tie_word_embeddings and "model.embed_tokens.weight" in qtypes:
             parts["lm_head.weight"] = {None: "model.embed_tokens.weight"}
-        taken, dequantized = set(), []                          # HF names of blocks left to the float copy
+        taken, dequantized = set(), {}                          # why -> HF names of blocks left to the float copy
         for name, by_index in parts.items():
             module_name = name.rpartition(".")[0]
             linear = model.get_submodule(module_name)
             if not isinstance(linear, nn.Linear) or name.endswith(".bias"):
                 continue
-            types = {qtypes[hf_name] for hf_name in by_index.values()}
-            if len(types) != 1 or not types <= set(cpu_kernels.QUANT_FORMATS) or linear.in_features % 32:
-                dequantized += by_index.values()
+            hf_names = [by_index[i] for i in sorted(by_index, key=lambda i: i or 0)]      # the parts' rows in order
+            types = [qtypes[hf_name] for hf_name in hf_names]
+            why = _unserved(types, linear.in_features)
+            if why is not None:
+                dequantized.setdefault(why, []).extend(hf_names)
                 continue
-            blocks = torch.cat([f.get_tensor(by_index[i]) for i in sorted(by_index, key=lambda i: i or 0)])
-            if blocks.shape[0] != linear.out_features:
+            blocks = [f.get_tensor(hf_name) for hf_name in hf_names]
+            if sum(b.shape[0] for b in blocks) != linear.out_features:
                 continue                                        # a part is not quantized: the float copy serves
             parent, _, child = module_name.rpartition(".")
-            layer = QuantizedLinear(blocks, types.pop(), linear.in_features, linear.out_features,
-                                    linear.bias is not None)
+            shape = (linear.in_features, linear.out_features, linear.bias is not None)
+            layer = (QuantizedLinear(torch.cat(blocks), types[0], *shape) if len(set(types)) == 1
+                     else QuantizedParts(list(zip(blocks, types)), *shape))
             setattr(model.get_submodule(parent) if parent else model, child, layer)
             taken.add(name)
-        if dequantized:
-            _warn(dequantized, qtypes, {n: f.get_slice(n).get_shape() for n in dequantized})
+        for why, names in dequantized.items():
+            _warn(why, names, qtypes, {n: f.get_slice(n).get_shape() for n in names})
     return taken
 
 
-def _warn(names: list[str], qtypes: dict[str, str], shapes: dict[str, list[int]]) -> None:
+def _unserved(types: list[str], in_features: int) -> str | None:
+    """Why a layer whose parts have these GGUF types cannot compute on them (None: it can)."""
+    lacking = sorted(set(types) - set(cpu_kernels.QUANT_FORMATS))
+    if lacking:
+        return f"no CPU kernels for {', '.join(lacking)} (kernels: {', '.join(sorted(cpu_kernels.QUANT_FORMATS))})"
+    partial = sorted({t for t in types if in_features % _SIZES[t][0]})
+    if partial:
+        return (f"{in_features} inputs are not whole blocks of {', '.join(partial)} "
+                f"({', '.join(str(_SIZES[t][0]) for t in partial)} inputs a block)")
+    return None
+
+
+def _warn(why: str, names: list[str], qtypes: dict[str, str], shapes: dict[str, list[int]]) -> None:
     """One stderr line: which blocks stay float, why, and what that costs."""
-    lacking = sorted({qtypes[n] for n in names} - set(cpu_kernels.QUANT_FORMATS))
     file_bytes = sum(rows * row_bytes for rows, row_bytes in shapes.values())
     weights = sum(rows * row_bytes // _SIZES[qtypes[n]][1] * _SIZES[qtypes[n]][0] for n, (rows, row_bytes) in shapes.items())
-    why = (f"no CPU kernels for {', '.join(lacking)} (kernels: {', '.join(sorted(cpu_kernels.QUANT_FORMATS))})"
-           if lacking else "fused layers whose parts differ in type")
     print(f"outpace: {why}: {len(names)} matrices dequantized to the model's dtype, {2 * weights / 1e6:.1f} MB in "
           f"bfloat16 ({4 * weights / 1e6:.1f} in float32) where the file holds {file_bytes / 1e6:.1f} MB",
           file=sys.stderr)
