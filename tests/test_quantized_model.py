@@ -64,21 +64,6 @@ def test_float32_forward_is_the_dequantized_models(default_model_dir):
     assert torch.equal(logits[0], logits[1])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_token_computes_alike_in_any_forward(default_model_dir, dtype, cpu_level):
-    """At every level: a verify row packed beside another sequence's row gives each token the bits
-    of its own one-token step, so fast mode's speculative greedy output is plain decoding's."""
-    model = load_model(default_model_dir, dtype, "cpu", max_len=256)
-    runner = ModelRunner(model, num_slots=2, max_len=256, max_step_tokens=64)
-    prompts, draft = [list(range(1000, 1040)), list(range(2000, 2023))], [5, 17, 300, 42, 7, 9000]
-    for slot, prompt in enumerate(prompts):
-        runner.forward([Row(slot, prompt, 0)], logits="none")
-    alone = [runner.forward([Row(0, [t], len(prompts[0]) + i)])[0][0, 0].clone() for i, t in enumerate(draft)]
-    together, _ = runner.forward([Row(0, draft, len(prompts[0])), Row(1, [11], len(prompts[1]))])
-    for i in range(len(draft)):
-        assert torch.equal(together[0, i], alone[i]), i
-
-
 @pytest.mark.parametrize("exact", [False, True])
 def test_speculative_greedy_equals_plain_greedy(default_model_dir, exact):
     """n-gram speculation over the quantized model, fast and exact mode: the plain greedy tokens."""
