@@ -31,7 +31,8 @@ def x86_cpu(monkeypatch):
 def test_highest_level_the_cpu_has_is_chosen(x86_cpu, monkeypatch):
     monkeypatch.delenv(cpu_isa.ENV, raising=False)
     for flags, level in ((set(), "portable"), (AVX2_CPU, "avx2"), (AVX2_CPU | {"avx512f"}, "avx2"),
-                         (AVX512_CPU, "avx512"), (AVX512_CPU | {"avx512_bf16"}, "avx512_bf16")):
+                         (AVX512_CPU, "avx512"), (AVX512_CPU | {"avx512_bf16"}, "avx512"),
+                         (AVX512_CPU | {"avx512_bf16", "avx512_vnni"}, "avx512_bf16")):
         x86_cpu(flags)
         assert cpu_isa.chosen().name == level
         assert cpu_isa.testable()[0] == "portable" and cpu_isa.testable()[-1] == level

@@ -128,25 +128,24 @@ def pack_quantized(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """A GGUF weight's raw blocks [N, K / 32 * block bytes] uint8 (rows of type `qtype`, a key of
     QUANT_FORMATS) regrouped for linear: blocks of 16 output columns (the last padded with zero
     blocks), each K / 32 groups of cpu_products.h's layout. Bytes are moved, never converted, so the
-    packed weight is the file's size."""
+    packed weight is the file's size. The same layout at every level."""
     N = blocks.shape[0]
     padded = blocks.new_zeros((N + 15) // 16 * 16, blocks.shape[1])
     padded[:N] = blocks
     size = {"Q8_0": 34, "Q4_1": 20, "Q4_0": 18, "Q5_0": 22}[qtype]
     cols = padded.view(-1, 16, blocks.shape[1] // size, size).transpose(1, 2)    # [N / 16, K / 32, 16, size]
-    if qtype == "Q8_0":         # GGUF: d float16, q[32] int8
-        parts = [cols[..., :2], cols[..., 2:].transpose(-1, -2)]
-    else:   # GGUF: d (Q4_1: and m) float16 (Q5_0: then the fifth bits, uint32), q[16]: input i in the low nibble, i + 16 in the high
-        start = {"Q4_1": 4, "Q4_0": 2, "Q5_0": 6}[qtype]
-        q = torch.cat([cols[..., start:] & 15, cols[..., start:] >> 4], dim=-1)    # [..., 16, 32] one a byte
-        pairs = q[..., 0::2] | (q[..., 1::2] << 4)                                 # [..., 16, 16]
-        parts = [cols[..., s:s + 2] for s in range(0, 4 if qtype == "Q4_1" else 2, 2)]
-        if qtype == "Q5_0":     # per input k, bit c of a uint16: column c's fifth bit
-            qh = sum(cols[..., 2 + b].long() << (8 * b) for b in range(4))           # [..., 16]
-            bits = (qh.unsqueeze(-1) >> torch.arange(32)) & 1                          # [..., 16, 32]
-            high = (bits << torch.arange(16).unsqueeze(-1)).sum(-2)                    # [..., 32]
-            parts.append(torch.stack([high & 255, high >> 8], dim=-1).to(torch.uint8))
-        parts.append(pairs.transpose(-1, -2))
+    # GGUF: d float16 (Q4_1: then m), (Q5_0: then the fifth bits, uint32 bit i: input i), then
+    # q: Q8_0 32 int8, the others 16 bytes, byte i input i in the low nibble and i + 16 in the high
+    start = {"Q8_0": 2, "Q4_1": 4, "Q4_0": 2, "Q5_0": 6}[qtype]
+    parts = [cols[..., :2]] + ([cols[..., 2:4]] if qtype == "Q4_1" else [])          # d[16] (then m[16])
+    if qtype == "Q5_0":     # per run t: bit 4c + j of one uint64 column c's fifth bit of input 4t + j, of another 16 + 4t + j
+        qh = sum(cols[..., 2 + b].long() << (8 * b) for b in range(4))               # [..., 16]
+        bits = ((qh.unsqueeze(-1) >> torch.arange(32)) & 1).view(*qh.shape, 2, 4, 4)  # [..., c, half, t, j]
+        at = (4 * torch.arange(16)).view(16, 1, 1, 1) + torch.arange(4)              # 4c + j
+        masks = (bits << at).sum(-4).sum(-1)                                         # [..., half, t]: disjoint bits
+        parts.append(masks.transpose(-1, -2).contiguous().view(torch.uint8))         # [..., t, half] uint64
+    q = cols[..., start:]                                                           # [..., 16, 32 or 16]
+    parts.append(q.reshape(*q.shape[:-1], -1, 4).transpose(-2, -3))                 # runs [..., t, 16, 4]
     return torch.cat([part.reshape(*cols.shape[:2], -1) for part in parts], dim=-1).contiguous()
 
 
