@@ -142,26 +142,35 @@ typedef struct {
 } QuantRows;
 
 /* x [M, K] (float32 when wide, else bfloat16) into `into`'s arrays, as the top of this file says.
- * Rows are shared among OpenMP threads for prompt chunks. */
+ * Written for the compiler to vectorise each block's loops (max |x| as the integer maximum of the
+ * values' bits without their sign: the same order as floats', NaN above infinity above the rest;
+ * IEEE division and rounding lane by lane), so every level computes the same bits. Rows are
+ * shared among OpenMP threads for prompt chunks. */
 static void quantize_rows(const void *x, int wide, long M, long K, QuantRows into) {
     long groups = K / 32;
 #pragma omp parallel for schedule(static) if (M * K >= PARALLEL_MIN_VALUES)
     for (long g = 0; g < M * groups; g++) {
-        float v[32], amax = 0.0f;
-        int finite = 1;
+        float v[32];
+        if (wide) memcpy(v, (const float *)x + g * 32, sizeof v);
+        else for (int i = 0; i < 32; i++) v[i] = bf16_to_f32(((const bf16 *)x)[g * 32 + i]);
+        uint32_t top = 0;
         for (int i = 0; i < 32; i++) {
-            long at = g * 32 + i;
-            v[i] = wide ? ((const float *)x)[at] : bf16_to_f32(((const bf16 *)x)[at]);
-            float a = fabsf(v[i]);
-            finite &= a <= 3.40282347e38f;
-            amax = a > amax ? a : amax;
+            uint32_t bits;
+            memcpy(&bits, v + i, sizeof bits);
+            bits &= 0x7fffffffu;
+            top = bits > top ? bits : top;
         }
-        float d = finite ? amax / 127.0f : NAN;
-        int32_t sum = 0;
+        float amax, d;
+        memcpy(&amax, &top, sizeof amax);
+        int finite = top < 0x7f800000u;
+        d = finite ? amax / 127.0f : NAN;
         int8_t *q = (int8_t *)into.q + g * 32;
-        for (int i = 0; i < 32; i++) {
-            q[i] = finite && d > 0.0f ? (int8_t)rintf(v[i] / d) : 0;
-            sum += q[i];
+        int32_t sum = 0;
+        if (finite && d > 0.0f) {
+            for (int i = 0; i < 32; i++) q[i] = (int8_t)(int32_t)rintf(v[i] / d);
+            for (int i = 0; i < 32; i++) sum += q[i];
+        } else {
+            memset(q, 0, 32);
         }
         ((float *)into.d)[g] = d;
         ((int32_t *)into.sum)[g] = sum;
