@@ -162,7 +162,8 @@ def _run_aarch64(program, x, packed, fmt, bias, n):
 def test_aarch64_products_equal_the_portable_build(level, tmp_path, monkeypatch):
     """The aarch64 build's products, run under qemu-user, against this machine's portable build:
     bfloat16 inputs over bfloat16 weights bit for bit (exact products summed in the inputs'
-    order at every level), float32 ones to float32 rounding (NEON fuses multiply and add)."""
+    order at every level), float32 ones to float32 rounding (NEON fuses multiply and add), GGUF's
+    quantized weights bit for bit (integer sums, one float order at every level)."""
     aarch64 = next(lv for lv in cpu_isa.levels("aarch64") if lv.name == level)
     program = tmp_path / "linear"
     done = subprocess.run([CROSS, *cpu_build.COMMON_FLAGS[:2], *aarch64.flags, "-static", "-o", str(program),
@@ -186,11 +187,11 @@ def test_aarch64_products_equal_the_portable_build(level, tmp_path, monkeypatch)
                     else:       # fused or not: float32 sums differ in their last bits, a bf16 out by a step
                         step = 2 ** -7 if x_dtype == torch.bfloat16 else 1e-5
                         torch.testing.assert_close(got.float(), expected.float(), rtol=step, atol=step)
-        for qtype, fmt in cpu_kernels.QUANT_FORMATS.items():     # GGUF blocks: as the float32 weights
+        for qtype, fmt in cpu_kernels.QUANT_FORMATS.items():     # GGUF blocks on int8 inputs: the same bits
             weight = np.random.default_rng(fmt).standard_normal((80, 96)).astype(np.float32)
             blocks = torch.from_numpy(quantize(weight, GGMLQuantizationType[qtype]))
             packed, x = cpu_kernels.pack_quantized(blocks, qtype), torch.randn(5, 96, generator=g)
             got, expected = _run_aarch64(program, x, packed, fmt, None, 80), cpu_kernels.linear(x, packed, fmt, None, 80)
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            assert torch.equal(got, expected), qtype
     finally:
         cpu_kernels.reload()
