@@ -6,7 +6,8 @@ allocation around almost no arithmetic: a third of a float32 step. Here each of 
 C function over raw buffers (cpu_kernels.c): a residual add with the next RMSNorm, SwiGLU's product,
 and rotation, cache writes and attention together; and the matrix products over weights packed
 once at load (cpu_linear), which stream bfloat16 weights at 2 bytes a weight where PyTorch's
-float32 products read 4.
+float32 products read 4, and GGUF's quantized blocks (QUANT_FORMATS) as the file holds them, over
+inputs quantized to int8 per call (cpu_products.h).
 
 The C is compiled per instruction-set level (cpu_isa: portable, avx2, avx512, avx512_bf16; on
 aarch64 portable, neon) with the system's C compiler into the outpace cache folder (cpu_build,

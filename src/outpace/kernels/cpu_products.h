@@ -22,6 +22,7 @@
  * whatever the instruction, and each float op is one IEEE rounding in that fixed order, so a row's
  * result is the same bits at every level and whatever rows share the call; it differs from the
  * float32 product over the dequantized weight by the inputs' quantization (|x_i - d q_i| <= d / 2).
+ *
  * A weight format is an entry of WeightFormat, a packer in cpu_kernels.py and a tile function
  * here with tile_dense's arguments; linear's switch sends each call to its format's tiles.
  */
