@@ -139,7 +139,8 @@ def pack_quantized(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     # q: Q8_0 32 int8, the others 16 bytes, byte i input i in the low nibble and i + 16 in the high
     start = {"Q8_0": 2, "Q4_1": 4, "Q4_0": 2, "Q5_0": 6}[qtype]
     parts = [cols[..., :2]] + ([cols[..., 2:4]] if qtype == "Q4_1" else [])          # d[16] (then m[16])
-    if qtype == "Q5_0":     # per run t: bit 4c + j of one uint64 column c's fifth bit of input 4t + j, of another 16 + 4t + j
+    if qtype == "Q5_0":
+        # per run t, two uint64: bit 4c + j is column c's fifth bit of input 4t + j, then of 16 + 4t + j
         qh = sum(cols[..., 2 + b].long() << (8 * b) for b in range(4))               # [..., 16]
         bits = ((qh.unsqueeze(-1) >> torch.arange(32)) & 1).view(*qh.shape, 2, 4, 4)  # [..., c, half, t, j]
         at = (4 * torch.arange(16)).view(16, 1, 1, 1) + torch.arange(4)              # 4c + j

@@ -216,7 +216,9 @@ static inline VI vi_set1(int32_t x) { return vdupq_n_s32(x); }
 static inline VI vi_sub(VI a, VI b) { return vsubq_s32(a, b); }
 static inline VF vf_of_vi(VI v) { return vcvtq_f32_s32(v); }
 static inline VI vi_load(const void *p) { return vreinterpretq_s32_u8(vld1q_u8((const uint8_t *)p)); }
-static inline VI vi_low_nibbles(VI v) { return vreinterpretq_s32_u8(vandq_u8(vreinterpretq_u8_s32(v), vdupq_n_u8(15))); }
+static inline VI vi_low_nibbles(VI v) {
+    return vreinterpretq_s32_u8(vandq_u8(vreinterpretq_u8_s32(v), vdupq_n_u8(15)));
+}
 static inline VI vi_high_nibbles(VI v) { return vreinterpretq_s32_u8(vshrq_n_u8(vreinterpretq_u8_s32(v), 4)); }
 static inline VI vi_fifth_bits(VI v, uint64_t bits) {
     const uint8_t lanes[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
