@@ -1,10 +1,16 @@
 """cpu_kernels.linear over GGUF's quantized blocks (Q8_0, Q4_1, Q4_0, Q5_0, Q4_K, Q6_K), kept as the
-file holds them.
+file holds them. Two families, two rules (cpu_products.h, top).
 
-A quantized weight is dequantized in registers as gguf.quants.dequantize rounds it, so each
-product equals the float32 kernel's over the dequantized weight bit for bit, at every
-instruction-set level (the cpu_level fixture), and each row computes alike whatever rows share
-the call (exact mode and speculative greedy output rest on it)."""
+Blocks of 32 inputs (Q8_0, Q4_1, Q4_0, Q5_0): the products quantize each input row to int8 per
+block of 32 and sum integer products exactly, then combine the blocks in float32 in one fixed
+order: the result is the numpy emulation of that scheme below bit for bit, at every
+instruction-set level (the cpu_level fixture), whatever rows share the call (exact mode and
+speculative greedy output rest on it). It is NOT the float32 product over the dequantized weight:
+it differs from that by the inputs' quantization, at most d / 2 an input (d its block's scale),
+which the bound test states.
+
+The k-quants (Q4_K, Q6_K, super-blocks of 256 inputs): the weights are widened to float32 in
+registers, so each row is the float32 kernel's result over gguf's dequantized weight, bit for bit."""
 import shutil
 
 import numpy as np
@@ -21,10 +27,11 @@ pytestmark = [pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gc
               pytest.mark.usefixtures("cpu_level")]
 
 QTYPES = sorted(cpu_kernels.QUANT_FORMATS)
+INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
+BLOCK_BYTES = {"Q8_0": 34, "Q4_1": 20, "Q4_0": 18, "Q5_0": 22}
 # the k-quants: the float16 scales of a block (Q4_K: d and dmin, Q6_K: d), bytes [start, end), and a
 # spread for random ones that gives weights of about the normal weights' size
 KQUANT_HALVES = {"Q4_K": (0, 4, 1e-3), "Q6_K": (208, 210, 2.5e-4)}
-SHAPES = [(32, 1), (64, 37), (96, 160), (576, 1000), (1536, 17)]
 KQUANT_SHAPES = [(256, 1), (256, 37), (512, 160), (1536, 1000), (2304, 17)]
 
 
@@ -36,6 +43,8 @@ def quantized(qtype: str, n_out: int, n_in: int, seed: int) -> tuple[torch.Tenso
     weight = rng.standard_normal((n_out, n_in)).astype(np.float32)
     weight[0, :256 if qtype in KQUANT_HALVES else 32] = 0.0     # a block of zeros: scale 0
     blocks = quantize(weight, qtype)
+    if qtype == "Q8_0":                         # int8's ends, which GGUF's quantizer never writes: -128, 127
+        blocks.reshape(n_out, -1, 34)[-1, :, 2:4] = [0x80, 0x7f]
     if qtype in KQUANT_HALVES:
         start, end, spread = KQUANT_HALVES[qtype]
         noise = rng.integers(0, 256, blocks.shape, dtype=np.uint8).reshape(n_out, -1, blocks.shape[1] * 256 // n_in)
@@ -45,9 +54,112 @@ def quantized(qtype: str, n_out: int, n_in: int, seed: int) -> tuple[torch.Tenso
     return torch.from_numpy(blocks), torch.from_numpy(dequantize(blocks, GGMLQuantizationType[qtype]))
 
 
-@pytest.mark.parametrize("qtype, n_in, n_out", [(q, k, n) for q in QTYPES for k, n in (KQUANT_SHAPES if q in KQUANT_HALVES
-                                                                                    else SHAPES)])
-def test_quantized_products_equal_the_dequantized_weights(qtype, n_in, n_out):
+def weight_parts(blocks: torch.Tensor, qtype: str):
+    """The file's blocks read with numpy: q [N, G, 32] int64 with the offset taken off, scales d
+    and (Q4_1) minima m [N, G] float32, so w = d * q (+ m)."""
+    raw = blocks.numpy().reshape(blocks.shape[0], -1, BLOCK_BYTES[qtype])
+    d = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if qtype == "Q4_1" else None
+    if qtype == "Q8_0":
+        return raw[..., 2:].view(np.int8).astype(np.int64), d, m
+    qs = raw[..., {"Q4_1": 4, "Q4_0": 2, "Q5_0": 6}[qtype]:].astype(np.int64)
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1)                     # input i, then i + 16
+    if qtype == "Q5_0":
+        qh = raw[..., 2:6].copy().view(np.uint32).astype(np.int64)    # [N, G, 1]: bit i of input i
+        q |= ((qh >> np.arange(32)) & 1) << 4
+    return q - {"Q8_0": 0, "Q4_1": 0, "Q4_0": 8, "Q5_0": 16}[qtype], d, m
+
+
+def quantize_rows(x: np.ndarray):
+    """x [M, K] float32 -> q [M, G, 32] int64, d [M, G] float32: d = max |x| / 127, q = x / d
+    rounded half to even (0 where d is 0), each op one float32 rounding."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = np.abs(blocks).max(-1) / np.float32(127)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(d[..., None] > 0, np.rint(blocks / d[..., None]), 0)
+    return q.astype(np.int64), d
+
+
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """a * b + c in float32 with one rounding: the product is exact in float64; the float64 sum
+    rounded to odd (TwoSum's error says which way) then rounded to float32 is the correctly
+    rounded sum, as 53 >= 24 + 2 bits."""
+    p, c = a.astype(np.float64) * b.astype(np.float64), c.astype(np.float64)
+    s = p + c
+    t = s - p
+    error = (p - (s - t)) + (c - t)
+    even = (s.view(np.int64) & 1) == 0
+    s = np.where((error != 0) & even, np.nextafter(s, np.where(error > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)
+
+
+def reference(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """The scheme of cpu_products.h in numpy: x [M, K] float32 or bfloat16 -> the float32 sums
+    [M, N] (the kernel adds a bias to them in float32, then rounds to x's dtype)."""
+    q_w, d_w, m_w = weight_parts(blocks, qtype)
+    q_x, d_x = quantize_rows(x.float().numpy())
+    isum = np.einsum("mgk,ngk->mng", q_x, q_w)                           # exact
+    d_sum = d_x * q_x.sum(-1).astype(np.float32)                         # [M, G] float32
+    acc = np.zeros((x.shape[0], blocks.shape[0]), dtype=np.float32)
+    for g in range(q_x.shape[1]):
+        acc = fma32(d_w[None, :, g] * d_x[:, None, g], isum[..., g].astype(np.float32), acc)
+        if m_w is not None:
+            acc = fma32(m_w[None, :, g], d_sum[:, None, g], acc)
+    return torch.from_numpy(acc)
+
+
+def test_every_format_is_tested_by_its_family_rule():
+    assert sorted(INT8_TYPES + tuple(KQUANT_HALVES)) == QTYPES
+
+
+@pytest.mark.parametrize("qtype", INT8_TYPES)
+@pytest.mark.parametrize("n_in, n_out", [(32, 1), (64, 37), (96, 160), (576, 1000), (1536, 17)])
+def test_quantized_products_follow_the_int8_scheme(qtype, n_in, n_out):
+    """Rows 1..16 (one tile, several, and a partial one), float32 and bfloat16 inputs (a block of
+    zeros among them), partial last blocks of 16 columns, a bias: the scheme's numpy emulation, bit
+    for bit; the weights read from the file's bytes, which gguf's dequantize reads alike."""
+    blocks, dequantized = quantized(qtype, n_out, n_in, seed=n_in + n_out)
+    q_w, d_w, m_w = weight_parts(blocks, qtype)
+    as_read = d_w[..., None] * q_w + (0 if m_w is None else m_w[..., None])
+    assert np.array_equal(as_read.reshape(n_out, n_in).astype(np.float32), dequantized.numpy())
+    packed, fmt = cpu_kernels.pack_quantized(blocks, qtype), cpu_kernels.QUANT_FORMATS[qtype]
+    assert packed.numel() == (n_out + 15) // 16 * 16 * blocks.shape[1]      # the file's bytes, padded
+    bias = torch.randn(n_out)
+    g = torch.Generator().manual_seed(n_out)
+    for rows in range(1, 17):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, n_in, generator=g).to(dtype)
+            x[0, :32] = 0.0
+            sums = reference(x, blocks, qtype)
+            for b in (bias, None):
+                got = cpu_kernels.linear(x, packed, fmt, b, n_out)
+                assert got.dtype == dtype
+                assert torch.equal(got, (sums if b is None else sums + b).to(dtype)), (rows, dtype)
+
+
+@pytest.mark.parametrize("qtype", INT8_TYPES)
+def test_quantized_products_are_within_the_inputs_quantization(qtype):
+    """Against the float64 product over gguf's dequantized weight, float32 inputs of every scale:
+    |error| <= sum over blocks of (d / 2) * sum |w| (each input off by at most half its block's
+    step, and x / d's own rounding) plus float32 rounding of the sums."""
+    n_in, n_out = 1536, 300
+    blocks, dequantized = quantized(qtype, n_out, n_in, seed=7)
+    packed, fmt = cpu_kernels.pack_quantized(blocks, qtype), cpu_kernels.QUANT_FORMATS[qtype]
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(16, n_in, generator=g) * torch.logspace(-3, 3, 16).unsqueeze(1)
+    x[:, 100:140] *= 50.0                                              # outliers in a block
+    got = cpu_kernels.linear(x, packed, fmt, None, n_out).double()
+    w = dequantized.double()
+    _, d = quantize_rows(x.numpy())
+    step = torch.from_numpy(d).double().repeat_interleave(32, dim=1)     # [M, K]: each input's block's d
+    bound = (0.5 + 1e-5) * step @ w.abs().T + 1e-5 * x.double().abs() @ w.abs().T
+    error = (got - x.double() @ w.T).abs()
+    assert (error <= bound).all(), (error / bound).max()
+    assert (error > 0).any()                                           # not the float product in disguise
+
+
+@pytest.mark.parametrize("qtype, n_in, n_out", [(q, k, n) for q in KQUANT_HALVES for k, n in KQUANT_SHAPES])
+def test_kquant_products_equal_the_dequantized_weights(qtype, n_in, n_out):
     """Rows 1..16 (one tile, several, and a partial one), float32 and bfloat16 inputs, partial last
     blocks of 16 columns, a bias: the float32 kernel's result over gguf's dequantized weight, bit for
     bit, and that within float32 rounding of the float64 product (n float32 sums of products err by
@@ -81,6 +193,19 @@ def test_each_row_computes_alike_in_any_call(qtype):
         for start in (0, 16 - rows):
             got = cpu_kernels.linear(x[start:start + rows], packed, fmt, None, 200)
             assert torch.equal(got, alone[start:start + rows])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_input_is_not_hidden(bad):
+    """A NaN or infinity in a row makes that row's outputs NaN (its block's scale is NaN), never
+    a quantized number; the other rows are as they are alone."""
+    blocks, _ = quantized("Q4_1", 48, 64, seed=5)
+    packed, fmt = cpu_kernels.pack_quantized(blocks, "Q4_1"), cpu_kernels.QUANT_FORMATS["Q4_1"]
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6))
+    clean = cpu_kernels.linear(x[2:], packed, fmt, None, 48)
+    x[1, 40] = bad
+    got = cpu_kernels.linear(x, packed, fmt, None, 48)
+    assert got[1].isnan().all() and torch.equal(got[2:], clean)
 
 
 @pytest.mark.parametrize("qtype, n_in, bad_in", [("Q8_0", 64, 48), ("Q4_K", 256, 224), ("Q6_K", 512, 384)])

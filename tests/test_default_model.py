@@ -1,4 +1,7 @@
-"""The default model (SmolLM2-135M-Instruct Q4_1, from its GGUF) against transformers, and exact mode."""
+"""The default model (SmolLM2-135M-Instruct Q4_1, from its GGUF) against transformers, and exact mode.
+
+transformers dequantizes the GGUF to float32, so the comparisons with it load the float32 copy
+(weights fp32); the quantized model's products round their inputs to int8 (tests/test_cpu_quant.py)."""
 import pytest
 import torch
 
@@ -23,7 +26,7 @@ def reference(default_gguf):
 
 @pytest.fixture(scope="module")
 def llm_plain(default_model_dir):
-    return LLM(str(default_model_dir), spec="none", dtype="float32", device="cpu", max_num_seqs=1)
+    return LLM(str(default_model_dir), spec="none", weights="fp32", device="cpu", max_num_seqs=1)
 
 
 def test_logits_match_transformers(default_model_dir, reference, llm_plain):
@@ -31,7 +34,7 @@ def test_logits_match_transformers(default_model_dir, reference, llm_plain):
     ids = llm_plain.tokenizer.encode(PROMPTS[0])
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0]
-    model = load_model(default_model_dir, torch.float32, "cpu", max_len=256)
+    model = load_model(default_model_dir, torch.float32, "cpu", max_len=256, weights="fp32")
     runner = ModelRunner(model, num_slots=1, max_len=256, max_step_tokens=64)
     full, _ = runner.forward([Row(0, ids, 0)])
     torch.testing.assert_close(full[0], expected, atol=2e-3, rtol=1e-3)

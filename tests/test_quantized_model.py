@@ -1,10 +1,14 @@
 """GGUF models with their quantized matrices kept quantized on the CPU (weights.quantized).
 
 The default model's linears and tied LM head compute on the file's Q4_1 and Q8_0 blocks, hold about
-the file's bytes, compute in float32 bit for bit as the dequantized float32 model does, and keep
-speculation lossless (each token computes alike whatever shares its forward); so do small GGUFs of
-every supported type, k-quants and fused layers of mixed types included. Types without kernels,
-inputs that are not whole blocks, CUDA and bad choices say so."""
+the file's bytes, and keep speculation lossless (each token computes alike whatever shares its
+forward); so do small GGUFs of every supported type, k-quants and fused layers of mixed types
+included. The two families compute differently (tests/test_cpu_quant.py): blocks of 32 inputs
+(Q8_0, Q4_1, Q4_0, Q5_0) quantize the inputs to int8, so a model holding them has logits NOT the
+dequantized float32 model's bits but within the inputs' quantization of them, which `close` states;
+the k-quants (Q4_K, Q6_K) widen their weights to float32, so a model whose every matrix is a k-quant
+has its float32 model's logits bit for bit. Types without kernels, inputs that are not whole blocks,
+CUDA and bad choices say so."""
 import json
 import shutil
 import subprocess
@@ -30,6 +34,14 @@ from tiny import make_tiny
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the quantized kernels cannot build here")
 
+
+def close(got: torch.Tensor, expected: torch.Tensor, most: float) -> None:
+    """Each row of logits [..., V] within `most` of the float32 model's, relative in the L2 norm:
+    int8 inputs move logits by a few percent, a misplaced or misread weight by about 100%."""
+    error = (got - expected).norm(dim=-1) / expected.norm(dim=-1)
+    assert (error < most).all(), error.max()
+
+
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
@@ -50,9 +62,9 @@ def test_default_model_holds_the_files_blocks(default_model_dir, default_gguf):
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
 
 
-def test_float32_forward_is_the_dequantized_models(default_model_dir):
-    """In float32 the quantized model's logits are the float32 (dequantized) model's, bit for bit:
-    a prompt and decode steps."""
+def test_float32_forward_is_close_to_the_dequantized_models(default_model_dir):
+    """In float32 the quantized model's logits are within 15% of the float32 (dequantized) model's
+    (measured: up to 7%, over arbitrary token ids): a prompt and decode steps."""
     ids = list(range(1000, 1030))
     logits = []
     for weights in ("quantized", "fp32"):
@@ -61,7 +73,7 @@ def test_float32_forward_is_the_dequantized_models(default_model_dir):
         prompt, _ = runner.forward([Row(0, ids[:-3], 0)])
         steps = [runner.forward([Row(0, [t], len(ids) - 3 + i)])[0][0, 0] for i, t in enumerate(ids[-3:])]
         logits.append(torch.cat([prompt[0], torch.stack(steps)]))
-    assert torch.equal(logits[0], logits[1])
+    close(logits[0], logits[1], 0.15)
 
 
 @pytest.mark.parametrize("exact", [False, True])
@@ -117,8 +129,8 @@ def home(tmp_path, monkeypatch):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_converted_gguf_computes_as_its_float_copy(home, tmp_path, arch):
     """A small GGUF with quantized q/k/v (llama's rows permuted, qwen2's with biases), gate/up, down
-    and an untied output head in each supported type: its quantized model's float32 logits are its
-    float32 model's bit for bit."""
+    and an untied output head in each supported type: its quantized model's float32 logits are
+    close to its float32 model's (a misread weight or a wrong row order is far from it)."""
     kinds = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "Q5_0", "ffn_gate": "Q4_0",
              "ffn_up": "Q4_0", "ffn_down": "Q8_0", "output": "Q8_0"}
     write_test_gguf(tmp_path / "m.gguf", arch, {"tie_word_embeddings": False, "vocab_size": 320}, quantized=kinds)
@@ -129,7 +141,7 @@ def test_a_converted_gguf_computes_as_its_float_copy(home, tmp_path, arch):
     assert {m.qtype for m in held if isinstance(m, QuantizedLinear)} == {"Q4_0", "Q4_1", "Q5_0", "Q8_0"}
     ids = [Row(0, list(range(3, 40)), 0)]
     logits = [ModelRunner(m, num_slots=1, max_len=64, max_step_tokens=64).forward(ids)[0] for m in models.values()]
-    assert torch.equal(logits[0], logits[1])
+    close(logits[0], logits[1], 0.05)       # measured: about 1%
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -203,7 +215,7 @@ def test_types_without_kernels_are_dequantized_with_a_warning(home, tmp_path, ca
     assert not isinstance(layer.attn.qkv, QuantizedLinear)
     reference = load_model(folder, torch.float32, "cpu", max_len=64, weights="fp32")
     rows = [Row(0, list(range(3, 30)), 0)]
-    assert torch.equal(ModelRunner(model, 1, 64, 64).forward(rows)[0], ModelRunner(reference, 1, 64, 64).forward(rows)[0])
+    close(ModelRunner(model, 1, 64, 64).forward(rows)[0], ModelRunner(reference, 1, 64, 64).forward(rows)[0], 0.05)
 
 
 def test_unmet_choices_say_so(default_model_dir, tmp_path, capsys):

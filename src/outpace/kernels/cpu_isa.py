@@ -35,10 +35,12 @@ class Level:
 _AVX2 = Level("avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c"))
 _AVX512 = Level("avx512", _AVX2.flags + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
                 _AVX2.needs + ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
-# lowest first; each level's CPUs run every level before it
+# lowest first; each level's CPUs run every level before it. avx512_bf16 takes VNNI's vpdpbusd
+# (int8 products) too: every CPU with AVX-512 BF16 has it (Cooper Lake, Sapphire Rapids, Zen 4)
 LEVELS: dict[str, tuple[Level, ...]] = {
     "x86_64": (Level("portable", ("-DOUTPACE_PORTABLE",), ()), _AVX2, _AVX512,
-               Level("avx512_bf16", _AVX512.flags + ("-mavx512bf16",), _AVX512.needs + ("avx512_bf16",))),
+               Level("avx512_bf16", _AVX512.flags + ("-mavx512bf16", "-mavx512vnni"),
+                     _AVX512.needs + ("avx512_bf16", "avx512_vnni"))),
     # Advanced SIMD is part of every ARMv8-A CPU: `neon` differs from `portable` by its intrinsics
     "aarch64": (Level("portable", ("-DOUTPACE_PORTABLE",), ()), Level("neon", (), ())),
 }

@@ -6,7 +6,10 @@ allocation around almost no arithmetic: a third of a float32 step. Here each of 
 C function over raw buffers (cpu_kernels.c): a residual add with the next RMSNorm, SwiGLU's product,
 and rotation, cache writes and attention together; and the matrix products over weights packed
 once at load (cpu_linear), which stream bfloat16 weights at 2 bytes a weight where PyTorch's
-float32 products read 4.
+float32 products read 4, and GGUF's quantized blocks (QUANT_FORMATS) as the file holds them
+(cpu_products.h): blocks of 32 inputs (Q8_0, Q4_1, Q4_0, Q5_0) over inputs quantized to int8 per
+call, integer dot products; the k-quants (Q4_K, Q6_K) widened to float32 in registers, over float32
+inputs.
 
 The C is compiled per instruction-set level (cpu_isa: portable, avx2, avx512, avx512_bf16; on
 aarch64 portable, neon) with the system's C compiler into the outpace cache folder (cpu_build,
@@ -132,7 +135,8 @@ def pack_quantized(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """A GGUF weight's raw blocks [N, K / block inputs * block bytes] uint8 (rows of type `qtype`, a
     key of QUANT_FORMATS; blocks of 32 inputs, 256 for the k-quants) regrouped for linear: blocks
     of 16 output columns (the last padded with zero blocks), each K / block inputs groups of
-    cpu_products.h's layout. Bits are moved, never converted, so the packed weight is the file's size."""
+    cpu_products.h's layout. Bits are moved, never converted, so the packed weight is the file's
+    size. The same layout at every level."""
     N = blocks.shape[0]
     padded = blocks.new_zeros((N + 15) // 16 * 16, blocks.shape[1])
     padded[:N] = blocks
@@ -140,25 +144,26 @@ def pack_quantized(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     cols = padded.view(-1, 16, blocks.shape[1] // size, size).transpose(1, 2)    # [N / 16, K / block, 16, size]
     if qtype in _KQUANT_PARTS:  # a float16 part [16, 2] as it is, others [16, bytes] -> [bytes, 16]
         parts = [cols[..., a:b] if b - a == 2 else cols[..., a:b].transpose(-1, -2) for a, b in _KQUANT_PARTS[qtype]]
-    elif qtype == "Q8_0":       # GGUF: d float16, q[32] int8
-        parts = [cols[..., :2], cols[..., 2:].transpose(-1, -2)]
-    else:   # GGUF: d (Q4_1: and m) float16 (Q5_0: then the fifth bits, uint32), q[16]: input i in the low nibble, i + 16 in the high
-        start = {"Q4_1": 4, "Q4_0": 2, "Q5_0": 6}[qtype]
-        q = torch.cat([cols[..., start:] & 15, cols[..., start:] >> 4], dim=-1)    # [..., 16, 32] one a byte
-        pairs = q[..., 0::2] | (q[..., 1::2] << 4)                                 # [..., 16, 16]
-        parts = [cols[..., s:s + 2] for s in range(0, 4 if qtype == "Q4_1" else 2, 2)]
-        if qtype == "Q5_0":     # per input k, bit c of a uint16: column c's fifth bit
-            qh = sum(cols[..., 2 + b].long() << (8 * b) for b in range(4))           # [..., 16]
-            bits = (qh.unsqueeze(-1) >> torch.arange(32)) & 1                          # [..., 16, 32]
-            high = (bits << torch.arange(16).unsqueeze(-1)).sum(-2)                    # [..., 32]
-            parts.append(torch.stack([high & 255, high >> 8], dim=-1).to(torch.uint8))
-        parts.append(pairs.transpose(-1, -2))
+        return torch.cat([part.reshape(*cols.shape[:2], -1) for part in parts], dim=-1).contiguous()
+    # GGUF: d float16 (Q4_1: then m), (Q5_0: then the fifth bits, uint32 bit i: input i), then
+    # q: Q8_0 32 int8, the others 16 bytes, byte i input i in the low nibble and i + 16 in the high
+    start = {"Q8_0": 2, "Q4_1": 4, "Q4_0": 2, "Q5_0": 6}[qtype]
+    parts = [cols[..., :2]] + ([cols[..., 2:4]] if qtype == "Q4_1" else [])          # d[16] (then m[16])
+    if qtype == "Q5_0":
+        # per run t, two uint64: bit 4c + j is column c's fifth bit of input 4t + j, then of 16 + 4t + j
+        qh = sum(cols[..., 2 + b].long() << (8 * b) for b in range(4))               # [..., 16]
+        bits = ((qh.unsqueeze(-1) >> torch.arange(32)) & 1).view(*qh.shape, 2, 4, 4)  # [..., c, half, t, j]
+        at = (4 * torch.arange(16)).view(16, 1, 1, 1) + torch.arange(4)              # 4c + j
+        masks = (bits << at).sum(-4).sum(-1)                                         # [..., half, t]: disjoint bits
+        parts.append(masks.transpose(-1, -2).contiguous().view(torch.uint8))         # [..., t, half] uint64
+    q = cols[..., start:]                                                           # [..., 16, 32 or 16]
+    parts.append(q.reshape(*q.shape[:-1], -1, 4).transpose(-2, -3))                 # runs [..., t, 16, 4]
     return torch.cat([part.reshape(*cols.shape[:2], -1) for part in parts], dim=-1).contiguous()
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, fmt: int, bias: torch.Tensor | None,
            out_features: int) -> torch.Tensor:
-    """x [..., K] @ weight.T + bias, the weight as pack_weight laid it out in format fmt, bias
+    """x [..., K] @ weight.T + bias, the weight as pack_weight (pack_quantized) laid it out in format fmt, bias
     float32; x and the result float32 or bfloat16."""
     K = x.shape[-1]
     x = x.contiguous()

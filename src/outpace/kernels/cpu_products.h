@@ -9,8 +9,25 @@
  * the rows beside it; a dense format's order is the inputs' (0, 1, 2, ...), each product added
  * to its column's float32 sum with one rounding where the level fuses multiply and add (a bf16
  * weight times a bf16 input is exact in float32, so bf16 products are alike at every level), the
- * vdpbf16ps path apart (below). GGUF's quantized formats keep the file's blocks, widened and
-dequantized in registers, and sum as the float32 format does over the dequantized weights.
+ * vdpbf16ps path apart (below).
+ *
+ * GGUF's formats of 32-input blocks (Q8_0, Q4_1, Q4_0, Q5_0) compute on int8 inputs (tile_int8):
+ * linear quantizes each row of x once a call, per block of 32 inputs, as GGUF's Q8_0 does, in
+ * float32 at every level:
+ *     d = max |x_i| / 127 (one rounding), q_i = x_i / d rounded half to even (|q_i| <= 127; all 0
+ *     where d is 0; where the block holds a NaN or infinity, d = NaN and q = 0), s = sum q_i;
+ * and a row's sum over a column is, block after block in the inputs' order (acc from +0):
+ *     acc = fma(d_w * d, (float)isum, acc)             isum = sum q_w,i q_i - o * s, exact int32
+ *     acc = fma(m_w, d * (float)s, acc)                Q4_1 only (w = d_w q_w + m_w)
+ * o the weight's offset (Q4_0: 8, Q5_0: 16, else 0; w = d_w (q_w - o)). Integer sums are exact
+ * whatever the instruction, and each float op is one IEEE rounding in that fixed order, so a row's
+ * result is the same bits at every level and whatever rows share the call; it differs from the
+ * float32 product over the dequantized weight by the inputs' quantization (|x_i - d q_i| <= d / 2).
+ *
+ * GGUF's k-quants (Q4_K, Q6_K: super-blocks of 256 inputs) compute on float32 inputs (tile_kquant):
+ * their weights are widened and dequantized in registers, each product and sum as
+ * gguf.quants.dequantize rounds them, and summed in W_F32's order, so a row's result is the float32
+ * format's over the dequantized weight, bit for bit, at every level.
  *
  * A weight format is an entry of WeightFormat, a packer in cpu_kernels.py and a tile function
  * here with tile_dense's arguments; linear's switch sends each call to its format's tiles.
@@ -20,13 +37,17 @@ enum WeightFormat {
     W_F32 = 0,      /* [K / 2][2][16] float32 a block: inputs 2p and 2p + 1, then the 16 columns */
     W_BF16 = 1,     /* [K / 2][16][2] bfloat16 a block: per column, inputs 2p and 2p + 1 */
     /* GGUF's blocks of 32 inputs (K a multiple of 32), regrouped per 16 columns
-     * (cpu_kernels.pack_quantized): a block of columns is K / 32 groups, one per 32 inputs, each */
-    W_Q8_0 = 2,     /* 544 bytes: scales d[16] float16, then q[32][16] int8 (input, column); w = d * q */
-    W_Q4_1 = 3,     /* 320 bytes: scales d[16], minima m[16] float16, then q[16][16] bytes (pair of
-                     * inputs, column), input 2i in the low nibble, 2i + 1 in the high; w = d * q + m */
-    W_Q4_0 = 4,     /* 288 bytes: scales d[16] float16, then q[16][16] bytes as W_Q4_1's; w = d * (q - 8) */
-    W_Q5_0 = 5,     /* 352 bytes: scales d[16] float16, then high[32] uint16 (input; bit c: column c's
-                     * fifth bit), then q[16][16] bytes as W_Q4_1's (the low 4 bits); w = d * (q - 16) */
+     * (cpu_kernels.pack_quantized): a block of columns is K / 32 groups, one per 32 inputs, each
+     * float16 scales d[16] (Q4_1: then minima m[16]), then the quantized weights in runs of 4
+     * inputs, a run [16 columns][4 bytes] (64 bytes: one register of 16 int32 lanes), byte j of a
+     * column's 4 its input 4t + j of run t. Nibble formats hold two inputs a byte: the low nibble
+     * of run t's byte j is input 4t + j, the high nibble input 16 + 4t + j. */
+    W_Q8_0 = 2,     /* 544 bytes: d[16], then q[8 runs][16][4] int8; w = d * q */
+    W_Q4_1 = 3,     /* 320 bytes: d[16], m[16], then q[4 runs][16][4] nibbles; w = d * q + m */
+    W_Q4_0 = 4,     /* 288 bytes: d[16], then q[4 runs][16][4] nibbles; w = d * (q - 8) */
+    W_Q5_0 = 5,     /* 352 bytes: d[16], then fifth bits high[4 runs][2] uint64 (bit 4c + j: column c's
+                     * input 4t + j, then 16 + 4t + j), then q[4 runs][16][4] nibbles (the low 4
+                     * bits); w = d * (q - 16) */
     /* GGUF's k-quants, super-blocks of 256 inputs (K a multiple of 256), each column's block of the
      * file transposed per 16 columns (cpu_kernels.pack_quantized): a block of columns is K / 256
      * groups, one per 256 inputs, each the blocks' parts below with byte k of column c at [k][c] */
@@ -48,6 +69,7 @@ static inline long group_bytes_of(int format) {
 
 _Static_assert(16 % VL == 0 && TILE_VECS * VL % 16 == 0, "a tile holds whole blocks of 16 columns");
 _Static_assert(TILE_ROWS <= 12, "tiles_dense's cases reach 12 rows");
+_Static_assert(QUANT_ROWS <= 6 && QUANT_ROWS <= TILE_ROWS, "tiles_int8's cases reach 6 rows");
 #define TILE_COLS (TILE_VECS * VL)
 #define Q4_K_GROUP_BYTES 2304
 #define Q6_K_GROUP_BYTES 3360
@@ -129,16 +151,63 @@ static inline __attribute__((always_inline)) void tile_dense(const float *x, lon
     store_acc(acc, rows, vecs, bias, n_valid, out, wide_out, N);
 }
 
-/* W_Q8_0, W_Q4_1, W_Q4_0 or W_Q5_0 weights, float32 inputs x [rows, K]: per group of 32 inputs, each block's
- * scales (and minima) are widened once, then per pair of inputs the quantized weights are widened
- * and dequantized in registers, a product and then a sum each as gguf.quants.dequantize rounds
- * them, and multiplied as tile_dense multiplies: a row's sums are tile_dense's over the
- * dequantized float32 weights, bit for bit, at every level. */
-static inline __attribute__((always_inline)) void tile_quant(const float *x, long K, const char *w, int format,
-                                                             long rows, int vecs, const float *bias, long n_valid,
-                                                             void *out, int wide_out, long N) {
+/* A call's rows as int8 blocks (quantize_rows), row m's block j at [m * K + 32 j] and
+ * [m * K / 32 + j] */
+typedef struct {
+    const int8_t *q;        /* [rows][K] */
+    const float *d;         /* [rows][K / 32] the blocks' scales */
+    const int32_t *sum;     /* [rows][K / 32] sum of the block's q */
+    const float *d_sum;     /* [rows][K / 32] d * (float)sum, Q4_1's minimum term */
+} QuantRows;
+
+/* x [M, K] (float32 when wide, else bfloat16) into `into`'s arrays, as the top of this file says.
+ * Written for the compiler to vectorise each block's loops (max |x| as the integer maximum of the
+ * values' bits without their sign: the same order as floats', NaN above infinity above the rest;
+ * IEEE division and rounding lane by lane), so every level computes the same bits. Rows are
+ * shared among OpenMP threads for prompt chunks. */
+static void quantize_rows(const void *x, int wide, long M, long K, QuantRows into) {
+    long groups = K / 32;
+#pragma omp parallel for schedule(static) if (M * K >= PARALLEL_MIN_VALUES)
+    for (long g = 0; g < M * groups; g++) {
+        float v[32];
+        if (wide) memcpy(v, (const float *)x + g * 32, sizeof v);
+        else for (int i = 0; i < 32; i++) v[i] = bf16_to_f32(((const bf16 *)x)[g * 32 + i]);
+        uint32_t top = 0;
+        for (int i = 0; i < 32; i++) {
+            uint32_t bits;
+            memcpy(&bits, v + i, sizeof bits);
+            bits &= 0x7fffffffu;
+            top = bits > top ? bits : top;
+        }
+        float amax, d;
+        memcpy(&amax, &top, sizeof amax);
+        int finite = top < 0x7f800000u;
+        d = finite ? amax / 127.0f : NAN;
+        int8_t *q = (int8_t *)into.q + g * 32;
+        int32_t sum = 0;
+        if (finite && d > 0.0f) {
+            for (int i = 0; i < 32; i++) q[i] = (int8_t)(int32_t)rintf(v[i] / d);
+            for (int i = 0; i < 32; i++) sum += q[i];
+        } else {
+            memset(q, 0, 32);
+        }
+        ((float *)into.d)[g] = d;
+        ((int32_t *)into.sum)[g] = sum;
+        ((float *)into.d_sum)[g] = d * (float)sum;
+    }
+}
+
+/* W_Q8_0, W_Q4_1, W_Q4_0 or W_Q5_0 weights over rows quantized to int8: per group of 32 inputs,
+ * the runs of 4 inputs' weights are loaded (nibbles split, Q5_0's fifth bits set) and each row's 4
+ * inputs broadcast as one int32, their products summed in int32 lanes (vi_dot_*); then each
+ * block's sums join the float32 sums as the top of this file says. */
+static inline __attribute__((always_inline)) void tile_int8(QuantRows xq, long K, const char *w, int format,
+                                                            long rows, int vecs, const float *bias, long n_valid,
+                                                            void *out, int wide_out, long N) {
     long groups = K / 32, group_bytes = group_bytes_of(format);
     long block_bytes = groups * group_bytes;
+    /* o of the top of this file, plus vi_dot_s8's offset for Q8_0 */
+    int offset = format == W_Q4_0 ? 8 : format == W_Q5_0 ? 16 : format == W_Q8_0 ? DOT_S8_OFFSET : 0;
     VF acc[TILE_ROWS][TILE_VECS];
 #pragma GCC unroll 16
     for (int m = 0; m < TILE_ROWS; m++) {
@@ -146,60 +215,90 @@ static inline __attribute__((always_inline)) void tile_quant(const float *x, lon
         for (int v = 0; v < TILE_VECS; v++) acc[m][v] = vf_zero();
     }
     for (long j = 0; j < groups; j++) {
-        VF scale[TILE_VECS], low[TILE_VECS];
+        VI isum[TILE_ROWS][TILE_VECS];
         const char *at[TILE_VECS];
+        int c[TILE_VECS];                                   /* a register's first column in its block */
 #pragma GCC unroll 16
         for (int v = 0; v < TILE_VECS; v++) {
             if (v >= vecs) continue;
-            int c = v * VL % 16;                            /* its first column in its block */
+            c[v] = v * VL % 16;
             at[v] = w + v * VL / 16 * block_bytes + j * group_bytes;
-            if (c == 0) {
+            if (c[v] == 0) {
                 for (long line = 0; line < group_bytes; line += 64) __builtin_prefetch(at[v] + PREFETCH_BYTES + line, 0, 2);
             }
-            scale[v] = vf_load_half((const uint16_t *)at[v] + c);
-            if (format == W_Q4_1) low[v] = vf_load_half((const uint16_t *)at[v] + 16 + c);
-            at[v] += c + (format == W_Q4_1 ? 64 : format == W_Q5_0 ? 96 : 32);    /* its column's first quantized weight */
-        }
-        for (int i = 0; i < 16; i++) {
-            VF even[TILE_VECS], odd[TILE_VECS];
 #pragma GCC unroll 16
-            for (int v = 0; v < TILE_VECS; v++) {
-                if (v >= vecs) continue;
-                if (format == W_Q8_0) {
-                    even[v] = vf_mul(vf_widen_i8((const int8_t *)at[v] + 32 * i), scale[v]);
-                    odd[v] = vf_mul(vf_widen_i8((const int8_t *)at[v] + 32 * i + 16), scale[v]);
-                } else if (format == W_Q4_1) {
-                    VF lo, hi;
-                    vf_widen_nibbles((const uint8_t *)at[v] + 16 * i, &lo, &hi);
-                    even[v] = vf_add(vf_mul(lo, scale[v]), low[v]);
-                    odd[v] = vf_add(vf_mul(hi, scale[v]), low[v]);
-                } else if (format == W_Q4_0) {              /* q - 8 is exact in float32 */
-                    VF lo, hi, eight = vf_set1(-8.0f);
-                    vf_widen_nibbles((const uint8_t *)at[v] + 16 * i, &lo, &hi);
-                    even[v] = vf_mul(vf_add(lo, eight), scale[v]);
-                    odd[v] = vf_mul(vf_add(hi, eight), scale[v]);
-                } else {                                    /* q + 16 * fifth bit - 16, exact */
-                    VF lo, hi, sixteen = vf_set1(-16.0f);
-                    int c = v * VL % 16;
-                    const uint16_t *high = (const uint16_t *)(at[v] - c - 64);
-                    vf_widen_nibbles((const uint8_t *)at[v] + 16 * i, &lo, &hi);
-                    lo = vf_add(lo, vf_bits((unsigned)high[2 * i] >> c, 16.0f));
-                    hi = vf_add(hi, vf_bits((unsigned)high[2 * i + 1] >> c, 16.0f));
-                    even[v] = vf_mul(vf_add(lo, sixteen), scale[v]);
-                    odd[v] = vf_mul(vf_add(hi, sixteen), scale[v]);
+            for (int m = 0; m < TILE_ROWS; m++) isum[m][v] = vi_zero();
+        }
+        const int8_t *in = xq.q + 32 * j;
+        if (format == W_Q8_0) {
+            for (int t = 0; t < 8; t++) {
+                VI q[TILE_VECS];
+#pragma GCC unroll 16
+                for (int v = 0; v < TILE_VECS; v++) {
+                    if (v < vecs) q[v] = vi_load(at[v] + 32 + 64 * t + 4 * c[v]);
+                }
+#pragma GCC unroll 16
+                for (int m = 0; m < TILE_ROWS; m++) {
+                    if (m >= rows) continue;
+                    int32_t x4;
+                    memcpy(&x4, in + m * K + 4 * t, sizeof x4);
+#pragma GCC unroll 16
+                    for (int v = 0; v < TILE_VECS; v++) {
+                        if (v < vecs) isum[m][v] = vi_dot_s8(isum[m][v], q[v], x4);
+                    }
                 }
             }
-#pragma GCC unroll 16
-            for (int m = 0; m < TILE_ROWS; m++) {
-                if (m >= rows) continue;
-                const float *in = x + m * K + 32 * j + 2 * i;
-                VF x0 = vf_set1(in[0]), x1 = vf_set1(in[1]);
+        } else {
+            long start = format == W_Q4_1 ? 64 : format == W_Q5_0 ? 96 : 32;
+            for (int t = 0; t < 4; t++) {
+                VI low[TILE_VECS], high[TILE_VECS];
 #pragma GCC unroll 16
                 for (int v = 0; v < TILE_VECS; v++) {
                     if (v >= vecs) continue;
-                    acc[m][v] = vf_fma(x0, even[v], acc[m][v]);
-                    acc[m][v] = vf_fma(x1, odd[v], acc[m][v]);
+                    VI q = vi_load(at[v] + start + 64 * t + 4 * c[v]);
+                    low[v] = vi_low_nibbles(q);
+                    high[v] = vi_high_nibbles(q);
+                    if (format == W_Q5_0) {
+                        uint64_t fifth[2];
+                        memcpy(fifth, at[v] + 32 + 16 * t, sizeof fifth);
+                        low[v] = vi_fifth_bits(low[v], fifth[0] >> 4 * c[v]);
+                        high[v] = vi_fifth_bits(high[v], fifth[1] >> 4 * c[v]);
+                    }
                 }
+#pragma GCC unroll 16
+                for (int m = 0; m < TILE_ROWS; m++) {
+                    if (m >= rows) continue;
+                    int32_t x_low, x_high;
+                    memcpy(&x_low, in + m * K + 4 * t, sizeof x_low);
+                    memcpy(&x_high, in + m * K + 16 + 4 * t, sizeof x_high);
+#pragma GCC unroll 16
+                    for (int v = 0; v < TILE_VECS; v++) {
+                        if (v >= vecs) continue;
+                        isum[m][v] = vi_dot_u8(isum[m][v], low[v], x_low);
+                        isum[m][v] = vi_dot_u8(isum[m][v], high[v], x_high);
+                    }
+                }
+            }
+        }
+        VF scale[TILE_VECS], minimum[TILE_VECS];
+#pragma GCC unroll 16
+        for (int v = 0; v < TILE_VECS; v++) {
+            if (v >= vecs) continue;
+            scale[v] = vf_load_half((const uint16_t *)at[v] + c[v]);
+            if (format == W_Q4_1) minimum[v] = vf_load_half((const uint16_t *)at[v] + 16 + c[v]);
+        }
+#pragma GCC unroll 16
+        for (int m = 0; m < TILE_ROWS; m++) {
+            if (m >= rows) continue;
+            long b = m * groups + j;
+            VF d = vf_set1(xq.d[b]);
+            VI shift = vi_set1(offset * xq.sum[b]);
+#pragma GCC unroll 16
+            for (int v = 0; v < TILE_VECS; v++) {
+                if (v >= vecs) continue;
+                VI exact = offset ? vi_sub(isum[m][v], shift) : isum[m][v];
+                acc[m][v] = vf_fmadd(vf_mul(scale[v], d), vf_of_vi(exact), acc[m][v]);
+                if (format == W_Q4_1) acc[m][v] = vf_fmadd(minimum[v], vf_set1(xq.d_sum[b]), acc[m][v]);
             }
         }
     }
@@ -357,18 +456,17 @@ static void tiles_dense(const float *x, long K, const char *w, int wide, long ro
     }
 }
 
-#define QUANT(R, V) if (format == W_Q8_0) tile_quant(x, K, w, W_Q8_0, R, V, bias, n_valid, out, wide_out, N); \
-                    else if (format == W_Q4_1) tile_quant(x, K, w, W_Q4_1, R, V, bias, n_valid, out, wide_out, N); \
-                    else if (format == W_Q4_0) tile_quant(x, K, w, W_Q4_0, R, V, bias, n_valid, out, wide_out, N); \
-                    else tile_quant(x, K, w, W_Q5_0, R, V, bias, n_valid, out, wide_out, N);
-#define QUANT_CASE(R) case R: if (R > TILE_ROWS) break; \
+#define QUANT(R, V) if (format == W_Q8_0) tile_int8(xq, K, w, W_Q8_0, R, V, bias, n_valid, out, wide_out, N); \
+                    else if (format == W_Q4_1) tile_int8(xq, K, w, W_Q4_1, R, V, bias, n_valid, out, wide_out, N); \
+                    else if (format == W_Q4_0) tile_int8(xq, K, w, W_Q4_0, R, V, bias, n_valid, out, wide_out, N); \
+                    else tile_int8(xq, K, w, W_Q5_0, R, V, bias, n_valid, out, wide_out, N);
+#define QUANT_CASE(R) case R: if (R > QUANT_ROWS) break; \
                       if (TILE_COLS == 16 || vecs == TILE_VECS) { QUANT(R, TILE_VECS) } else { QUANT(R, vecs) } break;
 
-static void tiles_quant(const float *x, long K, const char *w, int format, long rows, int vecs, const float *bias,
-                        long n_valid, void *out, int wide_out, long N) {
+static void tiles_int8(QuantRows xq, long K, const char *w, int format, long rows, int vecs, const float *bias,
+                       long n_valid, void *out, int wide_out, long N) {
     switch (rows) {
         QUANT_CASE(1) QUANT_CASE(2) QUANT_CASE(3) QUANT_CASE(4) QUANT_CASE(5) QUANT_CASE(6)
-        QUANT_CASE(7) QUANT_CASE(8) QUANT_CASE(9) QUANT_CASE(10) QUANT_CASE(11) QUANT_CASE(12)
     }
 }
 
@@ -408,15 +506,18 @@ int linear_bf16_dot(void) {
 }
 
 /* out [M, N] = x [M, K] @ W^T + bias, W packed in `format`, K even (a multiple of 32 for GGUF's
- * formats, of 256 for its k-quants); x and out float32 when wide_io, else bfloat16; bias float32 or NULL. Returns 0, -1
- * when memory for x widened to float32 ran out, -2 for an unknown format or a K it cannot take. */
+ * formats, of 256 for its k-quants); x and out float32 when wide_io, else bfloat16; bias float32 or
+ * NULL. Returns 0, -1 when memory for x quantized to int8 (Q8_0, Q4_1, Q4_0, Q5_0) or widened to
+ * float32 (bfloat16 x, other formats but vdpbf16ps') ran out, -2 for an unknown format or a K it
+ * cannot take. */
 int linear(const void *x, int wide_io, long M, long K, const void *w, int format, long N, const float *bias,
            void *out) {
     int quant = format == W_Q8_0 || format == W_Q4_1 || format == W_Q4_0 || format == W_Q5_0;
     int kquant = format == W_Q4_K || format == W_Q6_K;
     if ((format != W_F32 && format != W_BF16 && !quant && !kquant) || K % (kquant ? 256 : quant ? 32 : 2)) return -2;
     long tiles = (N + TILE_COLS - 1) / TILE_COLS, padded = (N + 15) / 16 * 16;
-    long parts = (M + TILE_ROWS - 1) / TILE_ROWS, per_part = (M + parts - 1) / parts;
+    long most_rows = quant ? QUANT_ROWS : TILE_ROWS;
+    long parts = (M + most_rows - 1) / most_rows, per_part = (M + parts - 1) / parts;
     long column_bytes = format == W_F32 ? 4 * K : format == W_BF16 ? 2 * K      /* a block's bytes / 16 */
                         : kquant ? K / 256 * kquant_group_bytes(format) / 16 : K / 32 * group_bytes_of(format) / 16;
     long out_size = wide_io ? 4 : 2;
@@ -425,12 +526,22 @@ int linear(const void *x, int wide_io, long M, long K, const void *w, int format
     dot = !wide_io && format == W_BF16;
 #endif
     const float *x_f32 = x;
-    float *widened = NULL;
-    if (!wide_io && !dot) {
-        widened = malloc(sizeof(float) * (size_t)(M * K));
+    void *scratch = NULL;
+    QuantRows xq = {0};
+    if (quant) {            /* q, then d, sum and d_sum: 4-byte values after M * K bytes (K % 32 == 0) */
+        long blocks = M * K / 32;
+        scratch = malloc((size_t)(M * K + 12 * blocks));
+        if (!scratch) return -1;
+        xq.q = scratch;
+        xq.d = (const float *)((char *)scratch + M * K);
+        xq.sum = (const int32_t *)(xq.d + blocks);
+        xq.d_sum = (const float *)(xq.sum + blocks);
+        quantize_rows(x, wide_io, M, K, xq);
+    } else if (!wide_io && !dot) {
+        float *widened = malloc(sizeof(float) * (size_t)(M * K));
         if (!widened) return -1;
         for (long i = 0; i < M * K; i++) widened[i] = bf16_to_f32(((const bf16 *)x)[i]);
-        x_f32 = widened;
+        x_f32 = scratch = widened;
     }
 #pragma omp parallel for schedule(static) if (tiles > 1)
     for (long t = 0; t < tiles; t++) {
@@ -447,11 +558,17 @@ int linear(const void *x, int wide_io, long M, long K, const void *w, int format
                 continue;
             }
 #endif
-            if (kquant) tiles_kquant(x_f32 + m0 * K, K, w_t, format, rows, vecs, bias_t, N - col, out_t, wide_io, N);
-            else if (quant) tiles_quant(x_f32 + m0 * K, K, w_t, format, rows, vecs, bias_t, N - col, out_t, wide_io, N);
-            else tiles_dense(x_f32 + m0 * K, K, w_t, format == W_F32, rows, vecs, bias_t, N - col, out_t, wide_io, N);
+            if (quant) {
+                long b = m0 * K / 32;
+                QuantRows part = {xq.q + m0 * K, xq.d + b, xq.sum + b, xq.d_sum + b};
+                tiles_int8(part, K, w_t, format, rows, vecs, bias_t, N - col, out_t, wide_io, N);
+            } else if (kquant) {
+                tiles_kquant(x_f32 + m0 * K, K, w_t, format, rows, vecs, bias_t, N - col, out_t, wide_io, N);
+            } else {
+                tiles_dense(x_f32 + m0 * K, K, w_t, format == W_F32, rows, vecs, bias_t, N - col, out_t, wide_io, N);
+            }
         }
     }
-    free(widened);
+    free(scratch);
     return 0;
 }

@@ -12,15 +12,31 @@
  *                                  o[l] = p[2l + 1] as floats (exact)
  *   vf_load_half(p)                VL float16 values p[0..VL) as floats (exact)
  *   vf_widen_i8(p)                 VL int8 values p[0..VL) as floats (exact)
- *   vf_widen_nibbles(p, &lo, &hi)  VL bytes p[0..VL): lo[l] = p[l] & 15, hi[l] = p[l] >> 4 as floats
- *   vf_bits(bits, x)               lane l: x where bit l of bits is set, else 0
  *   vf_widen_bits(p, shift, mask)  VL bytes p[0..VL): lane l = (p[l] >> shift) & mask as a float
  *                                  (mask << shift < 256)
  *   vf_widen_q6(lo, hi, ls, hs)    VL bytes lo[0..VL), hi[0..VL): lane l = ((lo[l] >> ls) & 15 |
  *                                  ((hi[l] >> hs) & 3) << 4) - 32 as a float (GGUF Q6_K's weights)
+ *   vf_fmadd(a, b, c)              c + a * b, each lane, with one rounding at EVERY level
+ *
+ * VI holds VL int32 lanes, one a column, for the int8 products; as loaded, lane l is the 4 bytes
+ * p[4l..4l+4) (byte j: input j of a run of 4), the column's weights:
+ *   vi_zero(), vi_set1(x), vi_sub(a, b), vf_of_vi(v) (exact below 2^24)
+ *   vi_load(p)                     p[0..4 VL) as above
+ *   vi_low_nibbles(v), vi_high_nibbles(v)   each byte's low / high 4 bits, as a byte
+ *   vi_fifth_bits(v, bits)         byte b (0..4 VL) | 16 where bit b of bits is set
+ *   vi_dot_u8(acc, w, x4)          acc + sum over j of w's byte j (unsigned, at most 127) times
+ *                                  x4's byte j (signed, never -128), exact; x4 4 int8 inputs
+ *   vi_dot_s8(acc, w, x4)          acc + sum over j of (w's byte j (signed) + DOT_S8_OFFSET) times
+ *                                  x4's byte j, exact: VNNI's vpdpbusd multiplies unsigned by
+ *                                  signed bytes, so there w is offset by 128 (one xor a weight,
+ *                                  shared by the rows; the caller subtracts 128 * sum(x) once a
+ *                                  block); without VNNI, |w| times x with w's sign (maddubs'
+ *                                  pairs then reach 2 * 128 * 127 < 2^15: no saturation, where
+ *                                  an offset weight's 2 * 255 * 127 would saturate)
  *
  * TILE_VECS registers of sums a row and TILE_ROWS rows make a product tile: as many as the
- * level's registers hold beside the weights' registers and the inputs' broadcasts.
+ * level's registers hold beside the weights' registers and the inputs' broadcasts; QUANT_ROWS
+ * rows make an int8 tile (its integer block sums beside its float sums).
  * PREFETCH_BYTES: how far ahead of its reads a tile prefetches a column block's weights.
  */
 /* a float16 value as a float (exact, subnormals included) */
@@ -50,12 +66,6 @@ static inline VF vf_load_half(const uint16_t *p) { return _mm512_cvtph_ps(_mm256
 static inline VF vf_widen_i8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
-static inline void vf_widen_nibbles(const uint8_t *p, VF *lo, VF *hi) {
-    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
-    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-}
-static inline VF vf_bits(unsigned bits, float x) { return _mm512_maskz_mov_ps((__mmask16)bits, _mm512_set1_ps(x)); }
 /* (p[l] >> shift) & mask on 16 bytes (mask << shift < 256: 16-bit shifts bring no bits of the next byte in) */
 static inline __m128i bits_u8x16(const uint8_t *p, int shift, int mask) {
     __m128i v = _mm_srl_epi16(_mm_loadu_si128((const __m128i *)p), _mm_cvtsi32_si128(shift));
@@ -73,6 +83,38 @@ static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
     *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
     *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
 }
+static inline VF vf_fmadd(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+#define QUANT_ROWS 6        /* 12 float sums + 12 integer sums + 4 weights of 32 registers */
+typedef __m512i VI;
+static inline VI vi_zero(void) { return _mm512_setzero_si512(); }
+static inline VI vi_set1(int32_t x) { return _mm512_set1_epi32(x); }
+static inline VI vi_sub(VI a, VI b) { return _mm512_sub_epi32(a, b); }
+static inline VF vf_of_vi(VI v) { return _mm512_cvtepi32_ps(v); }
+static inline VI vi_load(const void *p) { return _mm512_loadu_si512(p); }
+static inline VI vi_low_nibbles(VI v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+static inline VI vi_high_nibbles(VI v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
+static inline VI vi_fifth_bits(VI v, uint64_t bits) {
+    return _mm512_or_si512(v, _mm512_maskz_mov_epi8((__mmask64)bits, _mm512_set1_epi8(16)));
+}
+#ifdef __AVX512VNNI__
+#define DOT_S8_OFFSET 128
+static inline VI vi_dot_u8(VI acc, VI w, int32_t x4) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4)); }
+static inline VI vi_dot_s8(VI acc, VI w, int32_t x4) {
+    return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80)), _mm512_set1_epi32(x4));
+}
+#else
+#define DOT_S8_OFFSET 0
+static inline VI vi_dot_u8(VI acc, VI w, int32_t x4) {
+    __m512i pairs = _mm512_maddubs_epi16(w, _mm512_set1_epi32(x4));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+}
+static inline VI vi_dot_s8(VI acc, VI w, int32_t x4) {
+    __m512i x = _mm512_set1_epi32(x4);
+    x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+    __m512i pairs = _mm512_maddubs_epi16(_mm512_abs_epi8(w), x);
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+}
+#endif
 
 #elif !defined(OUTPACE_PORTABLE) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -91,16 +133,6 @@ static inline VF vf_load_half(const uint16_t *p) { return _mm256_cvtph_ps(_mm_lo
 static inline VF vf_widen_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
-static inline void vf_widen_nibbles(const uint8_t *p, VF *lo, VF *hi) {
-    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
-    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-}
-static inline VF vf_bits(unsigned bits, float x) {
-    __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)bits), lane), lane);
-    return _mm256_and_ps(_mm256_castsi256_ps(set), _mm256_set1_ps(x));
-}
 /* (p[l] >> shift) & mask on 8 bytes (mask << shift < 256: 16-bit shifts bring no bits of the next byte in) */
 static inline __m128i bits_u8x8(const uint8_t *p, int shift, int mask) {
     __m128i v = _mm_srl_epi16(_mm_loadl_epi64((const __m128i *)p), _mm_cvtsi32_si128(shift));
@@ -117,6 +149,34 @@ static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
     __m256i v = _mm256_loadu_si256((const __m256i *)p);
     *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
     *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+}
+static inline VF vf_fmadd(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+#define QUANT_ROWS 4        /* 8 float sums + 8 integer sums of 16 registers: the float ones spill, touched once
+                             * a block; 2 rows made 9-16 rows about 1.4x slower */
+#define DOT_S8_OFFSET 0
+typedef __m256i VI;
+static inline VI vi_zero(void) { return _mm256_setzero_si256(); }
+static inline VI vi_set1(int32_t x) { return _mm256_set1_epi32(x); }
+static inline VI vi_sub(VI a, VI b) { return _mm256_sub_epi32(a, b); }
+static inline VF vf_of_vi(VI v) { return _mm256_cvtepi32_ps(v); }
+static inline VI vi_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline VI vi_low_nibbles(VI v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+static inline VI vi_high_nibbles(VI v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
+static inline VI vi_fifth_bits(VI v, uint64_t bits) {    /* byte b takes byte b / 8 of bits, then its bit b % 8 */
+    __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)(uint32_t)bits),
+                                         _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+}
+static inline VI vi_dot_u8(VI acc, VI w, int32_t x4) {
+    __m256i pairs = _mm256_maddubs_epi16(w, _mm256_set1_epi32(x4));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+static inline VI vi_dot_s8(VI acc, VI w, int32_t x4) {
+    __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(_mm256_set1_epi32(x4), w));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
 #elif !defined(OUTPACE_PORTABLE) && defined(__ARM_NEON)
@@ -141,17 +201,6 @@ static inline uint8x8_t four_bytes(const void *p) {     /* p[0..4) in the low la
 static inline VF vf_widen_i8(const int8_t *p) {
     return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u8(four_bytes(p))))));
 }
-static inline void vf_widen_nibbles(const uint8_t *p, VF *lo, VF *hi) {
-    uint32x4_t v = vmovl_u16(vget_low_u16(vmovl_u8(four_bytes(p))));
-    *lo = vcvtq_f32_u32(vandq_u32(v, vdupq_n_u32(15)));
-    *hi = vcvtq_f32_u32(vshrq_n_u32(v, 4));
-}
-static inline VF vf_bits(unsigned bits, float x) {
-    const uint32_t lanes[4] = {1, 2, 4, 8};
-    uint32x4_t lane = vld1q_u32(lanes);
-    uint32x4_t set = vceqq_u32(vandq_u32(vdupq_n_u32(bits), lane), lane);
-    return vreinterpretq_f32_u32(vandq_u32(set, vreinterpretq_u32_f32(vdupq_n_f32(x))));
-}
 static inline uint32x4_t widen_u8x4(const uint8_t *p) { return vmovl_u16(vget_low_u16(vmovl_u8(four_bytes(p)))); }
 static inline VF vf_widen_bits(const uint8_t *p, int shift, int mask) {     /* a shift left by -shift: right */
     uint32x4_t v = vshlq_u32(widen_u8x4(p), vdupq_n_s32(-shift));
@@ -168,6 +217,33 @@ static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
     *even = vreinterpretq_f32_u32(vshlq_n_u32(v, 16));
     *odd = vreinterpretq_f32_u32(vandq_u32(v, vdupq_n_u32(0xffff0000u)));
 }
+static inline VF vf_fmadd(VF a, VF b, VF c) { return vfmaq_f32(c, a, b); }
+#define QUANT_ROWS 2        /* 8 float sums + 8 integer sums + 8 weights + temporaries of 32 registers */
+#define DOT_S8_OFFSET 0
+typedef int32x4_t VI;
+static inline VI vi_zero(void) { return vdupq_n_s32(0); }
+static inline VI vi_set1(int32_t x) { return vdupq_n_s32(x); }
+static inline VI vi_sub(VI a, VI b) { return vsubq_s32(a, b); }
+static inline VF vf_of_vi(VI v) { return vcvtq_f32_s32(v); }
+static inline VI vi_load(const void *p) { return vreinterpretq_s32_u8(vld1q_u8((const uint8_t *)p)); }
+static inline VI vi_low_nibbles(VI v) {
+    return vreinterpretq_s32_u8(vandq_u8(vreinterpretq_u8_s32(v), vdupq_n_u8(15)));
+}
+static inline VI vi_high_nibbles(VI v) { return vreinterpretq_s32_u8(vshrq_n_u8(vreinterpretq_u8_s32(v), 4)); }
+static inline VI vi_fifth_bits(VI v, uint64_t bits) {
+    const uint8_t lanes[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    uint8x16_t spread = vcombine_u8(vdup_n_u8((uint8_t)bits), vdup_n_u8((uint8_t)(bits >> 8)));
+    uint8x16_t set = vtstq_u8(spread, vld1q_u8(lanes));
+    return vreinterpretq_s32_u8(vorrq_u8(vreinterpretq_u8_s32(v), vandq_u8(set, vdupq_n_u8(16))));
+}
+/* bytes as signed at both operands: unsigned weights are at most 127 here; products fit int16 */
+static inline VI vi_dot_s8(VI acc, VI w, int32_t x4) {
+    int8x16_t a = vreinterpretq_s8_s32(w), x = vreinterpretq_s8_s32(vdupq_n_s32(x4));
+    int32x4_t low = vpaddlq_s16(vmull_s8(vget_low_s8(a), vget_low_s8(x)));     /* columns 0, 0, 1, 1 */
+    int32x4_t high = vpaddlq_s16(vmull_high_s8(a, x));                         /* columns 2, 2, 3, 3 */
+    return vaddq_s32(acc, vpaddq_s32(low, high));
+}
+static inline VI vi_dot_u8(VI acc, VI w, int32_t x4) { return vi_dot_s8(acc, w, x4); }
 
 #else   /* portable: one float a "register"; the compiler vectorises the tile's loops over them */
 #define VL 1
@@ -183,11 +259,6 @@ static inline VF vf_mul(VF a, VF b) { return a * b; }
 static inline VF vf_add(VF a, VF b) { return a + b; }
 static inline VF vf_load_half(const uint16_t *p) { return half_to_f32(*p); }
 static inline VF vf_widen_i8(const int8_t *p) { return (float)*p; }
-static inline void vf_widen_nibbles(const uint8_t *p, VF *lo, VF *hi) {
-    *lo = (float)(*p & 15);
-    *hi = (float)(*p >> 4);
-}
-static inline VF vf_bits(unsigned bits, float x) { return bits & 1 ? x : 0.0f; }
 static inline VF vf_widen_bits(const uint8_t *p, int shift, int mask) { return (float)((*p >> shift) & mask); }
 static inline VF vf_widen_q6(const uint8_t *lo, const uint8_t *hi, int lo_shift, int hi_shift) {
     return (float)((((*lo >> lo_shift) & 15) | ((*hi >> hi_shift) & 3) << 4) - 32);
@@ -195,6 +266,32 @@ static inline VF vf_widen_q6(const uint8_t *lo, const uint8_t *hi, int lo_shift,
 static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
     *even = bf16_to_f32(p[0]);
     *odd = bf16_to_f32(p[1]);
+}
+static inline VF vf_fmadd(VF a, VF b, VF c) { return fmaf(a, b, c); }
+#define QUANT_ROWS 4
+#define DOT_S8_OFFSET 0
+typedef int32_t VI;         /* byte j of a loaded lane: bits 8j..8j+8 (little-endian) */
+static inline VI vi_zero(void) { return 0; }
+static inline VI vi_set1(int32_t x) { return x; }
+static inline VI vi_sub(VI a, VI b) { return a - b; }
+static inline VF vf_of_vi(VI v) { return (float)v; }
+static inline VI vi_load(const void *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline VI vi_low_nibbles(VI v) { return (int32_t)((uint32_t)v & 0x0f0f0f0fu); }
+static inline VI vi_high_nibbles(VI v) { return (int32_t)(((uint32_t)v >> 4) & 0x0f0f0f0fu); }
+static inline VI vi_fifth_bits(VI v, uint64_t bits) {  /* bit j of 4 to bit 8j: the products do not overlap */
+    return (int32_t)((uint32_t)v | ((((uint32_t)bits & 15u) * 0x00204081u) & 0x01010101u) << 4);
+}
+static inline VI vi_dot_u8(VI acc, VI w, int32_t x4) {
+    for (int j = 0; j < 4; j++) acc += (int32_t)(uint8_t)((uint32_t)w >> 8 * j) * (int8_t)((uint32_t)x4 >> 8 * j);
+    return acc;
+}
+static inline VI vi_dot_s8(VI acc, VI w, int32_t x4) {
+    for (int j = 0; j < 4; j++) acc += (int8_t)((uint32_t)w >> 8 * j) * (int8_t)((uint32_t)x4 >> 8 * j);
+    return acc;
 }
 #endif
 
