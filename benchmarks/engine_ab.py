@@ -78,13 +78,15 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over N GPUs (or CPU processes)")
     args = p.parse_args()
     if args.concurrency < 1 or args.rounds < 1:
         p.error("--concurrency and --rounds must be at least 1")
     c = args.concurrency
     texts = first_turns(args.dataset)
     start = 7 * (STANDARD_LEVELS.index(c) if c in STANDARD_LEVELS else 0)
-    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=c, spec=SpecConfig(method="ngram")))
+    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=c, spec=SpecConfig(method="ngram"),
+                                    tensor_parallel_size=args.tensor_parallel_size))
     tok = engine.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": texts[(start + i) % len(texts)]}]),
                           add_special_tokens=False) for i in range(max(8, 2 * c))]

@@ -25,10 +25,15 @@ Prints tables and writes tp_bench.json under --out.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import os
+import queue
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -54,6 +59,7 @@ RESULT = "tp_bench result: "    # a --one process's stdout line that carries its
 MAX_LEN = 1024
 START = 64                      # decode and verify rows sit here (attention reads the 512-key bucket)
 VERIFY_K = list(range(9))
+EXIT_GRACE_S = 30.0             # a --one process's time to close its workers and exit after its row
 
 
 def log(*a):
@@ -144,8 +150,8 @@ def fits(shape: dict, n: int, device: str, dtype: torch.dtype) -> bool:
     return weight_bytes(shape, dtype)[0] / n < 0.85 * torch.cuda.get_device_properties(0).total_memory
 
 
-def measure_one(shape: dict, n: int, args, bandwidth: float, verify: bool) -> dict:
-    """Decode rate (and T(1+k)) of the shape over n ranks, in this process."""
+def measure_one(shape: dict, n: int, args, bandwidth: float, verify: bool) -> None:
+    """Prints the decode rate (and T(1+k)) of the shape over n ranks, measured in this process."""
     total, embedding = weight_bytes(shape, args.dtype)
     t0 = time.perf_counter()
     runner, workers = build(shape, n, args.device, args.dtype)
@@ -162,17 +168,19 @@ def measure_one(shape: dict, n: int, args, bandwidth: float, verify: bool) -> di
             row["verify_seconds"] = seconds
             row["verify_ratio"] = [s / seconds[0] for s in seconds]
             log(f"N = {n}: T(1+k) measured")
+        print(RESULT + json.dumps(row), flush=True)     # before closing: a hang there keeps the row
     finally:
         if workers is not None:
             log(f"N = {n}: closing the workers")
             workers.close()
-    return row
 
 
 def measure(label: str, shape: dict, sizes: list[int], args, bandwidth: float) -> dict:
     """Each N in a process of its own (this script with --one), so that one size's state (CUDA
     graphs, a process group, memory) never reaches the next, and a size that hangs or fails
-    costs only its --timeout-each: the others' rows are kept."""
+    costs only its --timeout-each: the others' rows are kept. The process prints its row before
+    it closes its workers; one that has not exited EXIT_GRACE_S after it dumps its threads' stacks
+    (SIGUSR1) and is killed with its workers, and the row says so."""
     total, embedding = weight_bytes(shape, args.dtype)
     out = {"weight_bytes": total, "embedding_bytes": embedding, "by_size": {}, "failed": {}}
     for n in sizes:
@@ -182,18 +190,50 @@ def measure(label: str, shape: dict, sizes: list[int], args, bandwidth: float) -
         command = [sys.executable, __file__, "--out", args.out, "--one", f"{label}:{n}", "--bandwidth", str(bandwidth),
                    "--steps", str(args.steps), "--reps", str(args.reps)] + (["--smoke"] if args.smoke else [])
         t0 = time.perf_counter()
-        try:
-            done = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=args.timeout_each)
-        except subprocess.TimeoutExpired:
-            out["failed"][n] = f"no result within --timeout-each {args.timeout_each} s"
-        else:
-            found = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
-            if done.returncode == 0 and found:
-                out["by_size"][n] = json.loads(found[-1].removeprefix(RESULT))
-            else:
-                out["failed"][n] = f"exited {done.returncode} without a result"
-        log(f"[{label}] N = {n} ({time.perf_counter() - t0:.0f} s): {out['by_size'].get(n) or out['failed'][n]}")
+        row, failure = run_one(command, args.timeout_each)
+        if row is not None:
+            out["by_size"][n] = row
+        if failure:
+            out["failed"][n] = failure
+        log(f"[{label}] N = {n} ({time.perf_counter() - t0:.0f} s): {row or ''} {failure or ''}")
     return out
+
+
+def run_one(command: list[str], timeout: float) -> tuple[dict | None, str | None]:
+    """(the --one process's row or None, what went wrong or None)."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+
+    def read():
+        for line in proc.stdout:
+            lines.put(line)
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    row, deadline = None, time.monotonic() + timeout
+    while row is None and time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
+            if proc.poll() is not None:
+                reader.join(2.0)        # its last lines
+                if lines.empty():
+                    break
+            continue
+        if line.startswith(RESULT):
+            row = json.loads(line.removeprefix(RESULT))
+    try:
+        code = proc.wait(EXIT_GRACE_S if row is not None else max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGUSR1)                   # its stacks, to stderr
+        time.sleep(2.0)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        if row is None:
+            return None, f"no result within --timeout-each {timeout} s (stacks above)"
+        return row, f"the result came, then the process did not exit within {EXIT_GRACE_S} s (stacks above)"
+    if row is None:
+        return None, f"exited {code} without a result"
+    return row, None if code == 0 else f"exited {code} after its result"
 
 
 CHECK_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
@@ -259,7 +299,8 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=None, help="N to run (default 1 2 4, and 8 on 8 GPUs)")
     parser.add_argument("--steps", type=int, default=128, help="decode steps timed (default 128)")
     parser.add_argument("--reps", type=int, default=20, help="forwards per round of T(1+k) (default 20)")
-    parser.add_argument("--no-70b", action="store_true", help="the 8B shape only")
+    parser.add_argument("--shapes", nargs="+", choices=["8b", "70b"], default=["8b", "70b"],
+                        help="the Llama-3 shapes to run (default both)")
     parser.add_argument("--check", action="store_true", help="first, greedy output over N ranks equals one rank's")
     parser.add_argument("--check-tokens", type=int, default=64, help="tokens a prompt of --check (default 64)")
     parser.add_argument("--scratch", default=str(outpace_home() / "models"),
@@ -278,7 +319,9 @@ def main() -> None:
     if args.one:
         label, n = args.one.rsplit(":", 1)
         shape, verify = SHAPES[label]
-        print(RESULT + json.dumps(measure_one(shape, int(n), args, args.bandwidth, verify)), flush=True)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)    # the driver's way to see a hang
+        measure_one(shape, int(n), args, args.bandwidth, verify)
+        log(f"N = {n}: workers closed")
         return
     gpus = torch.cuda.device_count() if args.device == "cuda" else 2
     sizes = [n for n in (args.sizes or [1, 2, 4, 8]) if n <= gpus]
@@ -288,9 +331,12 @@ def main() -> None:
     log(f"copy bandwidth (read + write) on {results['device']}: {bandwidth / 1e9:.1f} GB/s")
     if args.check:
         results["checks"] = checks(args, gpus)
-    shapes = [("tiny shape", sizes)] if args.smoke else [("Llama-3-8B shape", [n for n in sizes if n <= 4])]
-    if not args.smoke and not args.no_70b:
-        shapes.append(("Llama-3-70B shape", [n for n in sizes if n >= 2]))
+    if args.smoke:
+        shapes = [("tiny shape", sizes)]
+    else:
+        shapes = [("Llama-3-8B shape", [n for n in sizes if n <= 4])] if "8b" in args.shapes else []
+        if "70b" in args.shapes:
+            shapes.append(("Llama-3-70B shape", [n for n in sizes if n >= 2]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for label, shape_sizes in shapes:
