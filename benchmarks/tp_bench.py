@@ -172,7 +172,9 @@ def measure_one(shape: dict, n: int, args, bandwidth: float, verify: bool) -> No
     finally:
         if workers is not None:
             log(f"N = {n}: closing the workers")
+            faulthandler.dump_traceback_later(EXIT_GRACE_S / 2)    # where a hanging close waits
             workers.close()
+            faulthandler.cancel_dump_traceback_later()
 
 
 def measure(label: str, shape: dict, sizes: list[int], args, bandwidth: float) -> dict:
@@ -224,7 +226,7 @@ def run_one(command: list[str], timeout: float) -> tuple[dict | None, str | None
     try:
         code = proc.wait(EXIT_GRACE_S if row is not None else max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        os.kill(proc.pid, signal.SIGUSR1)                   # its stacks, to stderr
+        os.killpg(proc.pid, signal.SIGUSR1)                 # its and its workers' stacks, to stderr
         time.sleep(2.0)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

@@ -30,8 +30,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import faulthandler
 import multiprocessing.connection
 import os
+import platform
 import signal
 import sys
 import threading
@@ -48,11 +50,14 @@ from outpace.errors import InvalidParameterError, WorkerFailedError
 from outpace.model.config import ModelConfig
 from outpace.model.registry import FAMILIES
 from outpace.model.tensor_parallel import Shard, check_shardable
-from outpace.runner.parallel import STOP, Channel, serve
+from outpace.runner.parallel import STOP, Channel, Mailbox, serve
 from outpace.weights.loader import load_model
 
 CHANNEL_TIMEOUT = datetime.timedelta(days=365)
 STARTUP_TIMEOUT_S = 300         # spawn, import torch, join the group (not the model's load)
+# spawned workers (one host) read rank 0's messages from shared memory where the CPU keeps stores
+# in order (Mailbox); elsewhere, and under torchrun (several hosts), from gloo broadcasts
+MAILBOX_MACHINE = platform.machine() in ("x86_64", "AMD64")
 STOP_GRACE_S = 10               # a worker's time to leave its loop after STOP
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -117,7 +122,7 @@ class Workers:
             raise InvalidParameterError(f"--tensor-parallel-size {world_size} needs {world_size} GPUs; torch sees "
                                         f"{torch.cuda.device_count()}")
         threads = max(1, torch.get_num_threads() // world_size)
-        processes, init = [], dict(init_method="env://")
+        processes, init, mailbox = [], dict(init_method="env://"), None
         if launched is not None and (launched[1] != world_size or launched[0] != 0):
             raise InvalidParameterError(f"torchrun started {launched[1]} processes; run with "
                                         f"--tensor-parallel-size {launched[1]} (this is rank {launched[0]})")
@@ -125,8 +130,9 @@ class Workers:
             if launched is None:
                 store = dist.TCPStore("127.0.0.1", 0, world_size, True, wait_for_workers=False)
                 init = dict(store=store)
+                mailbox = Mailbox.allocate(world_size) if MAILBOX_MACHINE else None
                 context = mp.get_context("spawn")
-                processes = [context.Process(target=_spawned, args=(rank, world_size, store.port),
+                processes = [context.Process(target=_spawned, args=(rank, world_size, store.port, mailbox),
                                              name=f"outpace-tp-{rank}", daemon=True) for rank in range(1, world_size)]
                 for p in processes:
                     p.start()
@@ -134,7 +140,9 @@ class Workers:
             if device == "cuda":
                 torch.cuda.set_device(0 if launched is None else launched[2])
             dist.init_process_group(_backend(), rank=0, world_size=world_size, **init)
-            channel = Channel(dist.new_group(backend="gloo", timeout=CHANNEL_TIMEOUT))
+            channel = Channel(dist.new_group(backend="gloo", timeout=CHANNEL_TIMEOUT), 0,
+                              None if mailbox is None else Mailbox(mailbox, world_size),
+                              failed=lambda: any(p.exitcode is not None for p in processes))
         except BaseException:
             _kill(processes)
             if dist.is_initialized():
@@ -204,7 +212,7 @@ class Workers:
         graceful = self.failure is None and not self.in_flight
         if graceful:
             try:
-                self.channel.send(STOP)
+                self.channel.send(STOP, timeout=STOP_GRACE_S)
             except RuntimeError:
                 graceful = False
         deadline = time.monotonic() + (STOP_GRACE_S if graceful else 0)
@@ -242,11 +250,11 @@ def _kill(processes: list) -> None:
 
 
 # ---- the worker's side ----------------------------------------------------------------------
-def _spawned(rank: int, world_size: int, port: int) -> None:
-    """A spawned worker process."""
+def _spawned(rank: int, world_size: int, port: int, mailbox: torch.Tensor | None) -> None:
+    """A spawned worker process (mailbox: rank 0's shared buffer, where the machine allows one)."""
     store = dist.TCPStore("127.0.0.1", port, world_size, False)
     store.set(f"outpace/joined/{rank}", "1")
-    _serve(rank, world_size, rank, dict(store=store))
+    _serve(rank, world_size, rank, dict(store=store), None if mailbox is None else Mailbox(mailbox, world_size))
 
 
 def run_worker() -> None:
@@ -256,13 +264,14 @@ def run_worker() -> None:
     _serve(rank, world_size, local_rank, dict(init_method="env://"))
 
 
-def _serve(rank: int, world_size: int, local_rank: int, init: dict) -> None:
+def _serve(rank: int, world_size: int, local_rank: int, init: dict, mailbox: Mailbox | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)        # Ctrl-C is the driver's to handle
+    faulthandler.register(signal.SIGUSR1, all_threads=True)     # `kill -USR1`: where a worker waits
     _watch_parent(rank)
     if local_rank < torch.cuda.device_count():          # NCCL's communicator forms on the current device
         torch.cuda.set_device(local_rank)
     dist.init_process_group(_backend(), rank=rank, world_size=world_size, **init)
-    channel = Channel(dist.new_group(backend="gloo", timeout=CHANNEL_TIMEOUT))
+    channel = Channel(dist.new_group(backend="gloo", timeout=CHANNEL_TIMEOUT), rank, mailbox)
     try:
         spec: LoadSpec = channel.receive_object()
         if spec.device == "cpu":
