@@ -190,6 +190,15 @@ class CudaGraphRunner(ModelRunner):
         end = max(r.start for r in rows) + tier          # every row's positions (padding too) lie below
         return self.buckets[j], tier, self.kv_lens[bisect.bisect_left(self.kv_lens, min(end, self.cache_len))]
 
+    def release_graphs(self) -> None:
+        """Destroy the captured graphs; the runner cannot replay them afterwards. NCCL frees a
+        communicator, even by abort, only once every graph that captured its collectives is gone
+        (a graph still running is freed when it ends, which an aborted communicator makes it do)."""
+        for graphs in (self.graphs, self.chunk_graphs):
+            for graph in graphs.values():
+                graph.reset()
+            graphs.clear()
+
     def forward(self, rows: list[Row], logits: str = "all", hidden_layers: tuple[int, ...] = (),
                 chunks: list[Row] = (), draft_tokens: torch.Tensor | None = None,
                 step_inputs: list[tuple] | None = None, num_device_tokens: int = 0):

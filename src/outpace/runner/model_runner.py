@@ -87,6 +87,9 @@ class ModelRunner:
             model.rope_cos = torch.cat([model.rope_cos, model.rope_cos[-1:].expand(extra, -1)])
             model.rope_sin = torch.cat([model.rope_sin, model.rope_sin[-1:].expand(extra, -1)])
 
+    def release_graphs(self) -> None:
+        """Free what holds the process group's communicators (CudaGraphRunner: its graphs)."""
+
     @torch.inference_mode()
     def forward(self, rows: list[Row], logits: str = "all", hidden_layers: tuple[int, ...] = (),
                 chunks: list[Row] = (), draft_tokens: torch.Tensor | None = None):

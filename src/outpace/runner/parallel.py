@@ -185,6 +185,7 @@ class ParallelRunner:
             workers.channel.send_object(make_runner)
             self.inner = make_runner(model)
         self.workers = workers
+        workers.runner = self.inner
         inner = self.inner
         self.model, self.device, self.dtype, self.cache = inner.model, inner.device, inner.dtype, inner.cache
         self.packs_rows, self.greedy_logits = inner.packs_rows, inner.greedy_logits

@@ -59,6 +59,7 @@ STARTUP_TIMEOUT_S = 300         # spawn, import torch, join the group (not the m
 # in order (Mailbox); elsewhere, and under torchrun (several hosts), from gloo broadcasts
 MAILBOX_MACHINE = platform.machine() in ("x86_64", "AMD64")
 STOP_GRACE_S = 10               # a worker's time to leave its loop after STOP
+LEAVE_GRACE_S = 10              # aborting the NCCL communicators, which blocks while a graph holds them
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -103,6 +104,7 @@ class Workers:
         self.failure: str | None = None     # set once the engine cannot go on
         self.in_flight = False              # a collective began and did not end
         self.closed = False
+        self.runner = None                  # rank 0's runner (ParallelRunner sets it): its graphs go first
         atexit.register(self.close)
         if processes:
             threading.Thread(target=self._monitor, name="outpace-tp-monitor", daemon=True).start()
@@ -219,6 +221,8 @@ class Workers:
         for p in self.processes:
             p.join(max(0.0, deadline - time.monotonic()))
         _kill(self.processes)
+        if self.runner is not None:
+            self.runner.release_graphs()
         _leave_group(self.device)
         if self.device == "cpu":
             torch.set_num_threads(self.threads_before)
@@ -280,6 +284,7 @@ def _serve(rank: int, world_size: int, local_rank: int, init: dict, mailbox: Mai
                           shard=Shard(rank, world_size))
         runner = channel.receive_object()(model)
         serve(runner, channel)
+        runner.release_graphs()
     except RuntimeError:
         # a collective fails at once when the driver's process ends; the watch thread then ends
         # this one with a line rather than this traceback
@@ -291,13 +296,26 @@ def _serve(rank: int, world_size: int, local_rank: int, init: dict, mailbox: Mai
 def _leave_group(device: str) -> None:
     """Leave the process group without waiting for the other ranks. NCCL's orderly destroy
     waits until every rank destroys its communicators too, so a rank that has exited, been killed
-    or not got there yet hangs it: on CUDA the communicators are aborted instead, which is local."""
+    or not got there yet hangs it: on CUDA the communicators are aborted instead, which is local,
+    but NCCL ends the abort only once no CUDA graph that captured their collectives exists
+    (release_graphs first). If it has not ended in LEAVE_GRACE_S, the group is left as it is:
+    this process cannot form another one."""
     if device == "cuda":
-        with contextlib.suppress(Exception):
-            dist.distributed_c10d._abort_process_group()
+        aborting = threading.Thread(target=_abort, name="outpace-tp-abort", daemon=True)
+        aborting.start()
+        aborting.join(LEAVE_GRACE_S)
+        if aborting.is_alive():
+            print(f"outpace: the NCCL communicators did not close in {LEAVE_GRACE_S} s (a CUDA graph that "
+                  f"captured their collectives is still alive); left open", file=sys.stderr)
+            return
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+def _abort() -> None:
+    with contextlib.suppress(Exception):
+        dist.distributed_c10d._abort_process_group()
 
 
 def _watch_parent(rank: int) -> None:
