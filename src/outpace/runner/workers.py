@@ -9,13 +9,15 @@ Two ways to start them:
   others `run_worker()` (the outpace command calls it itself on ranks other than 0); the group
   forms from torchrun's environment, rank r on cuda:LOCAL_RANK.
 Collectives of the model run in the default group (NCCL for CUDA tensors, gloo for CPU ones); the
-channel (runner/parallel.py) in a gloo group of its own, without a practical timeout: a worker
-waits in it for as long as the engine is idle. Rank 0 sends each worker how to load its shard
+channel (runner/parallel.py) through a mailbox in shared memory for spawned workers on x86-64,
+and in a gloo group of its own, without a practical timeout, for what does not fit it and under
+torchrun: a worker waits in it for as long as the engine is idle. Rank 0 sends each worker how to load its shard
 (the loader, the device kind, the threads), then how to build its runner (ParallelRunner).
 
 Shutdown, in every case without a process left behind:
 - close() (LLMEngine.close, LLM.close, and at interpreter exit): STOP on the channel, then each
-  worker leaves its loop and exits; joined, killed after a grace period. After a forward cut
+  worker leaves its loop, frees its CUDA graphs, leaves the group and exits; joined, killed after
+  a grace period; then rank 0 frees its graphs and leaves the group (_leave_group). After a forward cut
   short (Ctrl-C in the driver) the workers wait in a collective that will never complete: killed
   at once.
 - A worker dies: the driver's collective fails (gloo: at once, the peer's sockets close; NCCL:
