@@ -5,7 +5,8 @@ Guards: the draft model's cache must stay consistent through rollback (a draft m
 target itself drafts the target's own continuation, so every draft must be accepted: any stale
 or misplaced cache entry would show as a rejection); a draft model with other random weights (an
 adversary) must not change the output; sampled output with a seed must stay reproducible; an
-draft whose ids mean other tokens is refused with a clear error.
+draft whose ids mean other tokens is refused with a clear error; a draft vocabulary (the first
+ids alone) drafts only those ids and leaves the output alone.
 """
 import json
 
@@ -47,7 +48,7 @@ def plain(folders):
 
 
 def test_the_target_as_its_own_draft_is_always_accepted(folders, plain):
-    spec = SpecConfig(method="draft", draft_model=str(folders[0]), num_draft_tokens=4)
+    spec = SpecConfig(method="draft", draft_model=str(folders[0]), num_draft_tokens=4, draft_vocab=0)
     llm = LLM(str(folders[0]), spec=spec, **OPTIONS)
     out = llm.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in out] == plain
@@ -67,7 +68,8 @@ def test_another_draft_model_keeps_greedy_output(folders, plain):
 def test_ngram_first_then_the_draft_model(folders, plain):
     """The chain: n-gram lookup where the tail matches, the draft model elsewhere; the draft
     model catches up on the rows n-gram drafted, so its drafts stay the target's own."""
-    spec = SpecConfig(method="draft", draft_model=str(folders[0]), num_draft_tokens=4, ngram_first=True)
+    spec = SpecConfig(method="draft", draft_model=str(folders[0]), num_draft_tokens=4, ngram_first=True,
+                      draft_vocab=0)
     llm = LLM(str(folders[0]), spec=spec, **OPTIONS)
     chain = llm.engine.drafter
     model = chain.drafters[1]
@@ -86,6 +88,30 @@ def test_ngram_first_then_the_draft_model(folders, plain):
     assert not model.tokens
 
 
+def test_a_draft_vocabulary_drafts_its_first_ids_alone(folders, plain):
+    """draft_vocab: the draft's LM head computes the first ids' logits alone, so it drafts nothing
+    else; the target as its own draft is then accepted wherever its token lies among them, and
+    greedy output stays plain's."""
+    spec = SpecConfig(method="draft", draft_model=str(folders[0]), num_draft_tokens=4, draft_vocab=20000)
+    llm = LLM(str(folders[0]), spec=spec, **OPTIONS)
+    drafter = llm.engine.drafter
+    drafted: list[int] = []
+    propose = drafter.propose
+
+    def recorded(batch):
+        drafts = propose(batch)
+        drafted.extend(t for row in drafts.host_rows() for t in row)
+        return drafts
+    drafter.propose = recorded
+    out = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in out] == plain
+    assert drafter.model.logit_rows == 20000
+    assert drafted and max(drafted) < 20000
+    outputs = [t for o in out for t in o.token_ids]
+    assert any(t >= 20000 for t in outputs)     # the target wrote ids the draft could not propose
+    assert sum(o.spec["num_accepted_tokens"] for o in out) > 0
+
+
 def test_confidence_stop_drafts_less(folders, plain):
     spec = SpecConfig(method="draft", draft_model=str(folders[1]), num_draft_tokens=5, p_min=0.9)
     out = LLM(str(folders[0]), spec=spec, **OPTIONS).generate(PROMPTS, PARAMS)
@@ -102,7 +128,7 @@ def test_sampled_drafts_couple_through_the_targets_noise(folders):
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=20, ignore_eos=True)
     want = [o.token_ids for o in LLM(str(folders[0]), spec="none", **OPTIONS).generate(PROMPTS, params)]
     for draft in folders[:2]:
-        spec = SpecConfig(method="draft", draft_model=str(draft), num_draft_tokens=3)
+        spec = SpecConfig(method="draft", draft_model=str(draft), num_draft_tokens=3, draft_vocab=0)
         out = LLM(str(folders[0]), spec=spec, **OPTIONS).generate(PROMPTS, params)
         assert [o.token_ids for o in out] == want
         drafted = sum(o.spec["num_draft_tokens"] for o in out)

@@ -82,6 +82,13 @@ class PackedLinear(nn.Module):
             return F.linear(x, self.weight.float(), bias)
         return _ops._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
+    def first_rows(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        """self(x)[..., :n], those outputs alone (pack_weight keeps output columns in order)."""
+        bias = None if self.bias is None else self.bias[:n]
+        if self.kernel:
+            return cpu_kernels.linear(x, self.packed, self.format, bias, n)
+        return F.linear(x, self.weight[:n].to(x.dtype), None if bias is None else bias.to(x.dtype))
+
 
 def pack_linears(model: nn.Module) -> None:
     """Replace every nn.Linear of a CPU model with a PackedLinear where cpu_kernels.linear serves
@@ -113,8 +120,12 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.float()
-        return cpu_kernels.linear(x, self.packed, self.format, bias, self.out_features)
+        return self.first_rows(x, self.out_features)
+
+    def first_rows(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        """self(x)[..., :n], those outputs alone (pack_quantized keeps output columns in order)."""
+        bias = None if self.bias is None else self.bias[:n].float()
+        return cpu_kernels.linear(x, self.packed, self.format, bias, n)
 
 
 class QuantizedParts(nn.Module):

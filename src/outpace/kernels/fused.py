@@ -114,6 +114,15 @@ def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     return ops.matvec(x, layer.weight, layer.bias)
 
 
+def linear_rows(x: torch.Tensor, layer: nn.Module, n: int) -> torch.Tensor:
+    """layer(x)[..., :n], computing those outputs alone (a draft vocabulary: an LM head's first
+    token ids). The CPU's packed and quantized layers keep their output columns in order, so the
+    first n are a prefix of their packed weight (their first_rows)."""
+    if hasattr(layer, "first_rows"):
+        return layer.first_rows(x, n)
+    return F.linear(x, layer.weight[:n], None if layer.bias is None else layer.bias[:n])
+
+
 def graph_attention(dtype: torch.dtype, head_dim: int, device: torch.device, queries: int) -> bool:
     """Whether decode_attention runs here: inside graphs, for a half dtype, a power-of-two head
     size up to 128 and at most 128 queries per key/value head (query heads per group x tokens per

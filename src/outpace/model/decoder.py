@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from outpace.model.config import ModelConfig
-from outpace.kernels.fused import linear
+from outpace.kernels.fused import linear, linear_rows
 from outpace.runner.kv_cache import KVCache
 from outpace.model.layers import DecoderLayer, ForwardBatch, RMSNorm
 from outpace.model.rope import rope_tables
@@ -40,6 +40,7 @@ class DecoderLM(nn.Module):
         self.layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_layers))
         self.norm = self.NORM(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.logit_rows = cfg.vocab_size    # the token ids [0, logit_rows) whose logits forward computes
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_len, cfg.rope_scaling, cfg.rotary_dim)
         self.register_buffer("rope_cos", cos, persistent=False)   # [max_len, D] float32
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -91,7 +92,10 @@ class DecoderLM(nn.Module):
         return logits, hidden
 
     def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The LM head: x [N, H] -> float32 logits [N, V]."""
+        """The LM head: x [N, H] -> float32 logits [N, logit_rows] (a draft model's draft
+        vocabulary: the first token ids alone)."""
+        if self.logit_rows < self.cfg.vocab_size:
+            return linear_rows(x, self.lm_head, self.logit_rows).float()
         return linear(x, self.lm_head).float()
 
     def run_layers(self, h, cos, sin, batch: ForwardBatch, cache: KVCache):

@@ -75,7 +75,7 @@ class CudaGraphRunner(ModelRunner):
         if max_prefill_tokens > max_step_tokens:
             raise ValueError(f"prompt chunks of {max_prefill_tokens} tokens need max_step_tokens >= that")
         self.prefill_tiers = doublings(16, max_prefill_tokens) if max_prefill_tokens else []
-        rows, tokens, vocab = self.buckets[-1], max(self.tiers), model.cfg.vocab_size
+        rows, tokens, vocab = self.buckets[-1], max(self.tiers), model.logit_rows
         device = self.device
         # The buffers, at the largest shape; shape (b, t) uses views of their first entries.
         # inputs: one buffer, so a step's host inputs arrive in one copy: [starts | extension's | input ids]
