@@ -2,8 +2,7 @@
 file holds them (cpu_products.h, top).
 
 The products quantize each input row to int8 per block of 32 and sum integer products exactly
-(the k-quants' sub-block scales joined per block of 32 inputs: Q4_K's one sub-block, Q6_K's two
-exactly in int32), then combine the blocks in float32 in one fixed order: the result is the numpy
+(the k-quants' integer sub-block scales inside each sub-block's sum), then combine the blocks in float32 in one fixed order: the result is the numpy
 emulation of that scheme below bit for bit, at every instruction-set level (the cpu_level
 fixture), whatever rows share the call (exact mode and speculative greedy output rest on it). It
 is NOT the float32 product over the dequantized weight: it differs from that by the inputs'
@@ -145,10 +144,11 @@ def kquant_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch
     q_w, d_w, sc = kquant_parts(blocks, qtype)
     halves = np.einsum("mbhk,nbhk->mnbh", q_x.reshape(*q_x.shape[:2], 2, 16), q_w.reshape(*q_w.shape[:2], 2, 16))
     s = q_x.reshape(*q_x.shape[:2], 2, 16).sum(-1)                               # [M, B, 2]
-    total = ((halves - 32 * s[:, None]) * sc[None]).sum(-1)                      # [M, N, B], exact
-    assert np.abs(total).max() < 2 ** 24
+    isum = (halves - 32 * s[:, None]) * sc[None]                                 # [M, N, B, 2], exact
+    assert np.abs(isum).max() < 2 ** 24
     for b in range(q_x.shape[1]):
-        acc = fma32(d_w[None, :, b] * d_x[:, None, b], total[..., b].astype(np.float32), acc)
+        for half in range(2):
+            acc = fma32(d_w[None, :, b] * d_x[:, None, b], isum[..., b, half].astype(np.float32), acc)
     return torch.from_numpy(acc)
 
 

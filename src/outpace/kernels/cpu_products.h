@@ -26,9 +26,9 @@
  * q_w - dmin_w m, q_w in 0..15, sc and m 6-bit integers, d_w and dmin_w the super-block's float16s):
  *     acc = fma((d_w * sc) * d, (float)isum, acc)      isum = sum q_w,i q_i, exact int32
  *     acc = fma(-(dmin_w * m), d * (float)s, acc)
- * and Q6_K's two sub-blocks of 16 inputs (scales sc_lo, sc_hi, int8; w = (d_w sc) (q_w - 32),
- * q_w in 0..63) join exactly in int32 first, |T| <= 2 * 128 * 16 * 32 * 127 < 2^24:
- *     acc = fma(d_w * d, (float)T, acc)    T = sc_lo (sum_lo q_w,i q_i - 32 s_lo) + sc_hi (sum_hi ... - 32 (s - s_lo))
+ * and Q6_K's sub-blocks of 16 inputs (w = (d_w sc) (q_w - 32), q_w in 0..63, sc an int8 scale),
+ * two an input block, its first 16 inputs (s_16 = s_lo) then its last (s_16 = s - s_lo):
+ *     acc = fma(d_w * d, (float)isum, acc)      isum = sc (sum q_w,i q_i - 32 s_16), exact int32, < 2^24
  * Integer sums are exact whatever the instruction, and each float op is one IEEE rounding in that
  * fixed order, so a row's result is the same bits at every level and whatever rows share the
  * call; it differs from the float32 product over the dequantized weight by the inputs'
@@ -339,7 +339,7 @@ static inline __attribute__((always_inline)) void q4_k_scales(const uint8_t *b, 
  * Q6_K's two sub-blocks of 16), the runs of 4 inputs' weights are loaded (nibbles split, Q6_K's two
  * high bits joined), each row's 4 inputs broadcast as one int32 and their products summed in int32
  * lanes (vi_dot_u8: the values are unsigned, at most 63); then each block joins the float32 sums
- * as the top of this file says (Q6_K's two sub-blocks first joined exactly in int32). */
+ * as the top of this file says. */
 static inline __attribute__((always_inline)) void tile_kquant(QuantRows xq, long K, const char *w, int format,
                                                               long rows, int vecs, const float *bias, long n_valid,
                                                               void *out, int wide_out, long N) {
@@ -413,7 +413,6 @@ static inline __attribute__((always_inline)) void tile_kquant(QuantRows xq, long
             /* Q6_K: inputs 128h + r, h = j / 4, r = 32 (j % 4) + i: ql runs 16h + 8 (j % 2) + t (nibble
              * (j % 4) / 2), qh runs 8h + t (bits 2 (j % 4) on); sub-block 2j + half, runs 4 half .. */
             int h = j / 4, lo_shift = 4 * (j % 4 / 2), hi_shift = 2 * (j % 4);
-            VI total[TILE_ROWS][TILE_VECS];
             for (int half = 0; half < 2; half++) {
 #pragma GCC unroll 16
                 for (int m = 0; m < TILE_ROWS; m++) {
@@ -451,21 +450,13 @@ static inline __attribute__((always_inline)) void tile_kquant(QuantRows xq, long
                     if (m >= rows) continue;
                     int32_t s = xq.half_sum[m * blocks + b];     /* the block's first 16 inputs' sum */
                     VI offset = vi_set1(32 * (half ? xq.sum[m * blocks + b] - s : s));
+                    VF dx = vf_set1(xq.d[m * blocks + b]);
 #pragma GCC unroll 16
                     for (int v = 0; v < TILE_VECS; v++) {
                         if (v >= vecs) continue;
                         VI part = vi_mul(vi_sub(isum[m][v], offset), scale[v]);
-                        total[m][v] = half ? vi_add(total[m][v], part) : part;
+                        acc[m][v] = vf_fmadd(vf_mul(d[v], dx), vf_of_vi(part), acc[m][v]);
                     }
-                }
-            }
-#pragma GCC unroll 16
-            for (int m = 0; m < TILE_ROWS; m++) {
-                if (m >= rows) continue;
-                VF dx = vf_set1(xq.d[m * blocks + b]);
-#pragma GCC unroll 16
-                for (int v = 0; v < TILE_VECS; v++) {
-                    if (v < vecs) acc[m][v] = vf_fmadd(vf_mul(d[v], dx), vf_of_vi(total[m][v]), acc[m][v]);
                 }
             }
         }

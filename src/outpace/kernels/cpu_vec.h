@@ -17,8 +17,7 @@
  *
  * VI holds VL int32 lanes, one a column, for the int8 products; as loaded, lane l is the 4 bytes
  * p[4l..4l+4) (byte j: input j of a run of 4), the column's weights:
- *   vi_zero(), vi_set1(x), vi_add(a, b), vi_sub(a, b), vi_mul(a, b) (low 32 bits), vf_of_vi(v)
- *                                  (exact below 2^24)
+ *   vi_zero(), vi_set1(x), vi_sub(a, b), vi_mul(a, b) (low 32 bits), vf_of_vi(v) (exact below 2^24)
  *   vi_load(p)                     p[0..4 VL) as above
  *   vi_widen_i8(p)                 VL int8 values p[0..VL), lane l = p[l]
  *   vi_low_nibbles(v), vi_high_nibbles(v)   each byte's low / high 4 bits, as a byte
@@ -82,7 +81,6 @@ static inline VF vf_fmadd(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 typedef __m512i VI;
 static inline VI vi_zero(void) { return _mm512_setzero_si512(); }
 static inline VI vi_set1(int32_t x) { return _mm512_set1_epi32(x); }
-static inline VI vi_add(VI a, VI b) { return _mm512_add_epi32(a, b); }
 static inline VI vi_sub(VI a, VI b) { return _mm512_sub_epi32(a, b); }
 static inline VI vi_mul(VI a, VI b) { return _mm512_mullo_epi32(a, b); }
 static inline VF vf_of_vi(VI v) { return _mm512_cvtepi32_ps(v); }
@@ -151,7 +149,6 @@ static inline VF vf_fmadd(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 typedef __m256i VI;
 static inline VI vi_zero(void) { return _mm256_setzero_si256(); }
 static inline VI vi_set1(int32_t x) { return _mm256_set1_epi32(x); }
-static inline VI vi_add(VI a, VI b) { return _mm256_add_epi32(a, b); }
 static inline VI vi_sub(VI a, VI b) { return _mm256_sub_epi32(a, b); }
 static inline VI vi_mul(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
 static inline VF vf_of_vi(VI v) { return _mm256_cvtepi32_ps(v); }
@@ -215,7 +212,6 @@ static inline VF vf_fmadd(VF a, VF b, VF c) { return vfmaq_f32(c, a, b); }
 typedef int32x4_t VI;
 static inline VI vi_zero(void) { return vdupq_n_s32(0); }
 static inline VI vi_set1(int32_t x) { return vdupq_n_s32(x); }
-static inline VI vi_add(VI a, VI b) { return vaddq_s32(a, b); }
 static inline VI vi_sub(VI a, VI b) { return vsubq_s32(a, b); }
 static inline VI vi_mul(VI a, VI b) { return vmulq_s32(a, b); }
 static inline VF vf_of_vi(VI v) { return vcvtq_f32_s32(v); }
@@ -271,7 +267,6 @@ static inline VF vf_fmadd(VF a, VF b, VF c) { return fmaf(a, b, c); }
 typedef int32_t VI;         /* byte j of a loaded lane: bits 8j..8j+8 (little-endian) */
 static inline VI vi_zero(void) { return 0; }
 static inline VI vi_set1(int32_t x) { return x; }
-static inline VI vi_add(VI a, VI b) { return a + b; }
 static inline VI vi_sub(VI a, VI b) { return a - b; }
 static inline VI vi_mul(VI a, VI b) { return a * b; }
 static inline VF vf_of_vi(VI v) { return (float)v; }
