@@ -1,16 +1,17 @@
 """Times the CPU kernels' products at each instruction-set level against MKL's float32 F.linear.
 
 The default model's shapes (in -> out: qkv 576 -> 960, attention output 576 -> 576, gate_up
-576 -> 3072, down 1536 -> 576, LM head 576 -> 49152), for a few rows (1: decode; 2-16: verify), over
-weights in float32, bfloat16 and GGUF's Q4_1 and Q8_0 (the default model's layers and LM head),
-the inputs bfloat16 except for float32 weights. The weights are read from memory as in a decode
+576 -> 3072, down 1536 -> 576, LM head 576 -> 49152) and Qwen2.5-1.5B's gate (1536 -> 8960), for a
+few rows (1: decode; 2-16: verify), over weights in float32, bfloat16 and GGUF's Q4_1 and Q8_0 (the
+default model's layers and LM head), or Q4_K and Q6_K (random blocks: the time does not depend on
+the values), the inputs bfloat16 except for float32 weights. The weights are read from memory as in a decode
 step: each call takes the next of copies that together exceed the last-level cache. Methods run
 interleaved, round after round, and each figure is the median of all their calls' times (on a
 shared machine a call that another process preempted is an outlier there, where it would inflate
 a round's total).
 
 --baseline SRC adds another checkout's quantized products (its src folder: its cpu_kernels.c
-compiled at each level, and its packer) as `base Q4_1` / `base Q8_0`, interleaved with these.
+compiled at each level, and its packer) as `base Q4_1` / `base Q8_0` ..., interleaved with these.
 
     PYTHONPATH=src python3 benchmarks/cpu_products.py [--levels avx2,avx512_bf16] [--rows 1,4,9,16]
         [--formats bf16,Q4_1] [--rounds 7] [--stream-mb 96] [--baseline ../main/src]
@@ -34,8 +35,23 @@ from gguf.quants import quantize
 from outpace.kernels import cpu_build, cpu_isa, cpu_kernels
 
 SHAPES = {"qkv 576->960": (576, 960), "o 576->576": (576, 576), "gate_up 576->3072": (576, 3072),
-          "down 1536->576": (1536, 576), "lm_head 576->49152": (576, 49152)}
-BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "Q4_1": 20 / 32, "Q8_0": 34 / 32}
+          "down 1536->576": (1536, 576), "lm_head 576->49152": (576, 49152), "gate 1536->8960": (1536, 8960)}
+BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "Q4_1": 20 / 32, "Q8_0": 34 / 32, "Q4_K": 144 / 256, "Q6_K": 210 / 256}
+# a k-quant block's bytes and its float16 scales' offsets (Q4_K: d, dmin; Q6_K: d)
+KQUANT_BLOCKS = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}
+
+
+def _blocks(fmt: str, weight: torch.Tensor) -> torch.Tensor:
+    """GGUF blocks of a weight's shape: gguf's quantizer, or random bits with small float16 scales
+    for the k-quants (gguf's Python cannot quantize to them)."""
+    if fmt not in KQUANT_BLOCKS:
+        return torch.from_numpy(quantize(weight.numpy(), GGMLQuantizationType[fmt]))
+    size, halves = KQUANT_BLOCKS[fmt]
+    n, k = weight.shape
+    raw = torch.randint(0, 256, (n, k // 256, size), dtype=torch.uint8)
+    for at in halves:
+        raw[..., at:at + 2] = (torch.rand(n, k // 256, 1) * 1e-3).half().view(torch.uint8)
+    return raw.reshape(n, -1)
 
 
 def _at_level(level: str):
@@ -78,7 +94,7 @@ def _weights(fmt: str, k: int, n: int, stream_bytes: int, baseline: Baseline | N
     if fmt in ("fp32", "bf16"):
         one = {fmt: cpu_kernels.pack_weight(weight.to(torch.float32 if fmt == "fp32" else torch.bfloat16))}
     else:
-        blocks = torch.from_numpy(quantize(weight.numpy(), GGMLQuantizationType[fmt]))
+        blocks = _blocks(fmt, weight)
         one = {fmt: cpu_kernels.pack_quantized(blocks, fmt)}
         if baseline is not None:
             one[f"base {fmt}"] = baseline.pack(blocks, fmt)

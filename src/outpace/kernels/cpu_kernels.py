@@ -7,9 +7,9 @@ C function over raw buffers (cpu_kernels.c): a residual add with the next RMSNor
 and rotation, cache writes and attention together; and the matrix products over weights packed
 once at load (cpu_linear), which stream bfloat16 weights at 2 bytes a weight where PyTorch's
 float32 products read 4, and GGUF's quantized blocks (QUANT_FORMATS) as the file holds them
-(cpu_products.h): blocks of 32 inputs (Q8_0, Q4_1, Q4_0, Q5_0) over inputs quantized to int8 per
-call, integer dot products; the k-quants (Q4_K, Q6_K) widened to float32 in registers, over float32
-inputs.
+(cpu_products.h), over inputs quantized to int8 per block of 32 once a call, integer dot products:
+blocks of 32 inputs (Q8_0, Q4_1, Q4_0, Q5_0) and the k-quants' super-blocks of 256 (Q4_K, Q6_K),
+their sub-block scales joined per block of 32 inputs.
 
 The C is compiled per instruction-set level (cpu_isa: portable, avx2, avx512, avx512_bf16; on
 aarch64 portable, neon) with the system's C compiler into the outpace cache folder (cpu_build,
@@ -40,10 +40,11 @@ MAX_HEAD_DIM, MAX_GROUP = 256, 64       # cpu_kernels.c's limits
 WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
 QUANT_FORMATS = {"Q8_0": 2, "Q4_1": 3, "Q4_0": 4, "Q5_0": 5, "Q4_K": 6, "Q6_K": 7}
 # the byte ranges of a k-quant block (256 inputs, one column) that pack_quantized lays out one after
-# another per 16 columns, the 16 columns' float16 values side by side, other bytes transposed (byte
-# k of the 16 columns side by side): cpu_products.h's W_Q4_K and W_Q6_K
-_KQUANT_PARTS = {"Q4_K": ((0, 2), (2, 4), (4, 16), (16, 144)),              # d, dmin, scales, q
-                 "Q6_K": ((208, 210), (192, 208), (0, 128), (128, 192))}    # d, scales, ql, qh
+# another per 16 columns, as cpu_products.h's W_Q4_K and W_Q6_K: the 16 columns' float16 values
+# side by side ("half"), scale bytes transposed (byte k of the 16 columns side by side, "bytes"),
+# quantized bytes in runs of 4 ([16 columns][4 bytes] a run, "runs")
+_KQUANT_PARTS = {"Q4_K": ((0, 2, "half"), (2, 4, "half"), (4, 16, "bytes"), (16, 144, "runs")),     # d, dmin, scales, q
+                 "Q6_K": ((208, 210, "half"), (192, 208, "bytes"), (0, 128, "runs"), (128, 192, "runs"))}  # d, scales, ql, qh
 
 
 @functools.cache
@@ -142,8 +143,10 @@ def pack_quantized(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     padded[:N] = blocks
     size = {"Q8_0": 34, "Q4_1": 20, "Q4_0": 18, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210}[qtype]
     cols = padded.view(-1, 16, blocks.shape[1] // size, size).transpose(1, 2)    # [N / 16, K / block, 16, size]
-    if qtype in _KQUANT_PARTS:  # a float16 part [16, 2] as it is, others [16, bytes] -> [bytes, 16]
-        parts = [cols[..., a:b] if b - a == 2 else cols[..., a:b].transpose(-1, -2) for a, b in _KQUANT_PARTS[qtype]]
+    if qtype in _KQUANT_PARTS:  # float16 [16, 2] as it is, bytes [16, n] -> [n, 16], runs -> [n / 4, 16, 4]
+        parts = [cols[..., a:b] if kind == "half" else cols[..., a:b].transpose(-1, -2) if kind == "bytes"
+                 else cols[..., a:b].reshape(*cols.shape[:-1], -1, 4).transpose(-2, -3)
+                 for a, b, kind in _KQUANT_PARTS[qtype]]
         return torch.cat([part.reshape(*cols.shape[:2], -1) for part in parts], dim=-1).contiguous()
     # GGUF: d float16 (Q4_1: then m), (Q5_0: then the fifth bits, uint32 bit i: input i), then
     # q: Q8_0 32 int8, the others 16 bytes, byte i input i in the low nibble and i + 16 in the high

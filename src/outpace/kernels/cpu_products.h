@@ -11,23 +11,28 @@
  * weight times a bf16 input is exact in float32, so bf16 products are alike at every level), the
  * vdpbf16ps path apart (below).
  *
- * GGUF's formats of 32-input blocks (Q8_0, Q4_1, Q4_0, Q5_0) compute on int8 inputs (tile_int8):
- * linear quantizes each row of x once a call, per block of 32 inputs, as GGUF's Q8_0 does, in
- * float32 at every level:
+ * GGUF's quantized formats compute on int8 inputs (tile_int8: blocks of 32 inputs, Q8_0, Q4_1,
+ * Q4_0, Q5_0; tile_kquant: the k-quants' super-blocks of 256, Q4_K, Q6_K): linear quantizes each
+ * row of x once a call, per block of 32 inputs, as GGUF's Q8_0 does, in float32 at every level:
  *     d = max |x_i| / 127 (one rounding), q_i = x_i / d rounded half to even (|q_i| <= 127; all 0
- *     where d is 0; where the block holds a NaN or infinity, d = NaN and q = 0), s = sum q_i;
- * and a row's sum over a column is, block after block in the inputs' order (acc from +0):
+ *     where d is 0; where the block holds a NaN or infinity, d = NaN and q = 0), s = sum q_i, and
+ *     s_lo the sum of its first 16 q_i;
+ * and a row's sum over a column is, input block after input block in the inputs' order (acc
+ * from +0):
  *     acc = fma(d_w * d, (float)isum, acc)             isum = sum q_w,i q_i - o * s, exact int32
  *     acc = fma(m_w, d * (float)s, acc)                Q4_1 only (w = d_w q_w + m_w)
- * o the weight's offset (Q4_0: 8, Q5_0: 16, else 0; w = d_w (q_w - o)). Integer sums are exact
- * whatever the instruction, and each float op is one IEEE rounding in that fixed order, so a row's
- * result is the same bits at every level and whatever rows share the call; it differs from the
- * float32 product over the dequantized weight by the inputs' quantization (|x_i - d q_i| <= d / 2).
- *
- * GGUF's k-quants (Q4_K, Q6_K: super-blocks of 256 inputs) compute on float32 inputs (tile_kquant):
- * their weights are widened and dequantized in registers, each product and sum as
- * gguf.quants.dequantize rounds them, and summed in W_F32's order, so a row's result is the float32
- * format's over the dequantized weight, bit for bit, at every level.
+ * o the weight's offset (Q4_0: 8, Q5_0: 16, else 0; w = d_w (q_w - o)). The k-quants' sub-block
+ * scales join inside the block: Q4_K's sub-block of 32 inputs is one input block (w = (d_w sc)
+ * q_w - dmin_w m, q_w in 0..15, sc and m 6-bit integers, d_w and dmin_w the super-block's float16s):
+ *     acc = fma((d_w * sc) * d, (float)isum, acc)      isum = sum q_w,i q_i, exact int32
+ *     acc = fma(-(dmin_w * m), d * (float)s, acc)
+ * and Q6_K's sub-blocks of 16 inputs (w = (d_w sc) (q_w - 32), q_w in 0..63, sc an int8 scale),
+ * two an input block, its first 16 inputs (s_16 = s_lo) then its last (s_16 = s - s_lo):
+ *     acc = fma(d_w * d, (float)isum, acc)      isum = sc (sum q_w,i q_i - 32 s_16), exact int32, < 2^24
+ * Integer sums are exact whatever the instruction, and each float op is one IEEE rounding in that
+ * fixed order, so a row's result is the same bits at every level and whatever rows share the
+ * call; it differs from the float32 product over the dequantized weight by the inputs'
+ * quantization (|x_i - d q_i| <= d / 2).
  *
  * A weight format is an entry of WeightFormat, a packer in cpu_kernels.py and a tile function
  * here with tile_dense's arguments; linear's switch sends each call to its format's tiles.
@@ -49,14 +54,17 @@ enum WeightFormat {
                      * input 4t + j, then 16 + 4t + j), then q[4 runs][16][4] nibbles (the low 4
                      * bits); w = d * (q - 16) */
     /* GGUF's k-quants, super-blocks of 256 inputs (K a multiple of 256), each column's block of the
-     * file transposed per 16 columns (cpu_kernels.pack_quantized): a block of columns is K / 256
-     * groups, one per 256 inputs, each the blocks' parts below with byte k of column c at [k][c] */
+     * file regrouped per 16 columns (cpu_kernels.pack_quantized): a block of columns is K / 256
+     * groups, one per 256 inputs, each the blocks' parts below: float16 values side by side, scale
+     * bytes transposed (byte k of column c at [k][c]), quantized bytes in runs of 4 as the formats
+     * of 32 inputs hold them (run u [16 columns][4 bytes]: the column's bytes 4u .. 4u + 3) */
     W_Q4_K = 6,     /* 2304 bytes: d[16], dmin[16] float16, scales[12][16] (GGUF's 6-bit scale sc and
-                     * minimum m of each 32 inputs), q[128][16]: inputs 64g + i (low nibble) and 64g + 32 + i
-                     * (high) in byte 32g + i; w = (d * sc) * q - dmin * m */
-    W_Q6_K = 7,     /* 3360 bytes: d[16] float16, scales[16][16] int8 (one a 16 inputs), ql[128][16],
-                     * qh[64][16]: input 128h + r's low 4 bits in ql[64h + r % 64] (nibble r / 64), its
-                     * high 2 in qh[32h + r % 32] (bits 2 (r / 32) on); w = (d * scale) * (q - 32) */
+                     * minimum m of each 32 inputs), q[32 runs][16][4]: inputs 64g + i (low nibble) and
+                     * 64g + 32 + i (high) in byte 32g + i; w = (d * sc) * q - dmin * m */
+    W_Q6_K = 7,     /* 3360 bytes: d[16] float16, scales[16][16] int8 (one a 16 inputs), ql[32 runs][16][4],
+                     * qh[16 runs][16][4]: input 128h + r's low 4 bits in ql byte 64h + r % 64 (nibble
+                     * r / 64), its high 2 in qh byte 32h + r % 32 (bits 2 (r / 32) on);
+                     * w = (d * scale) * (q - 32) */
 };
 #define Q8_0_GROUP_BYTES 544
 #define Q4_1_GROUP_BYTES 320
@@ -69,7 +77,7 @@ static inline long group_bytes_of(int format) {
 
 _Static_assert(16 % VL == 0 && TILE_VECS * VL % 16 == 0, "a tile holds whole blocks of 16 columns");
 _Static_assert(TILE_ROWS <= 12, "tiles_dense's cases reach 12 rows");
-_Static_assert(QUANT_ROWS <= 6 && QUANT_ROWS <= TILE_ROWS, "tiles_int8's cases reach 6 rows");
+_Static_assert(QUANT_ROWS <= 6 && QUANT_ROWS <= TILE_ROWS, "tiles_int8's and tiles_kquant's cases reach 6 rows");
 #define TILE_COLS (TILE_VECS * VL)
 #define Q4_K_GROUP_BYTES 2304
 #define Q6_K_GROUP_BYTES 3360
@@ -157,7 +165,8 @@ typedef struct {
     const int8_t *q;        /* [rows][K] */
     const float *d;         /* [rows][K / 32] the blocks' scales */
     const int32_t *sum;     /* [rows][K / 32] sum of the block's q */
-    const float *d_sum;     /* [rows][K / 32] d * (float)sum, Q4_1's minimum term */
+    const float *d_sum;     /* [rows][K / 32] d * (float)sum, Q4_1's and Q4_K's minimum term */
+    const int32_t *half_sum;    /* [rows][K / 32] sum of the block's first 16 q (Q6_K's sub-blocks) */
 } QuantRows;
 
 /* x [M, K] (float32 when wide, else bfloat16) into `into`'s arrays, as the top of this file says.
@@ -184,15 +193,18 @@ static void quantize_rows(const void *x, int wide, long M, long K, QuantRows int
         int finite = top < 0x7f800000u;
         d = finite ? amax / 127.0f : NAN;
         int8_t *q = (int8_t *)into.q + g * 32;
-        int32_t sum = 0;
+        int32_t sum = 0, half_sum = 0;
         if (finite && d > 0.0f) {
             for (int i = 0; i < 32; i++) q[i] = (int8_t)(int32_t)rintf(v[i] / d);
-            for (int i = 0; i < 32; i++) sum += q[i];
+            for (int i = 0; i < 16; i++) half_sum += q[i];
+            sum = half_sum;
+            for (int i = 16; i < 32; i++) sum += q[i];
         } else {
             memset(q, 0, 32);
         }
         ((float *)into.d)[g] = d;
         ((int32_t *)into.sum)[g] = sum;
+        ((int32_t *)into.half_sum)[g] = half_sum;
         ((float *)into.d_sum)[g] = d * (float)sum;
     }
 }
@@ -308,8 +320,7 @@ static inline __attribute__((always_inline)) void tile_int8(QuantRows xq, long K
 /* W_Q4_K's scale (d * sc) and negated minimum (-(dmin * m)) of sub-block j (inputs 32j .. 32j + 31)
  * of the columns whose 12 scale bytes b[16k] (k = 0..11) start at b, with d and -dmin: GGUF's 6-bit
  * sc and m, the first four sub-blocks' whole in a byte, the last four's split into 4 and 2 bits
- * (each integer exact as a float), then one rounding each, as gguf.quants.dequantize rounds them
- * ((-dmin) * m = -(dmin * m), bit for bit). */
+ * (each integer exact as a float), then one rounding each ((-dmin) * m = -(dmin * m), bit for bit). */
 static inline __attribute__((always_inline)) void q4_k_scales(const uint8_t *b, int j, VF d, VF neg_dmin, VF *scale,
                                                               VF *low) {
     VF sc, m, sixteen = vf_set1(16.0f);
@@ -324,76 +335,127 @@ static inline __attribute__((always_inline)) void q4_k_scales(const uint8_t *b, 
     *low = vf_mul(neg_dmin, m);
 }
 
-/* W_Q4_K or W_Q6_K weights, float32 inputs x [rows, K]: per 16 inputs (one scale), each block's
- * scales are computed in registers from the group's bytes, then per pair of inputs the quantized
- * weights are widened and dequantized in registers, a product (and a sum) each as
- * gguf.quants.dequantize rounds them, and multiplied as tile_dense multiplies: a row's sums are
- * tile_dense's over the dequantized float32 weights, bit for bit, at every level. */
-static inline __attribute__((always_inline)) void tile_kquant(const float *x, long K, const char *w, int format,
+/* W_Q4_K or W_Q6_K weights over rows quantized to int8: per block of 32 inputs (Q4_K's sub-block,
+ * Q6_K's two sub-blocks of 16), the runs of 4 inputs' weights are loaded (nibbles split, Q6_K's two
+ * high bits joined), each row's 4 inputs broadcast as one int32 and their products summed in int32
+ * lanes (vi_dot_u8: the values are unsigned, at most 63); then each block joins the float32 sums
+ * as the top of this file says. */
+static inline __attribute__((always_inline)) void tile_kquant(QuantRows xq, long K, const char *w, int format,
                                                               long rows, int vecs, const float *bias, long n_valid,
                                                               void *out, int wide_out, long N) {
-    long groups = K / 256, group_bytes = kquant_group_bytes(format), block_bytes = groups * group_bytes;
+    long groups = K / 256, blocks = K / 32, group_bytes = kquant_group_bytes(format), block_bytes = groups * group_bytes;
     VF acc[TILE_ROWS][TILE_VECS];
 #pragma GCC unroll 16
     for (int m = 0; m < TILE_ROWS; m++) {
 #pragma GCC unroll 16
         for (int v = 0; v < TILE_VECS; v++) acc[m][v] = vf_zero();
     }
-    for (long j = 0; j < groups; j++) {
-        const uint8_t *group[TILE_VECS];        /* the column's bytes of the group: byte k at [16 k] */
+    for (long g = 0; g < groups; g++) {
+        const char *at[TILE_VECS];
+        int c[TILE_VECS];                                   /* a register's first column in its block */
         VF d[TILE_VECS], neg_dmin[TILE_VECS];
 #pragma GCC unroll 16
         for (int v = 0; v < TILE_VECS; v++) {
             if (v >= vecs) continue;
-            int c = v * VL % 16;                            /* its first column in its block */
-            const char *at = w + v * VL / 16 * block_bytes + j * group_bytes;
-            if (c == 0) {
-                for (long line = 0; line < group_bytes; line += 64) __builtin_prefetch(at + PREFETCH_BYTES + line, 0, 2);
+            c[v] = v * VL % 16;
+            at[v] = w + v * VL / 16 * block_bytes + g * group_bytes;
+            if (c[v] == 0) {
+                for (long line = 0; line < group_bytes; line += 64) __builtin_prefetch(at[v] + PREFETCH_BYTES + line, 0, 2);
             }
-            d[v] = vf_load_half((const uint16_t *)at + c);
-            if (format == W_Q4_K) neg_dmin[v] = vf_mul(vf_load_half((const uint16_t *)at + 16 + c), vf_set1(-1.0f));
-            group[v] = (const uint8_t *)at + c;
+            d[v] = vf_load_half((const uint16_t *)at[v] + c[v]);
+            if (format == W_Q4_K) neg_dmin[v] = vf_mul(vf_load_half((const uint16_t *)at[v] + 16 + c[v]), vf_set1(-1.0f));
         }
-        for (int u = 0; u < 16; u++) {          /* inputs 16u .. 16u + 15 of the group, one scale */
-            const uint8_t *lo[TILE_VECS], *hi[TILE_VECS];    /* the column's bytes of input 16u */
-            VF s[TILE_VECS], m[TILE_VECS];
-            int lo_shift = format == W_Q4_K ? 4 * (u / 2 % 2) : 4 * (u % 8 / 4), hi_shift = 2 * (u % 8 / 2);
+        for (int j = 0; j < 8; j++) {           /* the group's block j of 32 inputs: the rows' block 8g + j */
+            long b = 8 * g + j;
+            const int8_t *in = xq.q + 32 * b;
+            VI isum[TILE_ROWS][TILE_VECS];
+            if (format == W_Q4_K) {             /* sub-block j: runs 8 (j / 2) + t, nibble j % 2 */
 #pragma GCC unroll 16
-            for (int v = 0; v < TILE_VECS; v++) {
-                if (v >= vecs) continue;
-                if (format == W_Q4_K) {
-                    q4_k_scales(group[v] + 64, u / 2, d[v], neg_dmin[v], &s[v], &m[v]);
-                    lo[v] = group[v] + 256 + 16 * (32 * (u / 4) + 16 * (u % 2));
-                } else {
-                    s[v] = vf_mul(d[v], vf_widen_i8((const int8_t *)group[v] + 32 + 16 * u));
-                    lo[v] = group[v] + 288 + 16 * (64 * (u / 8) + 16 * (u % 4));
-                    hi[v] = group[v] + 288 + 2048 + 16 * (32 * (u / 8) + 16 * (u % 2));
+                for (int m = 0; m < TILE_ROWS; m++) {
+#pragma GCC unroll 16
+                    for (int v = 0; v < TILE_VECS; v++) isum[m][v] = vi_zero();
                 }
-            }
-#pragma GCC unroll 8
-            for (int i = 0; i < 8; i++) {       /* inputs 16u + 2i and 16u + 2i + 1: rows 2i, 2i + 1 of bytes */
-                VF even[TILE_VECS], odd[TILE_VECS];
+                for (int t = 0; t < 8; t++) {
+                    VI q[TILE_VECS];
 #pragma GCC unroll 16
-                for (int v = 0; v < TILE_VECS; v++) {
-                    if (v >= vecs) continue;
-                    if (format == W_Q4_K) {
-                        even[v] = vf_add(vf_mul(vf_widen_bits(lo[v] + 32 * i, lo_shift, 15), s[v]), m[v]);
-                        odd[v] = vf_add(vf_mul(vf_widen_bits(lo[v] + 32 * i + 16, lo_shift, 15), s[v]), m[v]);
-                    } else {                    /* q - 32 is exact */
-                        even[v] = vf_mul(vf_widen_q6(lo[v] + 32 * i, hi[v] + 32 * i, lo_shift, hi_shift), s[v]);
-                        odd[v] = vf_mul(vf_widen_q6(lo[v] + 32 * i + 16, hi[v] + 32 * i + 16, lo_shift, hi_shift), s[v]);
+                    for (int v = 0; v < TILE_VECS; v++) {
+                        if (v < vecs) q[v] = vi_byte_bits(vi_load(at[v] + 256 + 64 * (8 * (j / 2) + t) + 4 * c[v]), 4 * (j % 2), 15);
+                    }
+#pragma GCC unroll 16
+                    for (int m = 0; m < TILE_ROWS; m++) {
+                        if (m >= rows) continue;
+                        int32_t x4;
+                        memcpy(&x4, in + m * K + 4 * t, sizeof x4);
+#pragma GCC unroll 16
+                        for (int v = 0; v < TILE_VECS; v++) {
+                            if (v < vecs) isum[m][v] = vi_dot_u8(isum[m][v], q[v], x4);
+                        }
                     }
                 }
+                VF scale[TILE_VECS], low[TILE_VECS];
 #pragma GCC unroll 16
-                for (int r = 0; r < TILE_ROWS; r++) {
-                    if (r >= rows) continue;
-                    const float *in = x + r * K + 256 * j + 16 * u + 2 * i;
-                    VF x0 = vf_set1(in[0]), x1 = vf_set1(in[1]);
+                for (int v = 0; v < TILE_VECS; v++) {
+                    if (v < vecs) q4_k_scales((const uint8_t *)at[v] + 64 + c[v], j, d[v], neg_dmin[v], &scale[v], &low[v]);
+                }
+#pragma GCC unroll 16
+                for (int m = 0; m < TILE_ROWS; m++) {
+                    if (m >= rows) continue;
+                    VF dx = vf_set1(xq.d[m * blocks + b]), dx_sum = vf_set1(xq.d_sum[m * blocks + b]);
 #pragma GCC unroll 16
                     for (int v = 0; v < TILE_VECS; v++) {
                         if (v >= vecs) continue;
-                        acc[r][v] = vf_fma(x0, even[v], acc[r][v]);
-                        acc[r][v] = vf_fma(x1, odd[v], acc[r][v]);
+                        acc[m][v] = vf_fmadd(vf_mul(scale[v], dx), vf_of_vi(isum[m][v]), acc[m][v]);
+                        acc[m][v] = vf_fmadd(low[v], dx_sum, acc[m][v]);
+                    }
+                }
+                continue;
+            }
+            /* Q6_K: inputs 128h + r, h = j / 4, r = 32 (j % 4) + i: ql runs 16h + 8 (j % 2) + t (nibble
+             * (j % 4) / 2), qh runs 8h + t (bits 2 (j % 4) on); sub-block 2j + half, runs 4 half .. */
+            int h = j / 4, lo_shift = 4 * (j % 4 / 2), hi_shift = 2 * (j % 4);
+            for (int half = 0; half < 2; half++) {
+#pragma GCC unroll 16
+                for (int m = 0; m < TILE_ROWS; m++) {
+#pragma GCC unroll 16
+                    for (int v = 0; v < TILE_VECS; v++) isum[m][v] = vi_zero();
+                }
+#pragma GCC unroll 4
+                for (int t = 4 * half; t < 4 * half + 4; t++) {
+                    VI q[TILE_VECS];
+#pragma GCC unroll 16
+                    for (int v = 0; v < TILE_VECS; v++) {
+                        if (v >= vecs) continue;
+                        VI ql = vi_load(at[v] + 288 + 64 * (16 * h + 8 * (j % 2) + t) + 4 * c[v]);
+                        VI qh = vi_load(at[v] + 2336 + 64 * (8 * h + t) + 4 * c[v]);
+                        q[v] = vi_six_bits(vi_byte_bits(ql, lo_shift, 15), vi_byte_bits(qh, hi_shift, 3));
+                    }
+#pragma GCC unroll 16
+                    for (int m = 0; m < TILE_ROWS; m++) {
+                        if (m >= rows) continue;
+                        int32_t x4;
+                        memcpy(&x4, in + m * K + 4 * t, sizeof x4);
+#pragma GCC unroll 16
+                        for (int v = 0; v < TILE_VECS; v++) {
+                            if (v < vecs) isum[m][v] = vi_dot_u8(isum[m][v], q[v], x4);
+                        }
+                    }
+                }
+                VI scale[TILE_VECS];
+#pragma GCC unroll 16
+                for (int v = 0; v < TILE_VECS; v++) {
+                    if (v < vecs) scale[v] = vi_widen_i8((const int8_t *)at[v] + 32 + 16 * (2 * j + half) + c[v]);
+                }
+#pragma GCC unroll 16
+                for (int m = 0; m < TILE_ROWS; m++) {
+                    if (m >= rows) continue;
+                    int32_t s = xq.half_sum[m * blocks + b];     /* the block's first 16 inputs' sum */
+                    VI offset = vi_set1(32 * (half ? xq.sum[m * blocks + b] - s : s));
+                    VF dx = vf_set1(xq.d[m * blocks + b]);
+#pragma GCC unroll 16
+                    for (int v = 0; v < TILE_VECS; v++) {
+                        if (v >= vecs) continue;
+                        VI part = vi_mul(vi_sub(isum[m][v], offset), scale[v]);
+                        acc[m][v] = vf_fmadd(vf_mul(d[v], dx), vf_of_vi(part), acc[m][v]);
                     }
                 }
             }
@@ -470,16 +532,15 @@ static void tiles_int8(QuantRows xq, long K, const char *w, int format, long row
     }
 }
 
-#define KQUANT(R, V) if (format == W_Q4_K) tile_kquant(x, K, w, W_Q4_K, R, V, bias, n_valid, out, wide_out, N); \
-                     else tile_kquant(x, K, w, W_Q6_K, R, V, bias, n_valid, out, wide_out, N);
-#define KQUANT_CASE(R) case R: if (R > TILE_ROWS) break; \
+#define KQUANT(R, V) if (format == W_Q4_K) tile_kquant(xq, K, w, W_Q4_K, R, V, bias, n_valid, out, wide_out, N); \
+                     else tile_kquant(xq, K, w, W_Q6_K, R, V, bias, n_valid, out, wide_out, N);
+#define KQUANT_CASE(R) case R: if (R > QUANT_ROWS) break; \
                        if (TILE_COLS == 16 || vecs == TILE_VECS) { KQUANT(R, TILE_VECS) } else { KQUANT(R, vecs) } break;
 
-static void tiles_kquant(const float *x, long K, const char *w, int format, long rows, int vecs, const float *bias,
+static void tiles_kquant(QuantRows xq, long K, const char *w, int format, long rows, int vecs, const float *bias,
                          long n_valid, void *out, int wide_out, long N) {
     switch (rows) {
         KQUANT_CASE(1) KQUANT_CASE(2) KQUANT_CASE(3) KQUANT_CASE(4) KQUANT_CASE(5) KQUANT_CASE(6)
-        KQUANT_CASE(7) KQUANT_CASE(8) KQUANT_CASE(9) KQUANT_CASE(10) KQUANT_CASE(11) KQUANT_CASE(12)
     }
 }
 
@@ -507,7 +568,7 @@ int linear_bf16_dot(void) {
 
 /* out [M, N] = x [M, K] @ W^T + bias, W packed in `format`, K even (a multiple of 32 for GGUF's
  * formats, of 256 for its k-quants); x and out float32 when wide_io, else bfloat16; bias float32 or
- * NULL. Returns 0, -1 when memory for x quantized to int8 (Q8_0, Q4_1, Q4_0, Q5_0) or widened to
+ * NULL. Returns 0, -1 when memory for x quantized to int8 (GGUF's formats) or widened to
  * float32 (bfloat16 x, other formats but vdpbf16ps') ran out, -2 for an unknown format or a K it
  * cannot take. */
 int linear(const void *x, int wide_io, long M, long K, const void *w, int format, long N, const float *bias,
@@ -516,7 +577,7 @@ int linear(const void *x, int wide_io, long M, long K, const void *w, int format
     int kquant = format == W_Q4_K || format == W_Q6_K;
     if ((format != W_F32 && format != W_BF16 && !quant && !kquant) || K % (kquant ? 256 : quant ? 32 : 2)) return -2;
     long tiles = (N + TILE_COLS - 1) / TILE_COLS, padded = (N + 15) / 16 * 16;
-    long most_rows = quant ? QUANT_ROWS : TILE_ROWS;
+    long most_rows = quant || kquant ? QUANT_ROWS : TILE_ROWS;
     long parts = (M + most_rows - 1) / most_rows, per_part = (M + parts - 1) / parts;
     long column_bytes = format == W_F32 ? 4 * K : format == W_BF16 ? 2 * K      /* a block's bytes / 16 */
                         : kquant ? K / 256 * kquant_group_bytes(format) / 16 : K / 32 * group_bytes_of(format) / 16;
@@ -528,14 +589,15 @@ int linear(const void *x, int wide_io, long M, long K, const void *w, int format
     const float *x_f32 = x;
     void *scratch = NULL;
     QuantRows xq = {0};
-    if (quant) {            /* q, then d, sum and d_sum: 4-byte values after M * K bytes (K % 32 == 0) */
+    if (quant || kquant) {  /* q, then d, sum, d_sum and half_sum: 4-byte values after M * K bytes (K % 32 == 0) */
         long blocks = M * K / 32;
-        scratch = malloc((size_t)(M * K + 12 * blocks));
+        scratch = malloc((size_t)(M * K + 16 * blocks));
         if (!scratch) return -1;
         xq.q = scratch;
         xq.d = (const float *)((char *)scratch + M * K);
         xq.sum = (const int32_t *)(xq.d + blocks);
         xq.d_sum = (const float *)(xq.sum + blocks);
+        xq.half_sum = (const int32_t *)(xq.d_sum + blocks);
         quantize_rows(x, wide_io, M, K, xq);
     } else if (!wide_io && !dot) {
         float *widened = malloc(sizeof(float) * (size_t)(M * K));
@@ -558,12 +620,11 @@ int linear(const void *x, int wide_io, long M, long K, const void *w, int format
                 continue;
             }
 #endif
-            if (quant) {
+            if (quant || kquant) {
                 long b = m0 * K / 32;
-                QuantRows part = {xq.q + m0 * K, xq.d + b, xq.sum + b, xq.d_sum + b};
-                tiles_int8(part, K, w_t, format, rows, vecs, bias_t, N - col, out_t, wide_io, N);
-            } else if (kquant) {
-                tiles_kquant(x_f32 + m0 * K, K, w_t, format, rows, vecs, bias_t, N - col, out_t, wide_io, N);
+                QuantRows part = {xq.q + m0 * K, xq.d + b, xq.sum + b, xq.d_sum + b, xq.half_sum + b};
+                if (quant) tiles_int8(part, K, w_t, format, rows, vecs, bias_t, N - col, out_t, wide_io, N);
+                else tiles_kquant(part, K, w_t, format, rows, vecs, bias_t, N - col, out_t, wide_io, N);
             } else {
                 tiles_dense(x_f32 + m0 * K, K, w_t, format == W_F32, rows, vecs, bias_t, N - col, out_t, wide_io, N);
             }

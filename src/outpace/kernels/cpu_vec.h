@@ -11,18 +11,18 @@
  *   vf_widen_pairs(p, &e, &o)      VL pairs of bfloat16 values p[2l], p[2l + 1]: e[l] = p[2l] and
  *                                  o[l] = p[2l + 1] as floats (exact)
  *   vf_load_half(p)                VL float16 values p[0..VL) as floats (exact)
- *   vf_widen_i8(p)                 VL int8 values p[0..VL) as floats (exact)
  *   vf_widen_bits(p, shift, mask)  VL bytes p[0..VL): lane l = (p[l] >> shift) & mask as a float
  *                                  (mask << shift < 256)
- *   vf_widen_q6(lo, hi, ls, hs)    VL bytes lo[0..VL), hi[0..VL): lane l = ((lo[l] >> ls) & 15 |
- *                                  ((hi[l] >> hs) & 3) << 4) - 32 as a float (GGUF Q6_K's weights)
  *   vf_fmadd(a, b, c)              c + a * b, each lane, with one rounding at EVERY level
  *
  * VI holds VL int32 lanes, one a column, for the int8 products; as loaded, lane l is the 4 bytes
  * p[4l..4l+4) (byte j: input j of a run of 4), the column's weights:
- *   vi_zero(), vi_set1(x), vi_sub(a, b), vf_of_vi(v) (exact below 2^24)
+ *   vi_zero(), vi_set1(x), vi_sub(a, b), vi_mul(a, b) (low 32 bits), vf_of_vi(v) (exact below 2^24)
  *   vi_load(p)                     p[0..4 VL) as above
+ *   vi_widen_i8(p)                 VL int8 values p[0..VL), lane l = p[l]
  *   vi_low_nibbles(v), vi_high_nibbles(v)   each byte's low / high 4 bits, as a byte
+ *   vi_byte_bits(v, shift, mask)   each byte b as (b >> shift) & mask (mask << shift < 256)
+ *   vi_six_bits(lo, hi)            each byte lo | hi << 4 (hi's bytes at most 3): GGUF Q6_K's values
  *   vi_fifth_bits(v, bits)         byte b (0..4 VL) | 16 where bit b of bits is set
  *   vi_dot_u8(acc, w, x4)          acc + sum over j of w's byte j (unsigned, at most 127) times
  *                                  x4's byte j (signed, never -128), exact; x4 4 int8 inputs
@@ -63,9 +63,6 @@ static inline VF vf_fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 static inline VF vf_mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
 static inline VF vf_add(VF a, VF b) { return _mm512_add_ps(a, b); }
 static inline VF vf_load_half(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
-static inline VF vf_widen_i8(const int8_t *p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
 /* (p[l] >> shift) & mask on 16 bytes (mask << shift < 256: 16-bit shifts bring no bits of the next byte in) */
 static inline __m128i bits_u8x16(const uint8_t *p, int shift, int mask) {
     __m128i v = _mm_srl_epi16(_mm_loadu_si128((const __m128i *)p), _mm_cvtsi32_si128(shift));
@@ -73,10 +70,6 @@ static inline __m128i bits_u8x16(const uint8_t *p, int shift, int mask) {
 }
 static inline VF vf_widen_bits(const uint8_t *p, int shift, int mask) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bits_u8x16(p, shift, mask)));
-}
-static inline VF vf_widen_q6(const uint8_t *lo, const uint8_t *hi, int lo_shift, int hi_shift) {
-    __m128i q = _mm_or_si128(bits_u8x16(lo, lo_shift, 15), _mm_slli_epi16(bits_u8x16(hi, hi_shift, 3), 4));
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(q, _mm_set1_epi8(32))));
 }
 static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
     __m512i v = _mm512_loadu_si512(p);
@@ -89,10 +82,16 @@ typedef __m512i VI;
 static inline VI vi_zero(void) { return _mm512_setzero_si512(); }
 static inline VI vi_set1(int32_t x) { return _mm512_set1_epi32(x); }
 static inline VI vi_sub(VI a, VI b) { return _mm512_sub_epi32(a, b); }
+static inline VI vi_mul(VI a, VI b) { return _mm512_mullo_epi32(a, b); }
 static inline VF vf_of_vi(VI v) { return _mm512_cvtepi32_ps(v); }
 static inline VI vi_load(const void *p) { return _mm512_loadu_si512(p); }
+static inline VI vi_widen_i8(const int8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 static inline VI vi_low_nibbles(VI v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
 static inline VI vi_high_nibbles(VI v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
+static inline VI vi_byte_bits(VI v, int shift, int mask) {    /* 16-bit shifts: the next byte's bits are masked off */
+    return _mm512_and_si512(_mm512_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm512_set1_epi8((char)mask));
+}
+static inline VI vi_six_bits(VI lo, VI hi) { return _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)); }
 static inline VI vi_fifth_bits(VI v, uint64_t bits) {
     return _mm512_or_si512(v, _mm512_maskz_mov_epi8((__mmask64)bits, _mm512_set1_epi8(16)));
 }
@@ -130,9 +129,6 @@ static inline VF vf_fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 static inline VF vf_mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
 static inline VF vf_add(VF a, VF b) { return _mm256_add_ps(a, b); }
 static inline VF vf_load_half(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
-static inline VF vf_widen_i8(const int8_t *p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
 /* (p[l] >> shift) & mask on 8 bytes (mask << shift < 256: 16-bit shifts bring no bits of the next byte in) */
 static inline __m128i bits_u8x8(const uint8_t *p, int shift, int mask) {
     __m128i v = _mm_srl_epi16(_mm_loadl_epi64((const __m128i *)p), _mm_cvtsi32_si128(shift));
@@ -140,10 +136,6 @@ static inline __m128i bits_u8x8(const uint8_t *p, int shift, int mask) {
 }
 static inline VF vf_widen_bits(const uint8_t *p, int shift, int mask) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bits_u8x8(p, shift, mask)));
-}
-static inline VF vf_widen_q6(const uint8_t *lo, const uint8_t *hi, int lo_shift, int hi_shift) {
-    __m128i q = _mm_or_si128(bits_u8x8(lo, lo_shift, 15), _mm_slli_epi16(bits_u8x8(hi, hi_shift, 3), 4));
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_sub_epi8(q, _mm_set1_epi8(32))));
 }
 static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
     __m256i v = _mm256_loadu_si256((const __m256i *)p);
@@ -158,10 +150,16 @@ typedef __m256i VI;
 static inline VI vi_zero(void) { return _mm256_setzero_si256(); }
 static inline VI vi_set1(int32_t x) { return _mm256_set1_epi32(x); }
 static inline VI vi_sub(VI a, VI b) { return _mm256_sub_epi32(a, b); }
+static inline VI vi_mul(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
 static inline VF vf_of_vi(VI v) { return _mm256_cvtepi32_ps(v); }
 static inline VI vi_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline VI vi_widen_i8(const int8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 static inline VI vi_low_nibbles(VI v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
 static inline VI vi_high_nibbles(VI v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
+static inline VI vi_byte_bits(VI v, int shift, int mask) {    /* 16-bit shifts: the next byte's bits are masked off */
+    return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8((char)mask));
+}
+static inline VI vi_six_bits(VI lo, VI hi) { return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)); }
 static inline VI vi_fifth_bits(VI v, uint64_t bits) {    /* byte b takes byte b / 8 of bits, then its bit b % 8 */
     __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)(uint32_t)bits),
                                          _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
@@ -198,19 +196,10 @@ static inline uint8x8_t four_bytes(const void *p) {     /* p[0..4) in the low la
     memcpy(&w, p, sizeof w);
     return vreinterpret_u8_u32(vdup_n_u32(w));
 }
-static inline VF vf_widen_i8(const int8_t *p) {
-    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u8(four_bytes(p))))));
-}
 static inline uint32x4_t widen_u8x4(const uint8_t *p) { return vmovl_u16(vget_low_u16(vmovl_u8(four_bytes(p)))); }
 static inline VF vf_widen_bits(const uint8_t *p, int shift, int mask) {     /* a shift left by -shift: right */
     uint32x4_t v = vshlq_u32(widen_u8x4(p), vdupq_n_s32(-shift));
     return vcvtq_f32_u32(vandq_u32(v, vdupq_n_u32((uint32_t)mask)));
-}
-static inline VF vf_widen_q6(const uint8_t *lo, const uint8_t *hi, int lo_shift, int hi_shift) {
-    uint32x4_t l = vandq_u32(vshlq_u32(widen_u8x4(lo), vdupq_n_s32(-lo_shift)), vdupq_n_u32(15));
-    uint32x4_t h = vandq_u32(vshlq_u32(widen_u8x4(hi), vdupq_n_s32(-hi_shift)), vdupq_n_u32(3));
-    int32x4_t q = vreinterpretq_s32_u32(vorrq_u32(l, vshlq_n_u32(h, 4)));
-    return vcvtq_f32_s32(vsubq_s32(q, vdupq_n_s32(32)));
 }
 static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
     uint32x4_t v = vld1q_u32((const uint32_t *)p);
@@ -224,8 +213,17 @@ typedef int32x4_t VI;
 static inline VI vi_zero(void) { return vdupq_n_s32(0); }
 static inline VI vi_set1(int32_t x) { return vdupq_n_s32(x); }
 static inline VI vi_sub(VI a, VI b) { return vsubq_s32(a, b); }
+static inline VI vi_mul(VI a, VI b) { return vmulq_s32(a, b); }
 static inline VF vf_of_vi(VI v) { return vcvtq_f32_s32(v); }
 static inline VI vi_load(const void *p) { return vreinterpretq_s32_u8(vld1q_u8((const uint8_t *)p)); }
+static inline VI vi_widen_i8(const int8_t *p) { return vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u8(four_bytes(p))))); }
+static inline VI vi_byte_bits(VI v, int shift, int mask) {     /* a shift left by -shift: right */
+    uint8x16_t b = vshlq_u8(vreinterpretq_u8_s32(v), vdupq_n_s8((int8_t)-shift));
+    return vreinterpretq_s32_u8(vandq_u8(b, vdupq_n_u8((uint8_t)mask)));
+}
+static inline VI vi_six_bits(VI lo, VI hi) {
+    return vreinterpretq_s32_u8(vorrq_u8(vreinterpretq_u8_s32(lo), vshlq_n_u8(vreinterpretq_u8_s32(hi), 4)));
+}
 static inline VI vi_low_nibbles(VI v) {
     return vreinterpretq_s32_u8(vandq_u8(vreinterpretq_u8_s32(v), vdupq_n_u8(15)));
 }
@@ -258,11 +256,7 @@ static inline VF vf_fma(VF a, VF b, VF c) { return c + a * b; }
 static inline VF vf_mul(VF a, VF b) { return a * b; }
 static inline VF vf_add(VF a, VF b) { return a + b; }
 static inline VF vf_load_half(const uint16_t *p) { return half_to_f32(*p); }
-static inline VF vf_widen_i8(const int8_t *p) { return (float)*p; }
 static inline VF vf_widen_bits(const uint8_t *p, int shift, int mask) { return (float)((*p >> shift) & mask); }
-static inline VF vf_widen_q6(const uint8_t *lo, const uint8_t *hi, int lo_shift, int hi_shift) {
-    return (float)((((*lo >> lo_shift) & 15) | ((*hi >> hi_shift) & 3) << 4) - 32);
-}
 static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
     *even = bf16_to_f32(p[0]);
     *odd = bf16_to_f32(p[1]);
@@ -274,7 +268,9 @@ typedef int32_t VI;         /* byte j of a loaded lane: bits 8j..8j+8 (little-en
 static inline VI vi_zero(void) { return 0; }
 static inline VI vi_set1(int32_t x) { return x; }
 static inline VI vi_sub(VI a, VI b) { return a - b; }
+static inline VI vi_mul(VI a, VI b) { return a * b; }
 static inline VF vf_of_vi(VI v) { return (float)v; }
+static inline VI vi_widen_i8(const int8_t *p) { return *p; }
 static inline VI vi_load(const void *p) {
     int32_t v;
     memcpy(&v, p, sizeof v);
@@ -282,6 +278,8 @@ static inline VI vi_load(const void *p) {
 }
 static inline VI vi_low_nibbles(VI v) { return (int32_t)((uint32_t)v & 0x0f0f0f0fu); }
 static inline VI vi_high_nibbles(VI v) { return (int32_t)(((uint32_t)v >> 4) & 0x0f0f0f0fu); }
+static inline VI vi_byte_bits(VI v, int shift, int mask) { return (int32_t)(((uint32_t)v >> shift) & 0x01010101u * (uint32_t)mask); }
+static inline VI vi_six_bits(VI lo, VI hi) { return (int32_t)((uint32_t)lo | (uint32_t)hi << 4); }
 static inline VI vi_fifth_bits(VI v, uint64_t bits) {  /* bit j of 4 to bit 8j: the products do not overlap */
     return (int32_t)((uint32_t)v | ((((uint32_t)bits & 15u) * 0x00204081u) & 0x01010101u) << 4);
 }
