@@ -12,7 +12,9 @@ template); a multi-turn question is a conversation with each engine's own earlie
 each engine, the speculative and plain runs alternate which goes first from question to question.
 Reported per engine: tokens/s (generated tokens / (prefill + decode time)), decode tokens/s,
 speedup over its own plain decoding, and the share of questions whose speculative output equals
-its own plain output token for token.
+its own plain output token for token. Before the questions, prompt processing: each engine's plain
+instance reads one prompt of --prompt-tokens tokens (the questions' text, run together) and makes
+one token, best of 3; tokens/s = prompt tokens / time to the first new token.
 
     python benchmarks/spec_peers.py --limit-per-category 10 --max-tokens 256
 """
@@ -34,6 +36,7 @@ from outpace.bench.models import gguf_file
 from outpace.bench.peers import (LlamaCppEngine, OutpaceEngine, TransformersEngine, load_llamacpp,
                                  load_transformers)
 from outpace.cli import add_spec_args, spec_config
+from outpace.kernels import cpu_isa
 from outpace.llm import LLM
 
 DATASET = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_question.jsonl"
@@ -71,6 +74,21 @@ def build_engines(args, llm: LLM) -> dict[str, dict]:
             if spec is not None:
                 engines["llama.cpp"] = {"spec": LlamaCppEngine(spec, eos), "plain": LlamaCppEngine(plain, eos)}
     return engines
+
+
+def prompt_processing(engines: dict[str, dict], tokenizer, records, num_tokens: int) -> dict[str, float]:
+    """Prompt tokens per second of each engine's plain instance on one prompt of num_tokens tokens."""
+    text = "\n\n".join(turn for r in records for turn in r.turns)
+    ids = tokenizer.encode(text, add_special_tokens=False)[:num_tokens]
+    if len(ids) < num_tokens:
+        raise SystemExit(f"the questions hold {len(ids)} tokens, fewer than --prompt-tokens {num_tokens}")
+    return {name: num_tokens / min(pair["plain"].generate(ids, 1, ignore_eos=True).prefill_s for _ in range(3))
+            for name, pair in engines.items()}
+
+
+def llamacpp_build() -> str:
+    import llama_cpp
+    return f"{llama_cpp.__version__}: {llama_cpp.llama_print_system_info().decode().strip()}"
 
 
 def figures(runs: list[dict]) -> dict:
@@ -133,6 +151,8 @@ def main() -> None:
                    help="transformers' prompt_lookup_num_tokens (default 10, its documented example)")
     p.add_argument("--llamacpp-draft-tokens", type=int, default=10,
                    help="LlamaPromptLookupDecoding num_pred_tokens (default 10, its default)")
+    p.add_argument("--prompt-tokens", type=int, default=512,
+                   help="the prompt-processing prompt's length (0: skip that measurement)")
     p.add_argument("--out", type=Path, default=Path("bench-out/spec_peers.json"))
     add_spec_args(p)
     args = p.parse_args()
@@ -148,8 +168,9 @@ def main() -> None:
         for engine in pair.values():
             engine.generate(tokenizer.encode("Hello, how are you?"), 8, ignore_eos=True)
 
-    questions = []
     started = time.perf_counter()
+    prompt_tps = prompt_processing(engines, tokenizer, records, args.prompt_tokens) if args.prompt_tokens else {}
+    questions = []
     for i, record in enumerate(tqdm(records, desc="spec_peers", unit="question")):
         order = MODES if i % 2 == 0 else MODES[::-1]
         runs = {name: {m: converse(pair[m], tokenizer, record.turns, args.max_tokens, args.ignore_eos)
@@ -166,7 +187,14 @@ def main() -> None:
         categories.setdefault(q["category"], []).append(q)
     by_category = {c: summarize(qs, names) for c, qs in categories.items()}
     ours = overall["outpace"]["spec"]["tokens_per_s"]
-    ratios = {f"outpace_spec_over_{n}_spec": ours / overall[n]["spec"]["tokens_per_s"] for n in names if n != "outpace"}
+    ratios = {}
+    for n in names[1:]:                                 # the issue's bars: outpace against each peer
+        ratios[f"outpace_spec_over_{n}_spec"] = ours / overall[n]["spec"]["tokens_per_s"]
+        ratios[f"outpace_spec_over_{n}_plain"] = ours / overall[n]["plain"]["tokens_per_s"]
+        ratios[f"outpace_plain_decode_over_{n}_plain_decode"] = (overall["outpace"]["plain"]["decode_tokens_per_s"]
+                                                                 / overall[n]["plain"]["decode_tokens_per_s"])
+        if prompt_tps:
+            ratios[f"outpace_prompt_over_{n}_prompt"] = prompt_tps["outpace"] / prompt_tps[n]
     report = {
         "settings": {"model": args.model, "gguf": str(gguf_file(args.model)),
                      "dtype": str(llm.engine.dtype).removeprefix("torch."), "device": llm.engine.device,
@@ -176,11 +204,15 @@ def main() -> None:
                      "categories": args.category, "limit_per_category": args.limit_per_category,
                      "num_questions": len(records)},
         "environment": {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-                        "platform": platform.platform(), "wall_s": time.perf_counter() - started},
-        "overall": overall, "ratios": ratios, "categories": by_category, "questions": questions,
+                        "platform": platform.platform(), "cpu": cpu_isa.cpu_description(), "cpu_level": cpu_isa.chosen().name, "wall_s": time.perf_counter() - started,
+                        **({"llama_cpp": llamacpp_build()} if "llama.cpp" in engines else {})},
+        "prompt_tokens_per_s": prompt_tps, "overall": overall, "ratios": ratios, "categories": by_category, "questions": questions,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
+    if prompt_tps:
+        print(f"prompt processing, {args.prompt_tokens} tokens, tok/s: "
+              + ", ".join(f"{name} {tps:.0f}" for name, tps in prompt_tps.items()))
     print(table(overall))
     print()
     print(category_table(by_category))

@@ -93,6 +93,24 @@ def test_bench_results_are_computed_from_the_runs(tiny_folder, dataset, tmp_path
     assert again["identical_share"] == pytest.approx((sum(same) - same[0]) / 2)
 
 
+def test_acceptance_by_position_counts_the_drafts_that_reached_it():
+    from outpace.engine.sequence import SpecStats
+    a, b = SpecStats(), SpecStats()
+    a.record(3, 1)          # positions 1-3 drafted, 1 accepted
+    a.record(1, 1)
+    a.record(0, 0)          # a step without a draft reaches no position
+    b.record(2, 2)
+    assert a.drafted_per_position == [2, 1, 1] and a.accepted_per_position == [2, 0, 0]
+    runs = [{"num_tokens": 4, "prefill_s": 0.1, "decode_s": 0.1, "spec": s.as_dict()} for s in (a, b)]
+    record = {"question_id": 1, "category": "c", "identical": True,
+              "turns": [{"spec": r, "baseline": {**r, "spec": SpecStats().as_dict()}} for r in runs]}
+    overall = summarize([record])["overall"]
+    assert overall["drafted_by_position"] == [3, 2, 1]
+    assert overall["acceptance_by_position"] == [1.0, 0.5, 0.0]
+    a.add(b)
+    assert a.drafted_per_position == [3, 2, 1] and a.accepted_per_position == [3, 1, 0]
+
+
 class FakeLLM:
     """Answers 'spec N' or 'plain N' by run and turn; the speculative run departs at `spec_departs`."""
 

@@ -7,6 +7,8 @@ num_accepted_tokens, draft_s, ...}} as LLM.chat reports them.
 """
 from __future__ import annotations
 
+from outpace.engine.sequence import add_lists
+
 DEFINITIONS = {
     "tokens_per_s": "generated tokens / (prefill_s + decode_s), summed over the prompts of a group: "
                     "end-to-end throughput of one request at a time, prompt processing included",
@@ -16,6 +18,8 @@ DEFINITIONS = {
     "mean_acceptance_length": "(accepted draft tokens + verify steps) / verify steps of the speculative runs: "
                               "tokens gained per target forward, its own token included (vLLM/SGLang convention)",
     "acceptance_rate": "accepted draft tokens / drafted tokens of the speculative runs",
+    "acceptance_by_position": "for draft position i (from 1): drafted tokens at i that were accepted / drafts that "
+                              "reached i (a token is accepted only after every token before it was)",
     "identical_share": "greedy only: share of questions whose speculative output equals the baseline output token "
                        "for token in every turn (null when sampling)",
     "draft_time_share": "time spent drafting / (prefill_s + decode_s) of the speculative runs",
@@ -48,6 +52,10 @@ def summarize_group(records: list[dict]) -> dict:
     spec, base = _side(spec_runs), _side([t["baseline"] for t in turns])
     counters = {k: sum(r["spec"][k] for r in spec_runs)
                 for k in ("num_verify_steps", "num_draft_tokens", "num_accepted_tokens", "draft_s")}
+    accepted, drafted = [], []
+    for r in spec_runs:
+        accepted = add_lists(accepted, r["spec"].get("accepted_per_position", []))
+        drafted = add_lists(drafted, r["spec"].get("drafted_per_position", []))
     steps = counters["num_verify_steps"]
     judged = [r["identical"] for r in records if r["identical"] is not None]
     divergences = [t["divergence"] for t in turns if t.get("divergence")]
@@ -61,6 +69,8 @@ def summarize_group(records: list[dict]) -> dict:
         "decode_speedup": _ratio(spec["decode_tokens_per_s"], base["decode_tokens_per_s"]),
         "mean_acceptance_length": (counters["num_accepted_tokens"] + steps) / steps if steps else None,
         "acceptance_rate": _ratio(counters["num_accepted_tokens"], counters["num_draft_tokens"]),
+        "acceptance_by_position": [_ratio(a, d) for a, d in zip(accepted, drafted)],
+        "drafted_by_position": drafted,
         "identical_share": sum(judged) / len(judged) if judged else None,
         "num_divergences": len(margins),
         "max_divergence_margin": max(margins) if margins else None,
@@ -97,4 +107,9 @@ def markdown_table(summary: dict) -> str:
             _fmt(s["mean_acceptance_length"], ".2f"), _fmt(s["acceptance_rate"], ".0%"),
             _fmt(s["identical_share"], ".0%"), _fmt(s["draft_time_share"], ".1%"),
         ]) + " |")
+    overall = summary["overall"]
+    if overall.get("drafted_by_position"):
+        lines.append("\nacceptance by draft position, overall (accepted / drafts that reached it): " + ", ".join(
+            f"{i}: {_fmt(rate, '.0%')} of {n}"
+            for i, (rate, n) in enumerate(zip(overall["acceptance_by_position"], overall["drafted_by_position"]), 1)))
     return "\n".join(lines)

@@ -14,6 +14,12 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+def add_lists(a: list[int], b: list[int]) -> list[int]:
+    """Element-wise sum, the shorter list padded with zeros."""
+    n = max(len(a), len(b))
+    return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
+
+
 @dataclass
 class SpecStats:
     """Speculation counters of one request (summed over requests for totals)."""
@@ -22,7 +28,8 @@ class SpecStats:
     num_drafts: int = 0             # verify steps that carried a non-empty draft
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)     # drafted tokens accepted at position i
+    drafted_per_position: list[int] = field(default_factory=list)      # drafts that reached position i
     draft_s: float = 0.0
     verify_s: float = 0.0
 
@@ -34,6 +41,9 @@ class SpecStats:
             self.num_accepted_tokens += num_accepted
             if len(self.accepted_per_position) < num_draft:
                 self.accepted_per_position += [0] * (num_draft - len(self.accepted_per_position))
+                self.drafted_per_position += [0] * (num_draft - len(self.drafted_per_position))
+            for i in range(num_draft):
+                self.drafted_per_position[i] += 1
             for i in range(num_accepted):
                 self.accepted_per_position[i] += 1
 
@@ -41,10 +51,8 @@ class SpecStats:
         for name in ("num_verify_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
                      "draft_s", "verify_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        n = max(len(self.accepted_per_position), len(other.accepted_per_position))
-        mine = self.accepted_per_position + [0] * (n - len(self.accepted_per_position))
-        theirs = other.accepted_per_position + [0] * (n - len(other.accepted_per_position))
-        self.accepted_per_position = [a + b for a, b in zip(mine, theirs)]
+        self.accepted_per_position = add_lists(self.accepted_per_position, other.accepted_per_position)
+        self.drafted_per_position = add_lists(self.drafted_per_position, other.drafted_per_position)
 
     def as_dict(self, total_s: float | None = None) -> dict:
         steps = self.num_verify_steps
@@ -59,6 +67,7 @@ class SpecStats:
             "accepted_per_position": list(self.accepted_per_position),
             "acceptance_per_position": [a / self.num_drafts if self.num_drafts else 0.0
                                         for a in self.accepted_per_position],
+            "drafted_per_position": list(self.drafted_per_position),
             "draft_s": self.draft_s,
             "verify_s": self.verify_s,
         }
