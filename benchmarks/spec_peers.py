@@ -13,7 +13,7 @@ each engine, the speculative and plain runs alternate which goes first from ques
 Reported per engine: tokens/s (generated tokens / (prefill + decode time)), decode tokens/s,
 speedup over its own plain decoding, and the share of questions whose speculative output equals
 its own plain output token for token. Before the questions, prompt processing: each engine's plain
-instance reads one prompt of --prompt-tokens tokens (the questions' text, run together) and makes
+instance reads one prompt of --prompt-tokens tokens (the dataset's questions, run together) and makes
 one token, best of 3; tokens/s = prompt tokens / time to the first new token.
 
     python benchmarks/spec_peers.py --limit-per-category 10 --max-tokens 256
@@ -81,7 +81,7 @@ def prompt_processing(engines: dict[str, dict], tokenizer, records, num_tokens: 
     text = "\n\n".join(turn for r in records for turn in r.turns)
     ids = tokenizer.encode(text, add_special_tokens=False)[:num_tokens]
     if len(ids) < num_tokens:
-        raise SystemExit(f"the questions hold {len(ids)} tokens, fewer than --prompt-tokens {num_tokens}")
+        raise SystemExit(f"the dataset holds {len(ids)} tokens, fewer than --prompt-tokens {num_tokens}")
     return {name: num_tokens / min(pair["plain"].generate(ids, 1, ignore_eos=True).prefill_s for _ in range(3))
             for name, pair in engines.items()}
 
@@ -169,7 +169,8 @@ def main() -> None:
             engine.generate(tokenizer.encode("Hello, how are you?"), 8, ignore_eos=True)
 
     started = time.perf_counter()
-    prompt_tps = prompt_processing(engines, tokenizer, records, args.prompt_tokens) if args.prompt_tokens else {}
+    prompt_tps = (prompt_processing(engines, tokenizer, load_spec_bench(args.dataset), args.prompt_tokens)
+                  if args.prompt_tokens else {})
     questions = []
     for i, record in enumerate(tqdm(records, desc="spec_peers", unit="question")):
         order = MODES if i % 2 == 0 else MODES[::-1]
