@@ -88,6 +88,36 @@ def test_ngram_first_then_the_draft_model(folders, plain):
     assert not model.tokens
 
 
+def test_ngram_rows_are_not_priced_as_the_draft_model(folders, plain):
+    """In a chain the controller's length, decided before drafting, prices the draft model; the
+    lookup drafts up to each row's room and its rows are cut after drafting at no drafting cost.
+    A draft model too dear to pay for (10 s a token) is then only probed, while the n-gram rows
+    still draft several tokens a step; the output stays plain's."""
+    spec = SpecConfig(method="draft", draft_model=str(folders[1]), num_draft_tokens=4, ngram_first=True)
+    llm = LLM(str(folders[0]), spec=spec, **dict(OPTIONS, calibrate=True))
+    ngram, model = llm.engine.drafter.drafters
+    model.cost_per_token = lambda batch_size: 10.0
+    kept = []
+    cut = llm.engine.steps._cut_free
+
+    def recorded(seqs, budget, drafts):
+        proposal = cut(seqs, budget, drafts)
+        kept.extend(n for n, free in zip(proposal.budget, drafts.free) if free)
+        return proposal
+    llm.engine.steps._cut_free = recorded
+    out = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in out] == plain
+    assert kept and max(kept) > 1           # the model's up-front length is 1 (probing) or 0
+
+
+def test_ngram_ahead_of_a_draft_model_matches_three_tokens_unless_told():
+    from outpace.config import DRAFT_CHAIN_MIN_NGRAM
+    assert SpecConfig().min_ngram == 1
+    assert SpecConfig(method="draft", draft_model="d").min_ngram == 1
+    assert SpecConfig(method="draft", draft_model="d", ngram_first=True).min_ngram == DRAFT_CHAIN_MIN_NGRAM == 3
+    assert SpecConfig(method="draft", draft_model="d", ngram_first=True, min_ngram=1).min_ngram == 1
+
+
 def test_a_draft_vocabulary_drafts_its_first_ids_alone(folders, plain):
     """draft_vocab: the draft's LM head computes the first ids' logits alone, so it drafts nothing
     else; the target as its own draft is then accepted wherever its token lies among them, and

@@ -55,6 +55,9 @@ class SamplingParams:
 SPEC_METHODS = ("none", "ngram", "draft", "eagle3", "mtp")
 MAX_TREE_WIDTH = 8              # the most candidates a head drafts per tree node
 MAX_NUM_DRAFT_TOKENS = 32       # the most tokens drafted per step, wherever a bound is needed
+# the shortest n-gram match that drafts ahead of a draft model (SpecConfig.min_ngram): on the
+# Qwen2.5-Coder pair, coding and math, 1.41x plain against 1.31x with matches of 1 token
+DRAFT_CHAIN_MIN_NGRAM = 3
 
 
 @dataclass
@@ -73,7 +76,10 @@ class SpecConfig:
     tree_width: a head's candidates per tree node (1: chains); above 1 it drafts token trees.
 
     num_draft_tokens: most tokens drafted per step (TensorRT-LLM's max_draft_len).
-    min_ngram / max_ngram: suffix lengths tried, longest first (max_matching_ngram_size).
+    min_ngram / max_ngram: suffix lengths tried, longest first (max_matching_ngram_size). min_ngram
+        None: 1, or DRAFT_CHAIN_MIN_NGRAM where n-gram lookup drafts ahead of a draft model
+        (method 'draft' with ngram_first): a short match's drafts are accepted less often than the
+        model's, and a row the lookup drafts is one the model does not.
     match: which earlier occurrence of the suffix drafts: 'recent' (the last one) or 'first'.
     exact: every forward is numerically independent of how many tokens it holds, so speculative
         greedy output is bit-identical to plain greedy output in the same mode.
@@ -81,7 +87,7 @@ class SpecConfig:
 
     method: str = "ngram"
     num_draft_tokens: int = 8
-    min_ngram: int = 1
+    min_ngram: int | None = None
     max_ngram: int = 4
     match: str = "recent"
     exact: bool = False
@@ -96,6 +102,8 @@ class SpecConfig:
         _check(self.method in SPEC_METHODS, f"spec method must be one of {SPEC_METHODS}, got {self.method!r}")
         _check(1 <= self.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS,
                f"num_draft_tokens must be in [1, {MAX_NUM_DRAFT_TOKENS}], got {self.num_draft_tokens}")
+        if self.min_ngram is None:
+            self.min_ngram = DRAFT_CHAIN_MIN_NGRAM if self.method == "draft" and self.ngram_first else 1
         _check(self.min_ngram >= 1, f"min_ngram must be >= 1, got {self.min_ngram}")
         _check(self.max_ngram >= self.min_ngram,
                f"max_ngram ({self.max_ngram}) must be >= min_ngram ({self.min_ngram})")

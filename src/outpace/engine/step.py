@@ -111,11 +111,12 @@ class EagerStep:
         controller then weighs the drafts that exist (their lengths and match lengths) and cuts
         them; a row verifies nothing where it drafts nothing, so its estimates relax toward
         their priors."""
-        if not any(budget):
+        room = [self.budget_for(s) for s in seqs] if self.drafter.uses_room else budget
+        if not any(room):
             return Proposal([0] * len(seqs))
-        drafts = self.drafter.propose(self._draft_batch(seqs, budget))
+        drafts = self.drafter.propose(self._draft_batch(seqs, budget, room))
         if not self.drafter.priced_after_drafting:
-            return Proposal(budget, drafts)
+            return self._cut_free(seqs, budget, drafts) if drafts.free else Proposal(budget, drafts)
         asking = [i for i, r in enumerate(budget) if r > 0]
         match = drafts.match_len or [0] * len(seqs)
         lengths = self.controller.draft_lengths([seqs[i].seq_id for i in asking], len(seqs),
@@ -125,11 +126,23 @@ class EagerStep:
             budget[i] = n
         return Proposal(budget, drafts.truncated(budget)) if any(budget) else Proposal(budget)
 
+    def _cut_free(self, seqs: list[Sequence], budget: list[int], drafts: Drafts) -> Proposal:
+        """The rows a chain's free drafter drafted past the controller's length: the controller
+        weighs those drafts as they are (lengths, match lengths), with no drafting cost."""
+        rows = [i for i, f in enumerate(drafts.free) if f]
+        lengths = self.controller.draft_lengths([seqs[i].seq_id for i in rows], len(seqs),
+                                                [drafts.num_draft_host[i] for i in rows],
+                                                [(drafts.match_len or [0] * len(seqs))[i] for i in rows], paid=False)
+        budget = list(budget)
+        for i, n in zip(rows, lengths):
+            budget[i] = n
+        return Proposal(budget, drafts.truncated(budget)) if any(budget) else Proposal(budget)
+
     @staticmethod
-    def _draft_batch(seqs: list[Sequence], budget: list[int]) -> DraftBatch:
+    def _draft_batch(seqs: list[Sequence], budget: list[int], room: list[int] | None = None) -> DraftBatch:
         return DraftBatch([s.seq_id for s in seqs], list(budget), [s.slot for s in seqs],
                           [len(s.token_ids) - 1 for s in seqs], [s.params for s in seqs], [s.seed for s in seqs],
-                          [s.num_output_tokens for s in seqs])
+                          [s.num_output_tokens for s in seqs], list(room) if room is not None else [])
 
     # ---- verify -------------------------------------------------------------------------------
     def verify(self, plan: StepPlan, proposal: Proposal, chunks: list[PrefillChunk]) -> StepResult:

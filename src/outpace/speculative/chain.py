@@ -4,6 +4,11 @@ The use: n-gram lookup where the sequence's tail matches an earlier span (free, 
 runs), a draft model elsewhere. Every drafter sees every sequence's whole life (begin, prefilled,
 verified, accept, end), so a later drafter's state stays current for rows an earlier one drafted
 (a draft model catches up on the tokens it did not draft). Drafts must come with host lengths.
+
+Where a paying drafter follows a free one, the controller's length (the step's budget) prices the
+paying one; the free one drafts up to each row's room, and its rows are marked free for the
+controller to cut after drafting, at no drafting cost (priced as the paying drafter, a lookup's
+draft was held to the length a draft model pays for: one token a step on the Qwen pair).
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ class DrafterChain(Drafter):
         self.drafters = list(drafters)
         # a paying drafter in the chain: the controller's budget comes first
         self.priced_after_drafting = all(d.priced_after_drafting for d in self.drafters)
+        self.uses_room = not self.priced_after_drafting and any(d.priced_after_drafting for d in self.drafters)
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
@@ -35,15 +41,19 @@ class DrafterChain(Drafter):
 
     def propose(self, batch: DraftBatch) -> Drafts:
         rows: list[list[int]] = [[] for _ in range(len(batch))]
-        match = [0] * len(batch)
+        match, free = [0] * len(batch), [False] * len(batch)
         for d in self.drafters:
-            pending = [i for i, r in enumerate(rows) if not r and batch.budget[i] > 0]
+            # a free drafter in a paying chain drafts up to the room, the others within the budget
+            limit = batch.room if self.uses_room and d.priced_after_drafting and batch.room else batch.budget
+            pending = [i for i, r in enumerate(rows) if not r and limit[i] > 0]
             if not pending:
-                break
-            drafts = d.propose(batch.subset(pending))
+                continue
+            sub = batch.subset(pending)
+            sub.budget = [limit[i] for i in pending]
+            drafts = d.propose(sub)
             for i, tokens, m in zip(pending, drafts.host_rows(), drafts.match_len or [0] * len(pending)):
-                rows[i], match[i] = tokens, m
-        return Drafts.from_lists(rows, match)
+                rows[i], match[i], free[i] = tokens, m, bool(tokens) and d.priced_after_drafting
+        return Drafts.from_lists(rows, match, free=free if self.uses_room else None)
 
     def prefilled(self, chunks):
         for d in self.drafters:

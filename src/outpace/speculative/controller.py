@@ -172,14 +172,15 @@ class DraftController:
         calibrated forward (between the curve's points) plus the measured overheads."""
         return self._costs(batch_size)(tokens)
 
-    def _costs(self, batch_size: int):
+    def _costs(self, batch_size: int, paid: bool = True):
         """step_cost(batch_size, tokens) as a function of tokens, the bucket and its fit looked
-        up once (a 32-row step weighs a few hundred drafted tokens)."""
+        up once (a 32-row step weighs a few hundred drafted tokens). paid False: drafts that cost
+        the drafter nothing (a chain's lookups), so its cost per drafted token is not charged."""
         if not self.buckets:
             return lambda tokens: 1.0
         b = self._bucket(batch_size)
         alpha, beta = self.fit.get(b, (0.0, 0.0))
-        per_draft = self.draft_cost(batch_size) if self.draft_cost is not None else 0.0
+        per_draft = self.draft_cost(batch_size) if self.draft_cost is not None and paid else 0.0
         return lambda tokens: (self._forward(b, batch_size, tokens) + alpha + beta * self._drafting(batch_size, tokens)
                                + per_draft * (tokens - batch_size))
 
@@ -234,7 +235,7 @@ class DraftController:
         return gains
 
     def num_draft(self, seq_ids: list[int], batch_size: int, available: list[int] | None = None,
-                  matches: list[int] | None = None) -> int:
+                  matches: list[int] | None = None, paid: bool = True) -> int:
         """One draft length for the speculating sequences of a batch of batch_size rows (padded
         rows, or drafts not known yet): the k maximising sum_i E_i(k) / c(batch, k), against
         batch_size tokens for a plain step (which wins unless drafting clears MIN_RETURN, see
@@ -244,7 +245,7 @@ class DraftController:
         gains = self._gains(seq_ids, available, matches)
         longest = max(map(len, gains), default=0)
         columns = (sum(row[k - 1] for row in gains if len(row) >= k) for k in range(1, longest + 1))
-        best = self._best_prefix(batch_size, (batch_size * (1 + k) for k in itertools.count(1)), columns)
+        best = self._best_prefix(batch_size, (batch_size * (1 + k) for k in itertools.count(1)), columns, paid)
         return 1 if best == 0 and longest and self.probing else best
 
     @property
@@ -253,24 +254,24 @@ class DraftController:
         return self.pool[0].reached < PROBE_DRAFTS
 
     def draft_lengths(self, seq_ids: list[int], batch_size: int, available: list[int] | None = None,
-                      matches: list[int] | None = None) -> list[int]:
+                      matches: list[int] | None = None, paid: bool = True) -> list[int]:
         """How many of its drafted tokens each sequence verifies this step. Where rows are packed
         and the drafts are known, the most promising tokens of any rows (a step costs the tokens it
         holds); otherwise num_draft's one length, cut to what each sequence has (available) or may
-        draft."""
+        draft. paid False: the drafts cost the drafter nothing (_costs)."""
         if self.packed and available is not None:
-            return self._best_tokens(seq_ids, batch_size, available, matches)
-        k = self.num_draft(seq_ids, batch_size, available, matches)
+            return self._best_tokens(seq_ids, batch_size, available, matches, paid)
+        k = self.num_draft(seq_ids, batch_size, available, matches, paid)
         return [min(k, n) for n in (available or [self.num_draft_tokens] * len(seq_ids))]
 
     def _best_tokens(self, seq_ids: list[int], batch_size: int, available: list[int],
-                     matches: list[int] | None) -> list[int]:
+                     matches: list[int] | None, paid: bool = True) -> list[int]:
         """Drafted tokens taken most promising first (a row's gains fall with the position, so each
         row keeps a prefix) for as long as the step's expected tokens per second grow, against a
         plain step that wins unless drafting clears MIN_RETURN (see _best_prefix)."""
         gains = self._gains(seq_ids, available, matches)
         ranked = sorted((-g, j, i) for i, row in enumerate(gains) for j, g in enumerate(row))
-        best_n = self._best_prefix(batch_size, itertools.count(batch_size + 1), (-g for g, _, _ in ranked))
+        best_n = self._best_prefix(batch_size, itertools.count(batch_size + 1), (-g for g, _, _ in ranked), paid)
         if best_n == 0 and ranked and self.probing:
             best_n = 1
         lengths = [0] * len(seq_ids)
@@ -278,12 +279,12 @@ class DraftController:
             lengths[i] += 1
         return lengths
 
-    def _best_prefix(self, batch_size: int, tokens: Iterable[int], gains: Iterable[float]) -> int:
+    def _best_prefix(self, batch_size: int, tokens: Iterable[int], gains: Iterable[float], paid: bool = True) -> int:
         """How many drafting choices to take, in order: the n-th brings the step to tokens[n-1]
         tokens and adds gains[n-1] expected tokens. The n maximising the expected tokens per
         second among those whose drafted tokens return MIN_RETURN times a plain step's tokens per
         second for the time they add; 0 (a plain step) where none does."""
-        cost, token_cost = self._costs(batch_size), self.token_cost
+        cost, token_cost = self._costs(batch_size, paid), self.token_cost
         expected = float(batch_size)
         plain_s = cost(batch_size) + expected * token_cost
         best_n, best_rate, floor = 0, expected / plain_s, MIN_RETURN * expected / plain_s

@@ -27,6 +27,9 @@ class DraftBatch:
     params[i], seeds[i], num_output[i]: how the row samples, and how many tokens it has output:
     a drafter that samples couples through the target's noise, u(seed, num_output + j) for its
     j-th drafted token (sampling/sampler.py). Empty where the caller gives none (all greedy).
+    room[i]: the most tokens row i could draft (its room in the context and in max_tokens), where
+    budget is the controller's length decided before drafting: what a drafter that uses the room
+    (Drafter.uses_room) drafts its free rows up to. Empty: budget.
     """
 
     seq_ids: list[int]
@@ -36,6 +39,7 @@ class DraftBatch:
     params: list = field(default_factory=list)
     seeds: list = field(default_factory=list)
     num_output: list[int] = field(default_factory=list)
+    room: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -59,6 +63,9 @@ class Drafts:
         drafters); None when they stay on the device until the step's synchronisation.
     match_len: per row, how many tail tokens the draft's match rested on (0: not a matching
         drafter); longer matches are accepted far more often and the controller learns by how much.
+    free: per row, whether its draft cost no drafter forward (a lookup) although the drafter pays
+        for others (Drafter.uses_room): the controller cuts those rows after drafting, at no
+        drafting cost. None: no such row.
     """
 
     tokens: torch.Tensor
@@ -66,17 +73,19 @@ class Drafts:
     parents: torch.Tensor | None = None
     num_draft_host: list[int] | None = None
     match_len: list[int] | None = None
+    free: list[bool] | None = None
 
     @classmethod
     def from_lists(cls, rows: Sequence[Sequence[int] | None], match_len: Sequence[int] | None = None,
-                   device: torch.device | str = "cpu") -> "Drafts":
+                   device: torch.device | str = "cpu", free: Sequence[bool] | None = None) -> "Drafts":
         """Chains given as host lists (None or [] for no draft), padded with zeros."""
         lengths = [len(r) if r else 0 for r in rows]
         width = max(lengths, default=0)
         padded = [list(r or ()) + [0] * (width - n) for r, n in zip(rows, lengths)]
         tokens = torch.tensor(padded, dtype=torch.long).view(len(rows), width)
         return cls(tokens.to(device), torch.tensor(lengths, dtype=torch.long).to(device),
-                   num_draft_host=lengths, match_len=list(match_len) if match_len is not None else None)
+                   num_draft_host=lengths, match_len=list(match_len) if match_len is not None else None,
+                   free=list(free) if free is not None else None)
 
     @classmethod
     def empty(cls, num_rows: int, device: torch.device | str = "cpu") -> "Drafts":
@@ -88,7 +97,7 @@ class Drafts:
         kept = [min(n, m) for n, m in zip(lengths, self.num_draft_host)]
         width = max(kept, default=0)
         return Drafts(self.tokens[:, :width], torch.tensor(kept, dtype=torch.long, device=self.tokens.device),
-                      None if self.parents is None else self.parents[:, :width], kept, self.match_len)
+                      None if self.parents is None else self.parents[:, :width], kept, self.match_len, self.free)
 
     def host_rows(self) -> list[list[int]]:
         """The drafts as host lists (drafts on the CPU, lengths known: no synchronisation)."""
@@ -159,11 +168,16 @@ class Drafter:
         that exist (their lengths and match lengths) and cuts them; otherwise (a model that pays
         per drafted token, drafts that stay on the device) the budget is the controller's length,
         decided before drafting.
+      uses_room: whether propose, given the controller's length as budget, drafts some rows past
+        it up to batch.room at no cost (a chain whose lookup drafts first) and marks them in
+        Drafts.free; the step lets the controller cut those after drafting. Only with
+        priced_after_drafting False.
     """
 
     name = "drafter"
     hidden_layers: tuple[int, ...] = ()
     priced_after_drafting = True
+    uses_room = False
 
     def bind(self, context: DraftContext) -> None:
         """Called once before the first request: allocate device state here."""
