@@ -156,6 +156,25 @@ def test_every_format_is_tested_by_its_family_rule():
     assert sorted(INT8_TYPES + tuple(KQUANT_HALVES)) == QTYPES
 
 
+def assert_products_equal_emulation(blocks, qtype, n_in, n_out, emulation):
+    """The packed products of rows 1..16 (one tile, several, and a partial one), float32 and bfloat16
+    inputs (a block of zeros among them), with and without a bias, equal emulation(x, blocks, qtype)
+    bit for bit; the packing keeps the file's bytes, padded to whole blocks of 16 columns."""
+    packed, fmt = cpu_kernels.pack_quantized(blocks, qtype), cpu_kernels.QUANT_FORMATS[qtype]
+    assert packed.numel() == (n_out + 15) // 16 * 16 * blocks.shape[1]      # the file's bytes, padded
+    bias = torch.randn(n_out)
+    g = torch.Generator().manual_seed(n_out)
+    for rows in range(1, 17):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, n_in, generator=g).to(dtype)
+            x[0, :32] = 0.0
+            sums = emulation(x, blocks, qtype)
+            for b in (bias, None):
+                got = cpu_kernels.linear(x, packed, fmt, b, n_out)
+                assert got.dtype == dtype
+                assert torch.equal(got, (sums if b is None else sums + b).to(dtype)), (rows, dtype)
+
+
 @pytest.mark.parametrize("qtype", INT8_TYPES)
 @pytest.mark.parametrize("n_in, n_out", [(32, 1), (64, 37), (96, 160), (576, 1000), (1536, 17)])
 def test_quantized_products_follow_the_int8_scheme(qtype, n_in, n_out):
@@ -166,19 +185,7 @@ def test_quantized_products_follow_the_int8_scheme(qtype, n_in, n_out):
     q_w, d_w, m_w = weight_parts(blocks, qtype)
     as_read = d_w[..., None] * q_w + (0 if m_w is None else m_w[..., None])
     assert np.array_equal(as_read.reshape(n_out, n_in).astype(np.float32), dequantized.numpy())
-    packed, fmt = cpu_kernels.pack_quantized(blocks, qtype), cpu_kernels.QUANT_FORMATS[qtype]
-    assert packed.numel() == (n_out + 15) // 16 * 16 * blocks.shape[1]      # the file's bytes, padded
-    bias = torch.randn(n_out)
-    g = torch.Generator().manual_seed(n_out)
-    for rows in range(1, 17):
-        for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(rows, n_in, generator=g).to(dtype)
-            x[0, :32] = 0.0
-            sums = reference(x, blocks, qtype)
-            for b in (bias, None):
-                got = cpu_kernels.linear(x, packed, fmt, b, n_out)
-                assert got.dtype == dtype
-                assert torch.equal(got, (sums if b is None else sums + b).to(dtype)), (rows, dtype)
+    assert_products_equal_emulation(blocks, qtype, n_in, n_out, reference)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -217,19 +224,7 @@ def test_kquant_products_follow_the_int8_scheme(qtype, n_in, n_out):
         q_w, d_w, sc = parts
         as_read = (d_w[..., None] * sc.astype(np.float32)).repeat(16, -1) * (q_w - 32).astype(np.float32)
     assert np.array_equal(as_read.reshape(n_out, n_in).astype(np.float32), dequantized.numpy())
-    packed, fmt = cpu_kernels.pack_quantized(blocks, qtype), cpu_kernels.QUANT_FORMATS[qtype]
-    assert packed.numel() == (n_out + 15) // 16 * 16 * blocks.shape[1]      # the file's bytes, padded
-    bias = torch.randn(n_out)
-    g = torch.Generator().manual_seed(n_out)
-    for rows in range(1, 17):
-        for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(rows, n_in, generator=g).to(dtype)
-            x[0, :32] = 0.0
-            sums = kquant_reference(x, blocks, qtype)
-            for b in (bias, None):
-                got = cpu_kernels.linear(x, packed, fmt, b, n_out)
-                assert got.dtype == dtype
-                assert torch.equal(got, (sums if b is None else sums + b).to(dtype)), (rows, dtype)
+    assert_products_equal_emulation(blocks, qtype, n_in, n_out, kquant_reference)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
