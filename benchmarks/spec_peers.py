@@ -205,9 +205,11 @@ def main() -> None:
                      "categories": args.category, "limit_per_category": args.limit_per_category,
                      "num_questions": len(records)},
         "environment": {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-                        "platform": platform.platform(), "cpu": cpu_isa.cpu_description(), "cpu_level": cpu_isa.chosen().name, "wall_s": time.perf_counter() - started,
+                        "platform": platform.platform(), "cpu": cpu_isa.cpu_description(),
+                        "cpu_level": cpu_isa.chosen().name, "wall_s": time.perf_counter() - started,
                         **({"llama_cpp": llamacpp_build()} if "llama.cpp" in engines else {})},
-        "prompt_tokens_per_s": prompt_tps, "overall": overall, "ratios": ratios, "categories": by_category, "questions": questions,
+        "prompt_tokens_per_s": prompt_tps, "overall": overall, "ratios": ratios, "categories": by_category,
+        "questions": questions,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))

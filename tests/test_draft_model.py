@@ -98,13 +98,14 @@ def test_ngram_rows_are_not_priced_as_the_draft_model(folders, plain):
     ngram, model = llm.engine.drafter.drafters
     model.cost_per_token = lambda batch_size: 10.0
     kept = []
-    cut = llm.engine.steps._cut_free
+    cut = llm.engine.steps._cut
 
-    def recorded(seqs, budget, drafts):
-        proposal = cut(seqs, budget, drafts)
-        kept.extend(n for n, free in zip(proposal.budget, drafts.free) if free)
+    def recorded(seqs, budget, drafts, rows, paid=True):
+        proposal = cut(seqs, budget, drafts, rows, paid)
+        if drafts.free:
+            kept.extend(n for n, free in zip(proposal.budget, drafts.free) if free)
         return proposal
-    llm.engine.steps._cut_free = recorded
+    llm.engine.steps._cut = recorded
     out = llm.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in out] == plain
     assert kept and max(kept) > 1           # the model's up-front length is 1 (probing) or 0

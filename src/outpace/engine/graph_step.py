@@ -36,14 +36,14 @@ class GraphStep(EagerStep):
             return Proposal(plan.launched.budget, in_graph=True)
         return super().propose(plan)
 
-    def _draft(self, seqs: list[Sequence], budget: list[int]) -> Proposal:
+    def _draft(self, seqs: list[Sequence], budget: list[int], room: list[int]) -> Proposal:
         """The graph drafts and verifies itself where the rows are greedy and a captured shape
         holds them; elsewhere the drafter drafts on the device (EagerStep)."""
         if self.extension is not None and all(s.params.is_greedy for s in seqs):
             rows = [Row(s.slot, [0], len(s.token_ids) - 1) for s in seqs]
             if self.runner.shape_for(rows, max(budget)) is not None:
                 return Proposal(budget, in_graph=True)
-        return super()._draft(seqs, budget)
+        return super()._draft(seqs, budget, room)
 
     # ---- verify -------------------------------------------------------------------------------
     def verify(self, plan: StepPlan, proposal: Proposal, chunks: list[PrefillChunk]) -> StepResult:

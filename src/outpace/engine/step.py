@@ -97,42 +97,39 @@ class EagerStep:
         if not self.num_draft_tokens or not any(s.speculate for s in seqs):
             return Proposal([0] * len(seqs))
         t0 = time.perf_counter()
-        budget = [self.budget_for(s) for s in seqs]
+        room = budget = [self.budget_for(s) for s in seqs]
         if not self.drafter.priced_after_drafting:
             # drafts the host never sees: the controller's length is given up front
             k = self.controller.num_draft([s.seq_id for s in seqs if s.speculate], len(seqs))
-            budget = [min(r, k) for r in budget]
-        proposal = self._draft(seqs, budget)
+            budget = [min(r, k) for r in room]
+        proposal = self._draft(seqs, budget, room)
         self._charge(seqs, "draft_s", time.perf_counter() - t0)
         return proposal
 
-    def _draft(self, seqs: list[Sequence], budget: list[int]) -> Proposal:
-        """The drafter drafts within budget. Where it knew its drafts' lengths while drafting, the
-        controller then weighs the drafts that exist (their lengths and match lengths) and cuts
-        them; a row verifies nothing where it drafts nothing, so its estimates relax toward
-        their priors."""
-        room = [self.budget_for(s) for s in seqs] if self.drafter.uses_room else budget
+    def _draft(self, seqs: list[Sequence], budget: list[int], room: list[int]) -> Proposal:
+        """The drafter drafts within budget (a drafter that uses the room: its free rows within
+        room). Where it knew its drafts' lengths while drafting, the controller then weighs the
+        drafts that exist (their lengths and match lengths) and cuts them; a row verifies nothing
+        where it drafts nothing, so its estimates relax toward their priors."""
+        if not self.drafter.uses_room:
+            room = budget
         if not any(room):
             return Proposal([0] * len(seqs))
         drafts = self.drafter.propose(self._draft_batch(seqs, budget, room))
-        if not self.drafter.priced_after_drafting:
-            return self._cut_free(seqs, budget, drafts) if drafts.free else Proposal(budget, drafts)
-        asking = [i for i, r in enumerate(budget) if r > 0]
-        match = drafts.match_len or [0] * len(seqs)
-        lengths = self.controller.draft_lengths([seqs[i].seq_id for i in asking], len(seqs),
-                                                [drafts.num_draft_host[i] for i in asking], [match[i] for i in asking])
-        budget = [0] * len(seqs)
-        for i, n in zip(asking, lengths):
-            budget[i] = n
-        return Proposal(budget, drafts.truncated(budget)) if any(budget) else Proposal(budget)
+        if self.drafter.priced_after_drafting:
+            return self._cut(seqs, [0] * len(seqs), drafts, [i for i, r in enumerate(budget) if r > 0])
+        if drafts.free:         # a chain's lookup rows, drafted past the controller's length: no drafting cost
+            return self._cut(seqs, budget, drafts, [i for i, f in enumerate(drafts.free) if f], paid=False)
+        return Proposal(budget, drafts)
 
-    def _cut_free(self, seqs: list[Sequence], budget: list[int], drafts: Drafts) -> Proposal:
-        """The rows a chain's free drafter drafted past the controller's length: the controller
-        weighs those drafts as they are (lengths, match lengths), with no drafting cost."""
-        rows = [i for i, f in enumerate(drafts.free) if f]
+    def _cut(self, seqs: list[Sequence], budget: list[int], drafts: Drafts, rows: list[int],
+             paid: bool = True) -> Proposal:
+        """The controller weighs the drafts of `rows` as they are (lengths, match lengths; paid
+        False: at no drafting cost) and cuts them; the other rows keep their budget."""
+        match = drafts.match_len or [0] * len(seqs)
         lengths = self.controller.draft_lengths([seqs[i].seq_id for i in rows], len(seqs),
                                                 [drafts.num_draft_host[i] for i in rows],
-                                                [(drafts.match_len or [0] * len(seqs))[i] for i in rows], paid=False)
+                                                [match[i] for i in rows], paid)
         budget = list(budget)
         for i, n in zip(rows, lengths):
             budget[i] = n
