@@ -55,8 +55,9 @@ class SamplingParams:
 SPEC_METHODS = ("none", "ngram", "draft", "eagle3", "mtp")
 MAX_TREE_WIDTH = 8              # the most candidates a head drafts per tree node
 MAX_NUM_DRAFT_TOKENS = 32       # the most tokens drafted per step, wherever a bound is needed
-# the shortest n-gram match that drafts ahead of a draft model (SpecConfig.min_ngram): on the
-# Qwen2.5-Coder pair, coding and math, 1.41x plain against 1.31x with matches of 1 token
+# the shortest n-gram match that drafts ahead of a draft model (SpecConfig.min_ngram): a row the
+# lookup drafts is one the model does not, and shorter matches' drafts are accepted less often
+# than a draft model's (docs/BENCHMARKS.md, the draft model)
 DRAFT_CHAIN_MIN_NGRAM = 3
 
 

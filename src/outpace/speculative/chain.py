@@ -8,7 +8,7 @@ verified, accept, end), so a later drafter's state stays current for rows an ear
 Where a paying drafter follows a free one, the controller's length (the step's budget) prices the
 paying one; the free one drafts up to each row's room, and its rows are marked free for the
 controller to cut after drafting, at no drafting cost (priced as the paying drafter, a lookup's
-draft was held to the length a draft model pays for: one token a step on the Qwen pair).
+draft would be held to the length a draft model can pay for).
 """
 from __future__ import annotations
 
