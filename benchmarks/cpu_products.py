@@ -1,10 +1,11 @@
 """Times the CPU kernels' products at each instruction-set level against MKL's float32 F.linear.
 
 The default model's shapes (in -> out: qkv 576 -> 960, attention output 576 -> 576, gate_up
-576 -> 3072, down 1536 -> 576, LM head 576 -> 49152) and Qwen2.5-1.5B's gate (1536 -> 8960), for a
-few rows (1: decode; 2-16: verify), over weights in float32, bfloat16 and GGUF's Q4_1 and Q8_0 (the
-default model's layers and LM head), or Q4_K and Q6_K (random blocks: the time does not depend on
-the values), the inputs bfloat16 except for float32 weights. The weights are read from memory as in a decode
+576 -> 3072, down 1536 -> 576, LM head 576 -> 49152) and Qwen2.5-1.5B's gate (1536 -> 8960), down
+(8960 -> 1536) and q (1536 -> 1536), for a few rows (1: decode; 2-16: verify), over weights in
+float32, bfloat16 and GGUF's Q4_1 and Q8_0 (the default model's layers and LM head), or Q4_K and
+Q6_K (random blocks: the time does not depend on the values), the inputs bfloat16 except for
+float32 weights. The weights are read from memory as in a decode
 step: each call takes the next of copies that together exceed the last-level cache. Methods run
 interleaved, round after round, and each figure is the median of all their calls' times (on a
 shared machine a call that another process preempted is an outlier there, where it would inflate
@@ -35,7 +36,8 @@ from gguf.quants import quantize
 from outpace.kernels import cpu_build, cpu_isa, cpu_kernels
 
 SHAPES = {"qkv 576->960": (576, 960), "o 576->576": (576, 576), "gate_up 576->3072": (576, 3072),
-          "down 1536->576": (1536, 576), "lm_head 576->49152": (576, 49152), "gate 1536->8960": (1536, 8960)}
+          "down 1536->576": (1536, 576), "lm_head 576->49152": (576, 49152), "gate 1536->8960": (1536, 8960),
+          "down 8960->1536": (8960, 1536), "q 1536->1536": (1536, 1536)}
 BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "Q4_1": 20 / 32, "Q8_0": 34 / 32, "Q4_K": 144 / 256, "Q6_K": 210 / 256}
 # a k-quant block's bytes and its float16 scales' offsets (Q4_K: d, dmin; Q6_K: d)
 KQUANT_BLOCKS = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}

@@ -42,9 +42,29 @@ QUANT_FORMATS = {"Q8_0": 2, "Q4_1": 3, "Q4_0": 4, "Q5_0": 5, "Q4_K": 6, "Q6_K": 
 # the byte ranges of a k-quant block (256 inputs, one column) that pack_quantized lays out one after
 # another per 16 columns, as cpu_products.h's W_Q4_K and W_Q6_K: the 16 columns' float16 values
 # side by side ("half"), scale bytes transposed (byte k of the 16 columns side by side, "bytes"),
-# quantized bytes in runs of 4 ([16 columns][4 bytes] a run, "runs")
+# quantized bytes in runs of 4 ([16 columns][4 bytes] a run, "runs"), Q6_K's 6-bit values in quads
+# of 3 runs ("quads", _q6_k_quads)
 _KQUANT_PARTS = {"Q4_K": ((0, 2, "half"), (2, 4, "half"), (4, 16, "bytes"), (16, 144, "runs")),     # d, dmin, scales, q
-                 "Q6_K": ((208, 210, "half"), (192, 208, "bytes"), (0, 128, "runs"), (128, 192, "runs"))}  # d, scales, ql, qh
+                 "Q6_K": ((208, 210, "half"), (192, 208, "bytes"), (0, 192, "quads"))}             # d, scales, ql and qh
+# input i of a Q6_K block, among its ql (bytes 0-127) and qh (128-191): its low 4 bits in byte
+# _Q6_LOW[i] from bit _Q6_LOW_SHIFT[i], its high 2 in byte _Q6_HIGH[i] from bit _Q6_HIGH_SHIFT[i]
+# (inputs 128h + r, r < 128: ql byte 64h + r % 64, nibble r / 64; qh byte 32h + r % 32, bits 2 (r / 32) on)
+_Q6_INPUT = torch.arange(256)
+_Q6_LOW = 64 * (_Q6_INPUT // 128) + _Q6_INPUT % 64
+_Q6_LOW_SHIFT = (4 * (_Q6_INPUT % 128 // 64)).to(torch.uint8)
+_Q6_HIGH = 128 + 32 * (_Q6_INPUT // 128) + _Q6_INPUT % 32
+_Q6_HIGH_SHIFT = (2 * (_Q6_INPUT % 128 // 32)).to(torch.uint8)
+
+
+def _q6_k_quads(quants: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks' ql and qh bytes [..., 16 columns, 192] -> cpu_products.h's W_Q6_K quads
+    [..., 16 quads, 3 runs, 16 columns, 4]: run r < 3 of quad u holds inputs 16u + 4r + j in bits
+    0-5 of byte j, and in bits 6-7 bits 2r, 2r + 1 of input 16u + 12 + j."""
+    q = ((quants[..., _Q6_LOW] >> _Q6_LOW_SHIFT) & 15) | (((quants[..., _Q6_HIGH] >> _Q6_HIGH_SHIFT) & 3) << 4)
+    runs = q.view(*q.shape[:-1], 16, 4, 4)                      # [..., 16 columns, quad u, run t, byte j]
+    last = runs[..., 3, :]
+    quads = torch.stack([runs[..., r, :] | ((last >> 2 * r) & 3) << 6 for r in range(3)], dim=-2)
+    return quads.movedim(-4, -2)                                # [..., quad, run, 16 columns, 4]
 
 
 @functools.cache
@@ -145,6 +165,7 @@ def pack_quantized(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     cols = padded.view(-1, 16, blocks.shape[1] // size, size).transpose(1, 2)    # [N / 16, K / block, 16, size]
     if qtype in _KQUANT_PARTS:  # float16 [16, 2] as it is, bytes [16, n] -> [n, 16], runs -> [n / 4, 16, 4]
         parts = [cols[..., a:b] if kind == "half" else cols[..., a:b].transpose(-1, -2) if kind == "bytes"
+                 else _q6_k_quads(cols[..., a:b]) if kind == "quads"
                  else cols[..., a:b].reshape(*cols.shape[:-1], -1, 4).transpose(-2, -3)
                  for a, b, kind in _KQUANT_PARTS[qtype]]
         return torch.cat([part.reshape(*cols.shape[:2], -1) for part in parts], dim=-1).contiguous()

@@ -61,9 +61,10 @@ enum WeightFormat {
     W_Q4_K = 6,     /* 2304 bytes: d[16], dmin[16] float16, scales[12][16] (GGUF's 6-bit scale sc and
                      * minimum m of each 32 inputs), q[32 runs][16][4]: inputs 64g + i (low nibble) and
                      * 64g + 32 + i (high) in byte 32g + i; w = (d * sc) * q - dmin * m */
-    W_Q6_K = 7,     /* 3360 bytes: d[16] float16, scales[16][16] int8 (one a 16 inputs), ql[32 runs][16][4],
-                     * qh[16 runs][16][4]: input 128h + r's low 4 bits in ql byte 64h + r % 64 (nibble
-                     * r / 64), its high 2 in qh byte 32h + r % 32 (bits 2 (r / 32) on);
+    W_Q6_K = 7,     /* 3360 bytes: d[16] float16, scales[16][16] int8 (one a 16 inputs), then the 6-bit
+                     * values q in 16 quads of 3 runs, quad u the inputs 16u .. 16u + 15 (sub-block u):
+                     * run r (0, 1, 2) holds input 16u + 4r + j's q in bits 0-5 of byte j, and bits 6-7
+                     * of run r's byte j hold bits 2r, 2r + 1 of input 16u + 12 + j's q;
                      * w = (d * scale) * (q - 32) */
 };
 #define Q8_0_GROUP_BYTES 544
@@ -336,10 +337,10 @@ static inline __attribute__((always_inline)) void q4_k_scales(const uint8_t *b, 
 }
 
 /* W_Q4_K or W_Q6_K weights over rows quantized to int8: per block of 32 inputs (Q4_K's sub-block,
- * Q6_K's two sub-blocks of 16), the runs of 4 inputs' weights are loaded (nibbles split, Q6_K's two
- * high bits joined), each row's 4 inputs broadcast as one int32 and their products summed in int32
- * lanes (vi_dot_u8: the values are unsigned, at most 63); then each block joins the float32 sums
- * as the top of this file says. */
+ * Q6_K's two sub-blocks of 16), the runs of 4 inputs' weights are loaded (nibbles split, Q6_K's
+ * fourth run joined from the top bits of its quad's three), each row's 4 inputs broadcast as one
+ * int32 and their products summed in int32 lanes (vi_dot_u8: the values are unsigned, at most
+ * 63); then each block joins the float32 sums as the top of this file says. */
 static inline __attribute__((always_inline)) void tile_kquant(QuantRows xq, long K, const char *w, int format,
                                                               long rows, int vecs, const float *bias, long n_valid,
                                                               void *out, int wide_out, long N) {
@@ -410,33 +411,35 @@ static inline __attribute__((always_inline)) void tile_kquant(QuantRows xq, long
                 }
                 continue;
             }
-            /* Q6_K: inputs 128h + r, h = j / 4, r = 32 (j % 4) + i: ql runs 16h + 8 (j % 2) + t (nibble
-             * (j % 4) / 2), qh runs 8h + t (bits 2 (j % 4) on); sub-block 2j + half, runs 4 half .. */
-            int h = j / 4, lo_shift = 4 * (j % 4 / 2), hi_shift = 2 * (j % 4);
+            /* Q6_K: sub-block 2j + half is quad 2j + half: its first three runs in the bits 0-5
+             * of runs 0-2, the fourth joined from their bits 6-7 */
             for (int half = 0; half < 2; half++) {
 #pragma GCC unroll 16
                 for (int m = 0; m < TILE_ROWS; m++) {
 #pragma GCC unroll 16
                     for (int v = 0; v < TILE_VECS; v++) isum[m][v] = vi_zero();
                 }
-#pragma GCC unroll 4
-                for (int t = 4 * half; t < 4 * half + 4; t++) {
-                    VI q[TILE_VECS];
+                VI q[4][TILE_VECS];
 #pragma GCC unroll 16
-                    for (int v = 0; v < TILE_VECS; v++) {
-                        if (v >= vecs) continue;
-                        VI ql = vi_load(at[v] + 288 + 64 * (16 * h + 8 * (j % 2) + t) + 4 * c[v]);
-                        VI qh = vi_load(at[v] + 2336 + 64 * (8 * h + t) + 4 * c[v]);
-                        q[v] = vi_six_bits(vi_byte_bits(ql, lo_shift, 15), vi_byte_bits(qh, hi_shift, 3));
-                    }
+                for (int v = 0; v < TILE_VECS; v++) {
+                    if (v >= vecs) continue;
+                    const char *quad = at[v] + 288 + 192 * (2 * j + half) + 4 * c[v];
+                    VI r0 = vi_load(quad), r1 = vi_load(quad + 64), r2 = vi_load(quad + 128);
+                    q[0][v] = vi_byte_bits(r0, 0, 63);
+                    q[1][v] = vi_byte_bits(r1, 0, 63);
+                    q[2][v] = vi_byte_bits(r2, 0, 63);
+                    q[3][v] = vi_or(vi_or(vi_byte_bits(r0, 6, 3), vi_byte_bits(r1, 4, 12)), vi_byte_bits(r2, 2, 48));
+                }
+#pragma GCC unroll 4
+                for (int t = 0; t < 4; t++) {
 #pragma GCC unroll 16
                     for (int m = 0; m < TILE_ROWS; m++) {
                         if (m >= rows) continue;
                         int32_t x4;
-                        memcpy(&x4, in + m * K + 4 * t, sizeof x4);
+                        memcpy(&x4, in + m * K + 16 * half + 4 * t, sizeof x4);
 #pragma GCC unroll 16
                         for (int v = 0; v < TILE_VECS; v++) {
-                            if (v < vecs) isum[m][v] = vi_dot_u8(isum[m][v], q[v], x4);
+                            if (v < vecs) isum[m][v] = vi_dot_u8(isum[m][v], q[t][v], x4);
                         }
                     }
                 }

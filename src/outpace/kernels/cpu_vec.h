@@ -22,7 +22,7 @@
  *   vi_widen_i8(p)                 VL int8 values p[0..VL), lane l = p[l]
  *   vi_low_nibbles(v), vi_high_nibbles(v)   each byte's low / high 4 bits, as a byte
  *   vi_byte_bits(v, shift, mask)   each byte b as (b >> shift) & mask (mask << shift < 256)
- *   vi_six_bits(lo, hi)            each byte lo | hi << 4 (hi's bytes at most 3): GGUF Q6_K's values
+ *   vi_or(a, b)                    a | b, bit for bit
  *   vi_fifth_bits(v, bits)         byte b (0..4 VL) | 16 where bit b of bits is set
  *   vi_dot_u8(acc, w, x4)          acc + sum over j of w's byte j (unsigned, at most 127) times
  *                                  x4's byte j (signed, never -128), exact; x4 4 int8 inputs
@@ -89,9 +89,9 @@ static inline VI vi_widen_i8(const int8_t *p) { return _mm512_cvtepi8_epi32(_mm_
 static inline VI vi_low_nibbles(VI v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
 static inline VI vi_high_nibbles(VI v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
 static inline VI vi_byte_bits(VI v, int shift, int mask) {    /* 16-bit shifts: the next byte's bits are masked off */
-    return _mm512_and_si512(_mm512_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm512_set1_epi8((char)mask));
+    return _mm512_and_si512(shift ? _mm512_srli_epi16(v, shift) : v, _mm512_set1_epi8((char)mask));
 }
-static inline VI vi_six_bits(VI lo, VI hi) { return _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)); }
+static inline VI vi_or(VI a, VI b) { return _mm512_or_si512(a, b); }
 static inline VI vi_fifth_bits(VI v, uint64_t bits) {
     return _mm512_or_si512(v, _mm512_maskz_mov_epi8((__mmask64)bits, _mm512_set1_epi8(16)));
 }
@@ -157,9 +157,9 @@ static inline VI vi_widen_i8(const int8_t *p) { return _mm256_cvtepi8_epi32(_mm_
 static inline VI vi_low_nibbles(VI v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
 static inline VI vi_high_nibbles(VI v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
 static inline VI vi_byte_bits(VI v, int shift, int mask) {    /* 16-bit shifts: the next byte's bits are masked off */
-    return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8((char)mask));
+    return _mm256_and_si256(shift ? _mm256_srli_epi16(v, shift) : v, _mm256_set1_epi8((char)mask));
 }
-static inline VI vi_six_bits(VI lo, VI hi) { return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)); }
+static inline VI vi_or(VI a, VI b) { return _mm256_or_si256(a, b); }
 static inline VI vi_fifth_bits(VI v, uint64_t bits) {    /* byte b takes byte b / 8 of bits, then its bit b % 8 */
     __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)(uint32_t)bits),
                                          _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
@@ -221,9 +221,7 @@ static inline VI vi_byte_bits(VI v, int shift, int mask) {     /* a shift left b
     uint8x16_t b = vshlq_u8(vreinterpretq_u8_s32(v), vdupq_n_s8((int8_t)-shift));
     return vreinterpretq_s32_u8(vandq_u8(b, vdupq_n_u8((uint8_t)mask)));
 }
-static inline VI vi_six_bits(VI lo, VI hi) {
-    return vreinterpretq_s32_u8(vorrq_u8(vreinterpretq_u8_s32(lo), vshlq_n_u8(vreinterpretq_u8_s32(hi), 4)));
-}
+static inline VI vi_or(VI a, VI b) { return vorrq_s32(a, b); }
 static inline VI vi_low_nibbles(VI v) {
     return vreinterpretq_s32_u8(vandq_u8(vreinterpretq_u8_s32(v), vdupq_n_u8(15)));
 }
@@ -279,7 +277,7 @@ static inline VI vi_load(const void *p) {
 static inline VI vi_low_nibbles(VI v) { return (int32_t)((uint32_t)v & 0x0f0f0f0fu); }
 static inline VI vi_high_nibbles(VI v) { return (int32_t)(((uint32_t)v >> 4) & 0x0f0f0f0fu); }
 static inline VI vi_byte_bits(VI v, int shift, int mask) { return (int32_t)(((uint32_t)v >> shift) & 0x01010101u * (uint32_t)mask); }
-static inline VI vi_six_bits(VI lo, VI hi) { return (int32_t)((uint32_t)lo | (uint32_t)hi << 4); }
+static inline VI vi_or(VI a, VI b) { return a | b; }
 static inline VI vi_fifth_bits(VI v, uint64_t bits) {  /* bit j of 4 to bit 8j: the products do not overlap */
     return (int32_t)((uint32_t)v | ((((uint32_t)bits & 15u) * 0x00204081u) & 0x01010101u) << 4);
 }
