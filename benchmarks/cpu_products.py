@@ -78,13 +78,14 @@ class Baseline:
                 cpu_build.compile_library(level, out, cpu_build.compiler(), source=source)
                 self.libraries[level.name] = lib = ctypes.CDLL(str(out))
                 p, i = ctypes.c_void_p, ctypes.c_long
-                lib.linear.argtypes = [p, ctypes.c_int, i, i, p, ctypes.c_int, i, p, p]
+                # the output's row stride last (a checkout whose linear takes none ignores it)
+                lib.linear.argtypes = [p, ctypes.c_int, i, i, p, ctypes.c_int, i, p, p, i]
                 lib.linear.restype = ctypes.c_int
 
     def linear(self, level: str, x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int) -> torch.Tensor:
         out = x.new_empty(x.shape[0], n)
         failed = self.libraries[level].linear(x.data_ptr(), x.dtype == torch.float32, x.shape[0], x.shape[1],
-                                              packed.data_ptr(), fmt, n, None, out.data_ptr())
+                                              packed.data_ptr(), fmt, n, None, out.data_ptr(), n)
         assert failed == 0, failed
         return out
 

@@ -145,7 +145,7 @@ def test_a_converted_gguf_computes_as_its_float_copy(home, tmp_path, arch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_k_quant_gguf_computes_close_to_its_float_copy(home, tmp_path, dtype):
     """Q4_K_M's mix, as llama.cpp writes it: Q4_K matrices, Q6_K values (a qkv of mixed types:
-    QuantizedParts), down and LM head, and a Q4_K embedding; qwen2's q/k/v biases. Every matrix
+    QuantizedParts, one product for q and k), down and LM head, and a Q4_K embedding; qwen2's q/k/v biases. Every matrix
     keeps the file's bytes, and the quantized model's float32 logits are close to its float32
     model's; in bfloat16, each token's logits are the same bits alone as beside another sequence's
     draft (speculation stays lossless), and n-gram speculation generates plain greedy's tokens."""
@@ -156,7 +156,8 @@ def test_a_k_quant_gguf_computes_close_to_its_float_copy(home, tmp_path, dtype):
     write_test_gguf(tmp_path / "m.gguf", "qwen2", shape, quantized=kinds)
     folder = convert_gguf(tmp_path / "m.gguf")
     model = load_model(folder, dtype, "cpu", max_len=64, weights="quantized")
-    assert all(isinstance(layer.attn.qkv, QuantizedParts) for layer in model.layers)
+    # q and k, both Q4_K, in one product; v, Q6_K, in another, each writing its columns of qkv
+    assert all([part.qtype for part in layer.attn.qkv.parts] == ["Q4_K", "Q6_K"] for layer in model.layers)
     held = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert {m.qtype for m in held} == {"Q4_K", "Q6_K"} and not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     matrices = [t for t in GGUFFile(tmp_path / "m.gguf").tensors if len(t.shape) == 2 and "token_embd" not in t.name]

@@ -88,7 +88,7 @@ def _loaded() -> tuple[ctypes.CDLL, str] | None:
         rope_attend.argtypes = [p, i, p, i, p, p, p, p, p, i, p, i, i, i, i, i, i, f, p]
         rope_attend.restype = ctypes.c_int
     lib.argmax_f32.argtypes = [p, i, i, p]
-    lib.linear.argtypes = [p, ctypes.c_int, i, i, p, ctypes.c_int, i, p, p]
+    lib.linear.argtypes = [p, ctypes.c_int, i, i, p, ctypes.c_int, i, p, p, i]
     lib.linear.restype = ctypes.c_int
     lib.linear_bf16_dot.restype = ctypes.c_int
     return lib, level.name
@@ -186,14 +186,17 @@ def pack_quantized(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, fmt: int, bias: torch.Tensor | None,
-           out_features: int) -> torch.Tensor:
+           out_features: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight.T + bias, the weight as pack_weight (pack_quantized) laid it out in format fmt, bias
-    float32; x and the result float32 or bfloat16."""
+    float32; x and the result float32 or bfloat16. out: where to write it, x's shape but [..., out_features],
+    its last dimension contiguous and the others one stride apart (a column slice of a wider result)."""
     K = x.shape[-1]
     x = x.contiguous()
-    out = x.new_empty(*x.shape[:-1], out_features)
+    if out is None:
+        out = x.new_empty(*x.shape[:-1], out_features)
     failed = _library().linear(x.data_ptr(), x.dtype == torch.float32, x.numel() // K, K, packed.data_ptr(), fmt,
-                               out_features, None if bias is None else bias.data_ptr(), out.data_ptr())
+                               out_features, None if bias is None else bias.data_ptr(), out.data_ptr(),
+                               out.stride(-2) if out.dim() > 1 else out_features)
     if failed:
         raise MemoryError("out of memory for a product's input") if failed == -1 else ValueError(
             f"CPU product kernel: unknown weight format {fmt}, or inputs of {K} it cannot take")

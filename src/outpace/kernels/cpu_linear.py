@@ -130,23 +130,30 @@ class QuantizedLinear(nn.Module):
 
 class QuantizedParts(nn.Module):
     """A fused layer (qkv, gate_up) whose parts are GGUF weights of different types (cpu_kernels.
-    QUANT_FORMATS): one QuantizedLinear a part, over its rows in order; x [..., K] -> their results
-    side by side [..., N]. The bias, a parameter the loader fills like any other, goes into each
-    part's product as its rows' slice, so each row computes as a QuantizedLinear of its type does."""
+    QUANT_FORMATS): one QuantizedLinear a run of parts of one type, over its rows in order, each
+    writing its columns of the result; x [..., K] -> [..., N]. The bias, a parameter the loader
+    fills like any other, goes into each run's product as its rows' slice, so each row computes as
+    a QuantizedLinear of its type does."""
 
     def __init__(self, parts: list[tuple[torch.Tensor, str]], in_features: int, out_features: int, bias: bool):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.parts = nn.ModuleList(QuantizedLinear(blocks, qtype, in_features, blocks.shape[0], False)
-                                   for blocks, qtype in parts)
+        runs: list[tuple[list[torch.Tensor], str]] = []
+        for blocks, qtype in parts:
+            if runs and runs[-1][1] == qtype:
+                runs[-1][0].append(blocks)
+            else:
+                runs.append(([blocks], qtype))
+        self.parts = nn.ModuleList(QuantizedLinear(torch.cat(blocks), qtype, in_features, sum(len(b) for b in blocks),
+                                                   False) for blocks, qtype in runs)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.float()
-        outs, start = [], 0
+        out, start = x.new_empty(*x.shape[:-1], self.out_features), 0
         for part in self.parts:
             rows = part.out_features
-            outs.append(cpu_kernels.linear(x, part.packed, part.format, None if bias is None else bias[start:start + rows],
-                                           rows))
+            cpu_kernels.linear(x, part.packed, part.format, None if bias is None else bias[start:start + rows], rows,
+                               out[..., start:start + rows])
             start += rows
-        return torch.cat(outs, dim=-1)
+        return out

@@ -571,11 +571,11 @@ int linear_bf16_dot(void) {
 
 /* out [M, N] = x [M, K] @ W^T + bias, W packed in `format`, K even (a multiple of 32 for GGUF's
  * formats, of 256 for its k-quants); x and out float32 when wide_io, else bfloat16; bias float32 or
- * NULL. Returns 0, -1 when memory for x quantized to int8 (GGUF's formats) or widened to
- * float32 (bfloat16 x, other formats but vdpbf16ps') ran out, -2 for an unknown format or a K it
- * cannot take. */
+ * NULL; out's rows out_stride values apart (>= N: a part of a wider result). Returns 0, -1 when
+ * memory for x quantized to int8 (GGUF's formats) or widened to float32 (bfloat16 x, other formats
+ * but vdpbf16ps') ran out, -2 for an unknown format or a K it cannot take. */
 int linear(const void *x, int wide_io, long M, long K, const void *w, int format, long N, const float *bias,
-           void *out) {
+           void *out, long out_stride) {
     int quant = format == W_Q8_0 || format == W_Q4_1 || format == W_Q4_0 || format == W_Q5_0;
     int kquant = format == W_Q4_K || format == W_Q6_K;
     if ((format != W_F32 && format != W_BF16 && !quant && !kquant) || K % (kquant ? 256 : quant ? 32 : 2)) return -2;
@@ -616,23 +616,25 @@ int linear(const void *x, int wide_io, long M, long K, const void *w, int format
         const float *bias_t = bias ? bias + col : NULL;
         for (long m0 = 0; m0 < M; m0 += per_part) {
             long rows = M - m0 < per_part ? M - m0 : per_part;
-            void *out_t = (char *)out + (m0 * N + col) * out_size;
+            void *out_t = (char *)out + (m0 * out_stride + col) * out_size;
 #ifdef __AVX512BF16__
             if (dot) {
-                tiles_dot_bf16((const bf16 *)x + m0 * K, K, w_t, rows, vecs, bias_t, N - col, out_t, N);
+                tiles_dot_bf16((const bf16 *)x + m0 * K, K, w_t, rows, vecs, bias_t, N - col, out_t, out_stride);
                 continue;
             }
 #endif
             if (quant || kquant) {
                 long b = m0 * K / 32;
                 QuantRows part = {xq.q + m0 * K, xq.d + b, xq.sum + b, xq.d_sum + b, xq.half_sum + b};
-                if (quant) tiles_int8(part, K, w_t, format, rows, vecs, bias_t, N - col, out_t, wide_io, N);
-                else tiles_kquant(part, K, w_t, format, rows, vecs, bias_t, N - col, out_t, wide_io, N);
+                if (quant) tiles_int8(part, K, w_t, format, rows, vecs, bias_t, N - col, out_t, wide_io, out_stride);
+                else tiles_kquant(part, K, w_t, format, rows, vecs, bias_t, N - col, out_t, wide_io, out_stride);
             } else {
-                tiles_dense(x_f32 + m0 * K, K, w_t, format == W_F32, rows, vecs, bias_t, N - col, out_t, wide_io, N);
+                tiles_dense(x_f32 + m0 * K, K, w_t, format == W_F32, rows, vecs, bias_t, N - col, out_t, wide_io,
+                            out_stride);
             }
         }
     }
     free(scratch);
     return 0;
 }
+
