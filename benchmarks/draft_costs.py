@@ -14,17 +14,24 @@ For each batch size b the engine calibrated (b rows, k drafted tokens a row):
   (1 + k) plain / (verify(k) + b k draft/token).
 --random-weights builds random bf16 weights of the two folders' shapes on the device (config.json
 and tokenizer files are all they need), for step costs where the real weights cannot travel.
+
+A second table times the drafter's propose itself, b rows of a 128-token context drafting k tokens
+each (greedy, every row to k): its milliseconds over k, a draft position's cost with the host work
+between forwards, against the calibrated forward (draft/token times b).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import time
 
 import torch
 
 import outpace.engine.llm_engine as llm_engine
 import outpace.speculative.draft_model as draft_model
 from outpace.config import SpecConfig
+from outpace.speculative.drafter import DraftBatch, Prefilled
 from outpace.kernels import cpu_isa
 from outpace.llm import LLM
 
@@ -83,6 +90,40 @@ def main() -> None:
               + " | ".join(f"{verify[k] / plain:.3f}" for k in ks) + " | "
               + " | ".join(f"{share[k]:.2f}" for k in ks) + " | "
               + " | ".join(f"{best[k]:.2f}x" for k in ks) + " |")
+
+    print()
+    propose_table(drafter, controller.buckets, ks, args.device)
+
+
+def propose_table(drafter, buckets: list[int], ks: list[int], device: str, context: int = 128, repeats: int = 20) -> None:
+    """Milliseconds a draft position of drafter.propose, by rows and draft length (the median of
+    `repeats` calls; accept with no tokens between them leaves every row's state as it was)."""
+    print("| rows | draft forward ms | " + " | ".join(f"propose({k}) ms a position" for k in ks) + " |")
+    print("|---" * (2 + len(ks)) + "|")
+    prompt = list(range(100, 100 + context))
+    for b in buckets:
+        seq_ids = list(range(10_000, 10_000 + b))
+        for seq_id in seq_ids:
+            drafter.begin(seq_id, prompt)
+        drafter.prefilled(Prefilled(seq_ids, list(range(b)), [0] * b, [prompt] * b))
+        cells = []
+        for k in ks:
+            batch = DraftBatch(seq_ids, [k] * b, list(range(b)), [context - 1] * b)
+            times = []
+            for _ in range(repeats + 3):
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                drafter.propose(batch)
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+                for seq_id in seq_ids:
+                    drafter.accept(seq_id, [])
+            cells.append(statistics.median(times[3:]) / k)
+        for seq_id in seq_ids:
+            drafter.end(seq_id)
+        print(f"| {b} | {drafter.cost_per_token(b) * b * 1e3:.2f} | " + " | ".join(f"{c * 1e3:.2f}" for c in cells) + " |")
 
 
 if __name__ == "__main__":

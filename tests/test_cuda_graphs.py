@@ -83,6 +83,21 @@ def test_device_drafts_equal_host_tokens(tiny_folder):
     torch.testing.assert_close(device, host, rtol=0, atol=0)
 
 
+def test_a_device_token_alone_is_a_rows_input(tiny_folder):
+    """Rows that hold no host token (a draft model feeding its drafted tokens back) take the
+    device token as their input, in either runner."""
+    rows = [Row(3, [40, 41], 20), Row(0, [11, 12], 6)]
+    for runner in runners(tiny_folder):
+        prefill(runner, PROMPTS)
+        host, _ = runner.forward(rows)
+        host = host.clone()
+        runner.forward([Row(r.slot, r.token_ids[:1], r.start) for r in rows])
+        device, _ = runner.forward([Row(r.slot, [], r.start + 1) for r in rows],
+                                   draft_tokens=torch.tensor([[41], [12]]))
+        assert device.shape[:2] == (2, 1)
+        torch.testing.assert_close(device[:, 0], host[:, 1], rtol=1e-9, atol=1e-9)
+
+
 def test_dummy_rows_leave_real_entries_alone(tiny_folder):
     _, static = runners(tiny_folder)
     prefill(static, PROMPTS)

@@ -6,7 +6,9 @@ target itself drafts the target's own continuation, so every draft must be accep
 or misplaced cache entry would show as a rejection); a draft model with other random weights (an
 adversary) must not change the output; sampled output with a seed must stay reproducible; an
 draft whose ids mean other tokens is refused with a clear error; a draft vocabulary (the first
-ids alone) drafts only those ids and leaves the output alone.
+ids alone) drafts only those ids and leaves the output alone. The GPU's drafting (tokens fed on
+the device, rows cut after one host read) runs here too, forced (`drafts_on_device`): it must
+draft what the CPU's per-position loop drafts, and record the entries it fed past each cut.
 """
 import json
 
@@ -14,7 +16,9 @@ import pytest
 import torch
 
 from outpace import LLM, SamplingParams, SpecConfig
+from outpace.engine.llm_engine import LLMEngine
 from outpace.errors import IncompatibleModelsError, InvalidParameterError
+from outpace.runner.cuda_graphs import CudaGraphRunner
 from tiny import make_tiny
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [100, 200, 300, 100, 200], [7] * 30, [42],
@@ -152,15 +156,63 @@ def test_confidence_stop_drafts_less(folders, plain):
     assert sum(o.spec["num_draft_tokens"] for o in out) < sum(o.spec["num_draft_tokens"] for o in full)
 
 
-def test_sampled_drafts_couple_through_the_targets_noise(folders):
+def static_draft_runner(engine, model):
+    """The GPU's draft runner (CudaGraphRunner, run eagerly on the CPU) instead of ModelRunner."""
+    config = engine.config
+    return CudaGraphRunner(model, config.max_num_seqs, config.max_model_len,
+                           engine.runner.cache.max_len - config.max_model_len,
+                           num_draft_tokens=engine.num_draft_tokens, progress=False)
+
+
+@pytest.mark.parametrize("runner", ["model", "static"])
+def test_drafts_on_device_equal_drafts_by_position(folders, plain, runner, monkeypatch):
+    """Drafting every position with the tokens kept on the device, then cutting each row at its
+    budget or its first token below p_min, drafts what the per-position loop drafts, step by step,
+    with budgets that differ by row and p_min cutting rows. The target is its own draft, so every
+    draft must be accepted: a cut row's fed entries past its draft, listed wrongly in `fed`, would
+    leave stale keys in the cache and show as a rejection."""
+    if runner == "static":
+        monkeypatch.setattr(LLMEngine, "_draft_runner", static_draft_runner)
+    spec = SpecConfig(method="draft", draft_model=str(folders[0]), num_draft_tokens=4, draft_vocab=0, p_min=0.08)
+    steps = {}
+    for on_device in (False, True):
+        llm = LLM(str(folders[0]), spec=spec, **OPTIONS)
+        drafter = llm.engine.drafter
+        assert isinstance(drafter.runner, CudaGraphRunner) == (runner == "static")
+        drafter.drafts_on_device = on_device
+        recorded = steps[on_device] = []
+        propose = drafter.propose
+
+        def recording(batch, propose=propose, recorded=recorded):
+            drafts = propose(batch)
+            recorded.append((list(batch.budget), drafts.host_rows()))
+            return drafts
+        drafter.propose = recording
+        out = llm.generate(PROMPTS, PARAMS)
+        assert [o.token_ids for o in out] == plain
+        drafted = sum(o.spec["num_draft_tokens"] for o in out)
+        assert drafted > 0 and sum(o.spec["num_accepted_tokens"] for o in out) == drafted
+        assert not drafter.tokens and not drafter.fed
+    assert steps[True] == steps[False]
+    budgets = [b for b, _ in steps[True]]
+    assert any(len({k for k in b if k > 0}) > 1 for b in budgets)       # rows of different budgets
+    assert any(0 < len(d) < k for b, rows in steps[True] for k, d in zip(b, rows))     # cut by p_min
+    assert any(not d and k > 0 for b, rows in steps[True] for k, d in zip(b, rows))    # cut at the first
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_sampled_drafts_couple_through_the_targets_noise(folders, on_device):
     """A sampling draft model samples with the target's noise for each position: the target as its
     own draft then drafts exactly the target's samples (every draft accepted), another model's
-    drafts leave the output alone, and the text is plain seeded sampling's."""
+    drafts leave the output alone, and the text is plain seeded sampling's; drafting on the device
+    (each position's noise taken from one [B, K] copy) too."""
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=20, ignore_eos=True)
     want = [o.token_ids for o in LLM(str(folders[0]), spec="none", **OPTIONS).generate(PROMPTS, params)]
     for draft in folders[:2]:
         spec = SpecConfig(method="draft", draft_model=str(draft), num_draft_tokens=3, draft_vocab=0)
-        out = LLM(str(folders[0]), spec=spec, **OPTIONS).generate(PROMPTS, params)
+        llm = LLM(str(folders[0]), spec=spec, **OPTIONS)
+        llm.engine.drafter.drafts_on_device = on_device
+        out = llm.generate(PROMPTS, params)
         assert [o.token_ids for o in out] == want
         drafted = sum(o.spec["num_draft_tokens"] for o in out)
         if draft == folders[0]:

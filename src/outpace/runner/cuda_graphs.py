@@ -203,8 +203,9 @@ class CudaGraphRunner(ModelRunner):
                 chunks: list[Row] = (), draft_tokens: torch.Tensor | None = None,
                 step_inputs: list[tuple] | None = None, num_device_tokens: int = 0):
         """As ModelRunner.forward. draft_tokens [len(rows), K] (on the device) are appended after
-        each row's host tokens, which must then be one per row (its last token): a verify step whose
-        drafts never visit the host (except in an eager forward). step_inputs: the extension's values per row, whose drafts
+        each row's host tokens, which must then be one per row (its last token: a verify step whose
+        drafts never visit the host, except in an eager forward) or none (a draft model's forward
+        of the tokens it drafted the forward before). step_inputs: the extension's values per row, whose drafts
         (at most num_device_tokens) the graph writes itself; the step must then have a shape
         (shape_for). Returns (logits [B, S, V], None) with S the tier; prompt chunks
         (logits='none') that a tier holds replay one chunk graph each and return (None, None). A
@@ -229,10 +230,11 @@ class CudaGraphRunner(ModelRunner):
         b, t, L = shape
         self._write_inputs(rows, b, t, step_inputs)
         if draft_tokens is not None:
-            if any(len(r.token_ids) != 1 for r in rows):
-                raise ValueError("with draft_tokens every row holds exactly its last token")
+            held = len(rows[0].token_ids)
+            if held > 1 or any(len(r.token_ids) != held for r in rows):
+                raise ValueError("with draft_tokens every row holds exactly its last token, or every row none")
             slots = to_device([r.slot for r in rows], self.device)
-            self.input_ids[:b * t].view(b, t)[slots, 1:1 + num_device] = draft_tokens
+            self.input_ids[:b * t].view(b, t)[slots, held:held + num_device] = draft_tokens
         self._replay(shape)
         slots = [r.slot for r in rows]
         if slots == list(range(len(rows))):

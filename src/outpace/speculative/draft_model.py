@@ -8,6 +8,12 @@ steps it did not draft in), so a row's input is [uncached tokens..., last token]
 feed one drafted token a row. A row stops drafting at its budget or when the draft's top
 probability falls below p_min (it is unlikely to be accepted).
 
+Where the host reads the drafts: on the CPU after every forward, so that rows which stopped leave
+the batch (their forwards cost compute); on a GPU once, at the end (`drafts_on_device`). There every
+drafting row drafts the step's largest budget, each forward's token fed to the next as a device
+tensor (a host read a position would leave the device idle while the host reads and launches the
+next forward), and each row is cut afterwards where the per-position loop would have stopped it.
+
 Cache invariant, per sequence: positions [0, valid) of its slot hold this model's keys and values
 of the sequence's own tokens. Drafting writes entries past `valid` for the drafted tokens fed
 back; after verification those that equal the accepted tokens stay valid, the rest are stale and
@@ -31,6 +37,7 @@ import torch
 from outpace.errors import InvalidParameterError
 from outpace.runner.calibrate import batch_buckets
 from outpace.runner.model_runner import Row
+from outpace.runner.staging import to_device
 from outpace.sampling.sampler import SamplingState, inverse_cdf, logits_to_probs
 from outpace.speculative.compat import check_vocab_compatible
 from outpace.speculative.drafter import DraftBatch, DraftContext, Drafter, Drafts, Prefilled
@@ -67,6 +74,8 @@ class DraftModelDrafter(Drafter):
         # of a 0.5B draft's bytes read a token
         self.model.logit_rows = min(self.model.cfg.vocab_size, self.vocab)
         self.runner = context.make_runner(self.model)
+        # whether propose feeds drafted tokens on the device and reads them once (see the top)
+        self.drafts_on_device = self.runner.device.type == "cuda"
         self._measure(context.num_slots)
 
     def _measure(self, num_slots: int) -> None:
@@ -118,10 +127,8 @@ class DraftModelDrafter(Drafter):
     # ---- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, batch: DraftBatch) -> Drafts:
-        """Up to budget[i] greedy tokens for each row: the first forward catches rows up and
-        drafts one token each; every further forward feeds each still drafting row its last
-        drafted token."""
-        drafts: list[list[int]] = [[] for _ in range(len(batch))]
+        """Up to budget[i] tokens for each row: the first forward catches rows up and drafts one
+        token each; every further forward feeds each drafting row its last drafted token."""
         active = [i for i, k in enumerate(batch.budget) if k > 0]
         rows = []
         for i in active:
@@ -130,33 +137,88 @@ class DraftModelDrafter(Drafter):
             rows.append(Row(batch.slots[i], tokens[valid:], valid))
             self.valid[seq_id] = len(tokens)        # every real token is cached after this forward
             self.fed[seq_id] = []
+        drafts: list[list[int]] = [[] for _ in range(len(batch))]
+        if active:
+            draft = self._draft_on_device if self.drafts_on_device else self._draft_by_position
+            draft(batch, active, rows, drafts)
+        return Drafts.from_lists(drafts)
+
+    def _draft_by_position(self, batch: DraftBatch, active: list[int], rows: list[Row],
+                           drafts: list[list[int]]) -> None:
+        """The host reads each position's tokens and the rows that stop leave the next forward."""
+        logits = self._last_logits(self.runner.forward(rows)[0], rows)                     # [B, V]
+        drafted = 0                         # by every row still drafting
         while active:
-            logits, _ = self.runner.forward(rows)                           # [B, S, V]
-            last = torch.tensor([len(r.token_ids) - 1 for r in rows], device=logits.device)
-            logits = logits[torch.arange(len(rows), device=logits.device), last]             # [B, V]
-            best, token = torch.softmax(logits.float(), -1).max(-1)
-            if batch.params and not all(batch.params[i].is_greedy for i in active):
-                token = self._sample(logits, batch, active, [len(drafts[i]) for i in active])
+            best, token = self._pick(logits, self._sampling(batch, active, drafted, 1), 0)
             best, token = best.tolist(), token.tolist()                     # one host read per draft position
             still, rows = [], []
             for i, p, t in zip(active, best, token):
                 if p < self.p_min or t >= self.vocab:
                     continue
                 drafts[i].append(t)
-                seq_id = batch.seq_ids[i]
                 if len(drafts[i]) < batch.budget[i]:
                     # feeds the drafted token: its entry lands past `valid` (fed, checked in accept)
-                    self.fed[seq_id].append(t)
+                    self.fed[batch.seq_ids[i]].append(t)
                     still.append(i)
                     rows.append(Row(batch.slots[i], [t], batch.positions[i] + len(drafts[i])))
-            active = still
-        return Drafts.from_lists(drafts)
+            active, drafted = still, drafted + 1
+            if active:
+                logits = self.runner.forward(rows)[0][:, 0]                 # [B, V]
+
+    def _draft_on_device(self, batch: DraftBatch, active: list[int], rows: list[Row],
+                         drafts: list[list[int]]) -> None:
+        """Every row drafts the largest budget's positions, each token fed to the next forward on
+        the device, and the host reads the [B, K] tokens once; then each row is cut at its budget,
+        or before its first token below p_min or outside the shared ids. The tokens fed past a
+        row's cut were cached all the same: fed lists them, and accept keeps those accepted."""
+        num_positions = max(batch.budget[i] for i in active)
+        sampling = self._sampling(batch, active, 0, num_positions)
+        logits = self._last_logits(self.runner.forward(rows)[0], rows)                     # [B, V]
+        tokens, best = [], []               # per position: [B] each
+        for d in range(num_positions):
+            if d:
+                # a row holds no host token: the drafted one is its input, at position + d
+                rows = [Row(batch.slots[i], [], batch.positions[i] + d) for i in active]
+                logits = self.runner.forward(rows, draft_tokens=tokens[-1][:, None])[0][:, 0]
+            p, token = self._pick(logits, sampling, d)
+            tokens.append(token)
+            best.append(p)
+        # the one host read: [B, 2K] in float32, where token ids (below 2**24) are exact
+        host = torch.stack(tokens + best, 1).tolist()
+        for i, row in zip(active, host):
+            draft = [int(t) for t in row[:num_positions]]
+            n = 0
+            while n < batch.budget[i] and row[num_positions + n] >= self.p_min and draft[n] < self.vocab:
+                n += 1
+            drafts[i] = draft[:n]
+            self.fed[batch.seq_ids[i]] = draft[:-1]       # each fed at position + 1 + its index
+
+    def _last_logits(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+        """logits [B, S, V] of the rows -> [B, V] at each row's last token."""
+        lengths = [len(r.token_ids) for r in rows]
+        if min(lengths) == max(lengths):
+            return logits[:, lengths[0] - 1]
+        last = to_device([n - 1 for n in lengths], logits.device)
+        return logits[torch.arange(len(rows), device=logits.device), last]
 
     @staticmethod
-    def _sample(logits: torch.Tensor, batch: DraftBatch, rows: list[int], drafted: list[int]) -> torch.Tensor:
-        """Each row's draft token at its next output position (num_output + drafted): its shaped
-        distribution's inverse CDF at the target's noise for that position (greedy rows: the
-        argmax, their probabilities being one-hot)."""
+    def _pick(logits: torch.Tensor, sampling: tuple[SamplingState, torch.Tensor] | None,
+              column: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [B, V] -> (top probability [B], token [B]): the argmax, or where rows sample
+        (sampling: their state and noise [B, n]) the inverse CDF of the shaped distribution at the
+        noise's column (greedy rows: the argmax still, their probabilities being one-hot)."""
+        best, token = torch.softmax(logits.float(), -1).max(-1)
+        if sampling is not None:
+            state, noise = sampling
+            token = inverse_cdf(logits_to_probs(logits, state), noise[:, column])
+        return best, token
+
+    def _sampling(self, batch: DraftBatch, rows: list[int], drafted: int,
+                  num_positions: int) -> tuple[SamplingState, torch.Tensor] | None:
+        """The rows' sampling state and the target's noise u [len(rows), num_positions] at their
+        next output positions (num_output + drafted onwards); None where every row is greedy."""
+        if not batch.params or all(batch.params[i].is_greedy for i in rows):
+            return None
         state = SamplingState.from_params([batch.params[i] for i in rows], [batch.seeds[i] for i in rows],
-                                          [batch.num_output[i] + n for i, n in zip(rows, drafted)], logits.device)
-        return inverse_cdf(logits_to_probs(logits, state), state.uniforms(1)[:, 0])
+                                          [batch.num_output[i] + drafted for i in rows], self.runner.device)
+        return state, state.uniforms(num_positions)
