@@ -236,7 +236,7 @@ static inline __attribute__((always_inline)) void tile_int8(QuantRows xq, long K
             if (v >= vecs) continue;
             c[v] = v * VL % 16;
             at[v] = w + v * VL / 16 * block_bytes + j * group_bytes;
-            if (c[v] == 0) {
+            if (c[v] == 0 && block_bytes < PREFETCH_STREAMS_UNDER) {
                 for (long line = 0; line < group_bytes; line += 64) __builtin_prefetch(at[v] + PREFETCH_BYTES + line, 0, 2);
             }
 #pragma GCC unroll 16
@@ -360,7 +360,7 @@ static inline __attribute__((always_inline)) void tile_kquant(QuantRows xq, long
             if (v >= vecs) continue;
             c[v] = v * VL % 16;
             at[v] = w + v * VL / 16 * block_bytes + g * group_bytes;
-            if (c[v] == 0) {
+            if (c[v] == 0 && block_bytes < PREFETCH_STREAMS_UNDER) {
                 for (long line = 0; line < group_bytes; line += 64) __builtin_prefetch(at[v] + PREFETCH_BYTES + line, 0, 2);
             }
             d[v] = vf_load_half((const uint16_t *)at[v] + c[v]);

@@ -37,7 +37,11 @@
  * TILE_VECS registers of sums a row and TILE_ROWS rows make a product tile: as many as the
  * level's registers hold beside the weights' registers and the inputs' broadcasts; QUANT_ROWS
  * rows make an int8 tile (its integer block sums beside its float sums).
- * PREFETCH_BYTES: how far ahead of its reads a tile prefetches a column block's weights.
+ * PREFETCH_BYTES: how far ahead of its reads a tile prefetches a column block's weights, where a
+ * column block's weights (16 columns' over all inputs, one stream of reads) are fewer bytes than
+ * PREFETCH_STREAMS_UNDER: a short stream ends before the CPU's own prefetcher has followed it, and
+ * the prefetches then reach into the next blocks; over a long one the CPU keeps ahead alone, and
+ * the prefetch instructions only take issue slots from the products.
  */
 /* a float16 value as a float (exact, subnormals included) */
 static inline float half_to_f32(uint16_t h) {
@@ -292,3 +296,4 @@ static inline VI vi_dot_s8(VI acc, VI w, int32_t x4) {
 #endif
 
 #define PREFETCH_BYTES 65536
+#define PREFETCH_STREAMS_UNDER 16384
