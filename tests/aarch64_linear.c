@@ -24,7 +24,7 @@ int main(void) {
     void *x = read_all(M * K * io), *w = read_all(padded * weight);
     float *bias = head[5] ? read_all(N * 4) : NULL;
     void *out = malloc(M * N * io);
-    if (!out || linear(x, wide_io, M, K, w, format, N, bias, out)) return 3;
+    if (!out || linear(x, wide_io, M, K, w, format, N, bias, out, N)) return 3;
     fwrite(out, io, M * N, stdout);
     return 0;
 }
