@@ -125,6 +125,43 @@ def test_no_shape_reallocates_a_buffer(tiny_folder):
     assert static.cache_len == 128 and static.kv_lens == [32, 64, 128]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_static_step_returns_its_own_hidden_states(tiny_folder, dtype):
+    """A runner built with hidden layers returns from its static step (every graph's body) the
+    step's own hidden states: the last layer's, through the final norm and LM head, give the
+    step's logits bit for bit; they are ModelRunner's up to the rounding of its other attention
+    (a misplaced row, slot or position is off by their whole size); decode and verify tiers,
+    dummy rows, rows out of slot order; the logits are those of a runner without hidden layers,
+    bit for bit. A request for other layers runs eagerly; a runner built without them allocates
+    no buffer and returns none."""
+    model = load_model(tiny_folder, dtype, "cpu", MAX_LEN)
+    layers = (0, model.cfg.num_layers - 1)
+    kw = dict(num_draft_tokens=5, kv_lens=[32, 64, 128], progress=False)
+    base, plain = ModelRunner(model, SLOTS, MAX_LEN, SPARE), CudaGraphRunner(model, SLOTS, MAX_LEN, SPARE, **kw)
+    static = CudaGraphRunner(model, SLOTS, MAX_LEN, SPARE, hidden_layers=layers, **kw)
+    assert plain.hidden is None and static.hidden.shape == (SLOTS * 6, 2, model.cfg.hidden_size)
+    for runner in (base, plain, static):
+        prefill(runner, PROMPTS)
+    # float64: ModelRunner's attention (a boolean mask or none, over fewer keys) sums in another
+    # order, a unit in the last place here and there; float32: also its CPU kernels
+    tolerance = 1e-15 if dtype == torch.float64 else 1e-6
+    for rows in steps():
+        _, want = base.forward(rows, hidden_layers=layers)
+        logits, hidden = static.forward(rows, hidden_layers=layers)
+        assert static.last_shape is not None and hidden.shape[:2] == logits.shape[:2]
+        assert torch.equal(logits, plain.forward(rows)[0])
+        with torch.inference_mode():
+            last = model.lm_logits(model.norm(hidden[:, :, 1]).flatten(0, 1)).view(logits.shape)
+        assert torch.equal(last, logits)
+        for i, r in enumerate(rows):
+            n = len(r.token_ids)
+            torch.testing.assert_close(hidden[i, :n], want[i, :n], rtol=0, atol=tolerance)
+        assert static.forward(rows)[1] is None and static.last_shape is not None
+        _, other = static.forward(rows, hidden_layers=(1,))        # not the runner's layers: eager
+        assert static.last_shape is None and torch.equal(other, want[:, :, 1:])
+    assert plain.forward(steps()[2])[1] is None and plain.hidden is None
+
+
 CHUNKS = [Row(0, PROMPTS[0], 0), Row(2, PROMPTS[2], 0), Row(3, PROMPTS[3][:9], 0), Row(3, PROMPTS[3][9:], 9)]
 
 
@@ -160,6 +197,28 @@ def test_padded_prompt_chunks_cache_what_eager_chunks_cache(tiny_folder, device)
         got, _ = static.forward(rows)
         for i, r in enumerate(rows):
             torch.testing.assert_close(got[i, :len(r.token_ids)], want[i, :len(r.token_ids)], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_prompt_chunk_graphs_return_their_hidden_states(tiny_folder, device):
+    """Prompt chunks replayed one after the other (each overwriting the buffer) return each
+    chunk's own hidden states, zeros past its end, as ModelRunner's unpadded chunks do up to the
+    rounding of their other attention (causal, or a boolean mask)."""
+    base, static = runners(tiny_folder, device, max_prefill_tokens=SPARE, hidden_layers=(0, 1))
+    tolerance = 1e-15 if device == "cpu" else 1e-6     # on CUDA graphs' compiled norms round in float32
+    for chunks in (CHUNKS[:3], CHUNKS[3:]):
+        shapes = [static.chunk_shape(r) for r in chunks]
+        if device == "cpu":
+            hidden = static._replay_chunks(chunks, shapes, with_hidden=True)
+        else:
+            _, hidden = static.forward(chunks, logits="none", hidden_layers=(0, 1))
+        assert hidden.shape[:2] == (len(chunks), max(len(r.token_ids) for r in chunks))
+        for i, row in enumerate(chunks):
+            _, want = base.forward([row], logits="none", hidden_layers=(0, 1))
+            n = len(row.token_ids)
+            torch.testing.assert_close(hidden[i, :n], want[0], rtol=0, atol=tolerance)
+            assert not hidden[i, n:].any()
 
 
 def test_exact_mode_has_one_tier(tiny_folder):

@@ -160,7 +160,7 @@ def static_draft_runner(engine, model):
     """The GPU's draft runner (CudaGraphRunner, run eagerly on the CPU) instead of ModelRunner."""
     config = engine.config
     return CudaGraphRunner(model, config.max_num_seqs, config.max_model_len,
-                           engine.runner.cache.max_len - config.max_model_len,
+                           engine.max_step_tokens,
                            num_draft_tokens=engine.num_draft_tokens, progress=False)
 
 

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from outpace import LLM, SamplingParams, SpecConfig
+from outpace.engine.graph_step import GraphStep
 from outpace.model.draft_head import attend
+from outpace.runner.cuda_graphs import CudaGraphRunner
 from outpace.runner.model_runner import ModelRunner, Row
 from heads import target_config, write_eagle3_head
 from tiny import make_tiny
@@ -104,14 +106,51 @@ def test_drafts_are_the_heads_run_from_scratch(folders, plain, ngram_first):
     if ngram_first:         # n-gram drafts were accepted beside the head's: multi-token catch-ups
         assert sum(o.spec["num_accepted_tokens"] for o in out) > 0
     assert len(recorded.calls) > 20
+    _assert_drafts_from_scratch(llm, drafter, recorded.calls[::2])
+
+
+def _assert_drafts_from_scratch(llm, drafter, calls):
+    """Each recorded chain is the head's greedy chain run from scratch over the sequence."""
     head = drafter.head
-    for tokens, drafted, _ in recorded.calls[::2]:
+    for tokens, drafted, _ in calls:
         hidden = _hidden(llm, tokens, drafter.hidden_layers)
         want = []
         while len(want) < len(drafted):
             logits = _reference(head, drafter.embed, hidden, tokens, want)
             want.append(int(head.to_target(logits.argmax())))
         assert drafted == want
+
+
+def test_a_head_on_graph_steps_reads_their_hidden_states(folders, plain):
+    """The GPU path (CudaGraphRunner's static steps, run eagerly here, with GraphStep): the
+    target's hidden states come from the graph step's buffer, and the head's drafts are still
+    its run from scratch, with steps where nobody drafts among them (those are not launched
+    ahead: the launched step would overwrite their hidden states before the head caught up)."""
+    llm = _llm(folders)
+    engine, drafter = llm.engine, llm.engine.drafter
+    engine.runner = CudaGraphRunner(engine.model, 3, 256, 8, num_draft_tokens=4, progress=False,
+                                    hidden_layers=drafter.hidden_layers)
+    engine.steps = GraphStep(engine.runner, drafter, engine.controller, 256, 4, scheduler=engine.scheduler,
+                             overlap=True)
+    shapes, forward = [], engine.runner.forward
+
+    def recorded_forward(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        shapes.append(engine.runner.last_shape)
+        return out
+    engine.runner.forward = recorded_forward
+    asked, num_draft = {"calls": 0}, engine.controller.num_draft
+
+    def some_plain(*args):                      # every third step drafts nothing
+        asked["calls"] += 1
+        return 0 if asked["calls"] % 3 == 0 else num_draft(*args)
+    engine.controller.num_draft = some_plain
+    recorded = Recorded(llm, drafter)
+    out = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in out] == plain
+    assert sum(s is not None for s in shapes) > 20 and engine.steps.launched is None
+    assert len(recorded.calls) > 20
+    _assert_drafts_from_scratch(llm, drafter, recorded.calls[::2])
 
 
 def test_tree_nodes_are_best_children_along_their_paths(folders, plain):

@@ -69,8 +69,11 @@ class GraphStep(EagerStep):
 
     def _plain_greedy(self, seqs, logits, hidden, t0) -> StepResult:
         """A plain greedy step a graph ran is read like any graph step (its successor launched
-        first where it may be); the drafter's device state needs no append where nobody drafts."""
-        if self.runner.last_shape is not None and (self.extension is None or not any(s.speculate for s in seqs)):
+        first where it may be); the drafter's device state needs no append where nobody drafts. A
+        drafter that reads hidden states (a head) catches up on every step's (EagerStep's): a
+        launched step would overwrite them in the runner's buffer before it had."""
+        if (self.runner.last_shape is not None and not self.drafter.hidden_layers
+                and (self.extension is None or not any(s.speculate for s in seqs))):
             return self._read_back(seqs, [0] * len(seqs), self.runner.last_shape, t0)
         return super()._plain_greedy(seqs, logits, hidden, t0)
 

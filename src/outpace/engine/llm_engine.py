@@ -73,12 +73,14 @@ class LLMEngine:
         num_draft_tokens = spec.num_draft_tokens if spec.enabled or drafter is not None else 0
         self.num_draft_tokens = num_draft_tokens
         exact_width = spec.num_draft_tokens + 1 if spec.exact else None     # exact mode's one width
+        self.max_step_tokens = max(config.max_prefill_tokens, num_draft_tokens + 1, exact_width or 0)
         self.drafter = drafter if drafter is not None else make_drafter(
             spec, config.model, self.device, config.max_num_seqs, config.max_model_len, config.cuda_graphs)
-        self.runner = self._make_runner(config, num_draft_tokens, exact_width)
+        # bound first: a head learns the layers it reads when it loads, and the runner's graphs write them
         self.drafter.bind(DraftContext(config.max_num_seqs, config.max_model_len, num_draft_tokens + 1,
-                                       self.runner.device, self.dtype, self.model, self.tokenizer,
-                                       self._draft_runner, config.weights))
+                                       next(self.model.parameters()).device, self.dtype, self.model,
+                                       self.tokenizer, self._draft_runner, config.weights))
+        self.runner = self._make_runner(config, num_draft_tokens, exact_width)
         cost = None
         if num_draft_tokens and config.calibrate and not spec.exact:
             # measure_verify_cost waits for the device after each forward, so host clocks time it
@@ -98,8 +100,9 @@ class LLMEngine:
     def _make_runner(self, config: EngineConfig, num_draft_tokens: int, exact_width: int | None) -> ModelRunner:
         """CUDA: decode/verify steps replay captured CUDA graphs (run eagerly with cuda_graphs
         off), which draft and verify themselves where the drafter has a graph step (not under
-        tensor parallelism, where every rank builds its runner as rank 0 does: ParallelRunner)."""
-        max_step_tokens = max(config.max_prefill_tokens, num_draft_tokens + 1, exact_width or 0)
+        tensor parallelism, where every rank builds its runner as rank 0 does: ParallelRunner),
+        and return the hidden states the drafter reads."""
+        max_step_tokens = self.max_step_tokens
         if not self.uses_graphs:
             make = partial(ModelRunner, num_slots=config.max_num_seqs, max_len=config.max_model_len,
                            max_step_tokens=max_step_tokens, exact_width=exact_width,
@@ -110,15 +113,17 @@ class LLMEngine:
             make = partial(CudaGraphRunner, num_slots=config.max_num_seqs, max_len=config.max_model_len,
                            max_step_tokens=max_step_tokens, exact_width=exact_width,
                            num_draft_tokens=num_draft_tokens, use_graphs=config.cuda_graphs,
-                           extension=extension, max_prefill_tokens=config.max_prefill_tokens)
+                           extension=extension, max_prefill_tokens=config.max_prefill_tokens,
+                           hidden_layers=self.drafter.hidden_layers)
         return make(self.model) if self.workers is None else ParallelRunner(make, self.model, self.workers)
 
     def _draft_runner(self, model) -> ModelRunner:
         """A runner for a drafter's own model, beside the target's: the same slots and context,
         rows of up to 1 + num_draft_tokens tokens (a draft model catching up on the tokens it has
-        not seen, then a token a row); CUDA graphs on a GPU."""
+        not seen, then a token a row); CUDA graphs on a GPU. Called while the drafter is bound,
+        before the target's runner exists; its cache is as long as the target's will be."""
         config = self.config
-        spare = self.runner.cache.max_len - config.max_model_len        # the target's spare positions
+        spare = self.max_step_tokens        # the target's spare positions (a graph runner rounds both alike)
         if not self.device.startswith("cuda") or model.is_recurrent:
             return ModelRunner(model, config.max_num_seqs, config.max_model_len, spare)
         return CudaGraphRunner(model, config.max_num_seqs, config.max_model_len, spare,

@@ -29,10 +29,14 @@ Prompt chunks replay graphs too, one chunk at a time: shape (n, L) with n a prom
 64, ... up to max_prefill_tokens) holding the chunk, padded; the padding's keys land past the
 chunk's end, where no query of the chunk attends and later tokens overwrite them. An eager
 forward of a chunk was bound by its kernel launches (22-37 ms a Spec-Bench prompt on an H100).
-Hidden-state requests and shapes beyond the largest tier run eagerly through ModelRunner. With
-use_graphs=False (or on the CPU) decode steps run the same static-buffer step eagerly (that is
-`--no-cuda-graphs`, and what the CPU tests check), and prompt chunks run ModelRunner's unpadded
-forward.
+Hidden states (a head drafter's): a runner built with hidden_layers has every graph, steps' and
+chunks' alike, also write the residual stream after those layers into one static buffer
+([queries, layers, H] at the largest step's or chunk's queries); a forward asking for exactly those
+layers gets a view of it (a step's) or a copy (chunks', each replay overwriting the last). Built
+without them, the runner allocates and copies nothing. Other layers, and shapes beyond the largest
+tier, run eagerly through ModelRunner. With use_graphs=False (or on the CPU) decode steps run the
+same static-buffer step eagerly (that is `--no-cuda-graphs`, and what the CPU tests check), and
+prompt chunks run ModelRunner's unpadded forward.
 """
 from __future__ import annotations
 
@@ -57,11 +61,13 @@ class CudaGraphRunner(ModelRunner):
     def __init__(self, model: DecoderLM, num_slots: int, max_len: int, max_step_tokens: int,
                  exact_width: int | None = None, num_draft_tokens: int = 0, use_graphs: bool = True,
                  batch_sizes: list[int] | None = None, kv_lens: list[int] | None = None, progress: bool = True,
-                 extension=None, max_prefill_tokens: int = 0):
+                 extension=None, max_prefill_tokens: int = 0, hidden_layers: tuple[int, ...] = ()):
         """num_draft_tokens: the most drafts a verify row holds (rows of 1 .. 1 + num_draft_tokens tokens).
         batch_sizes: the buckets (default 1, 2, 4, ... up to num_slots); kv_lens: the key-length
         buckets (default 512, 1024, ... below the cache length, and the cache length);
-        max_prefill_tokens: the longest prompt chunk a graph holds (0: chunks run eagerly)."""
+        max_prefill_tokens: the longest prompt chunk a graph holds (0: chunks run eagerly);
+        hidden_layers: the layers whose hidden states every graph also writes (the drafter's; empty:
+        none, at no cost)."""
         cache_len = -(-(max_len + max_step_tokens) // 64) * 64
         super().__init__(model, num_slots, max_len, cache_len - max_len, exact_width)
         if max(num_draft_tokens + 1, exact_width or 0) > max_step_tokens:
@@ -100,13 +106,16 @@ class CudaGraphRunner(ModelRunner):
         self.bias = torch.zeros(queries * self.cache_len, dtype=self.dtype, device=device)  # -> [b, 1, t, L]
         self.bias_values = torch.tensor([0.0, float("-inf")], dtype=self.dtype, device=device)
         self.logits = torch.zeros(rows * tokens, vocab, dtype=torch.float32, device=device)       # -> [b, t, V]
+        self.hidden_layers = tuple(hidden_layers)
+        self.hidden = (torch.zeros(queries, len(hidden_layers), model.cfg.hidden_size, dtype=self.dtype, device=device)
+                       if hidden_layers else None)                      # [b*t or n, layers, H] -> [b, t, layers, H]
         self.slot_ids = torch.arange(rows, device=device)
         self.plain_columns = torch.tensor([[1, 0]] * rows, device=device)   # a plain row: 1 token out, 0 drafted
         self.last_shape: tuple[int, int, int] | None = None     # the last step's graph shape (None: eager)
         self._read: torch.Tensor | None = None                  # start_read's copy on the host
         self._reads: dict[tuple[int, ...], torch.Tensor] = {}   # pinned host buffers by shape
         self.read_done = torch.cuda.Event() if is_cuda else None
-        self._outputs: dict[tuple[int, int, int], torch.Tensor] = {}   # (b, t, rows) -> logits view
+        self._outputs: dict[tuple[int, int, int], tuple] = {}   # (b, t, rows) -> (logits, hidden) views
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.chunk_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}    # (tier, L) of prompt chunks
         self.use_graphs = use_graphs and self.device.type == "cuda"
@@ -118,7 +127,8 @@ class CudaGraphRunner(ModelRunner):
 
     # ---- the step ---------------------------------------------------------------------------
     def _run_step(self, b: int, t: int, L: int) -> None:
-        """The captured body: inputs in input_ids/starts, logits out in self.logits[:b*t]."""
+        """The captured body: inputs in input_ids/starts, logits out in self.logits[:b*t] (and the
+        hidden states of hidden_layers in self.hidden[:b*t])."""
         positions = self.positions[:b * t].view(b, t)
         torch.add(self.starts[:b, None], self._arange[:t], out=positions)              # [b, t]
         cfg = self.model.cfg
@@ -130,8 +140,10 @@ class CudaGraphRunner(ModelRunner):
         batch = ForwardBatch(input_ids=input_ids, positions=positions, slots=self.slot_ids[:b], kv_len=L,
                              attention=AttentionKind.GRAPH if kernel else AttentionKind.DENSE, mask=bias,
                              slot_start=0, window=self.window)
-        out, _ = self.model(batch, self.cache)                                          # [b*t, V]
+        out, hidden = self.model(batch, self.cache, self.hidden_layers)                 # [b*t, V], [b*t, layers, H]
         self.logits[:b * t].copy_(out)
+        if hidden is not None:
+            self.hidden[:b * t].copy_(hidden)
         if self.extension:
             self.extension.after(b, t, input_ids, self.logits[:b * t].view(b, t, -1))
 
@@ -149,13 +161,15 @@ class CudaGraphRunner(ModelRunner):
 
     def _run_chunk(self, n: int, L: int) -> None:
         """The captured body of a prompt chunk of tier n (inputs in chunk_inputs): its keys and
-        values cached, padding included."""
+        values cached, padding included, and the hidden states of hidden_layers in self.hidden[:n]."""
         slot, start = self.chunk_inputs[:1], self.chunk_inputs[1:2]
         positions = self.positions[:n].view(1, n)
         torch.add(start[:, None], self._arange[:n], out=positions)
         batch = ForwardBatch(input_ids=self.chunk_inputs[2:2 + n].view(1, n), positions=positions, slots=slot,
                              kv_len=L, mask=self._bias(positions, L), logits=False)
-        self.model(batch, self.cache)
+        _, hidden = self.model(batch, self.cache, self.hidden_layers)                   # [n, layers, H]
+        if hidden is not None:
+            self.hidden[:n].copy_(hidden)
 
     def chunk_shape(self, row: Row) -> tuple[int, int] | None:
         """(tier, key length) of a prompt chunk's graph, or None when no tier holds it."""
@@ -164,6 +178,18 @@ class CudaGraphRunner(ModelRunner):
             return None
         n = self.prefill_tiers[i]
         return n, self.kv_lens[bisect.bisect_left(self.kv_lens, row.start + n)]
+
+    def _replay_chunks(self, rows: list[Row], shapes: list[tuple[int, int]], with_hidden: bool) -> torch.Tensor | None:
+        """Prompt chunks through their graphs, one after the other; with_hidden: their hidden states
+        [C, S, layers, H] (S the longest chunk, zeros past each chunk's end), else None."""
+        hidden = None
+        if with_hidden:
+            hidden = self.hidden.new_zeros(len(rows), max(len(r.token_ids) for r in rows), *self.hidden.shape[1:])
+        for i, (row, shape) in enumerate(zip(rows, shapes)):
+            self._replay_chunk(row, shape)
+            if hidden is not None:              # the next chunk's replay overwrites the buffer
+                hidden[i, :len(row.token_ids)] = self.hidden[:len(row.token_ids)]
+        return hidden
 
     def _replay_chunk(self, row: Row, shape: tuple[int, int]) -> None:
         """A prompt chunk through its graph: its inputs in one copy, then the replay."""
@@ -207,21 +233,23 @@ class CudaGraphRunner(ModelRunner):
         drafts never visit the host, except in an eager forward) or none (a draft model's forward
         of the tokens it drafted the forward before). step_inputs: the extension's values per row, whose drafts
         (at most num_device_tokens) the graph writes itself; the step must then have a shape
-        (shape_for). Returns (logits [B, S, V], None) with S the tier; prompt chunks
-        (logits='none') that a tier holds replay one chunk graph each and return (None, None). A
-        replay needs no inference mode (it records nothing), so only the eager paths enter it: it
-        costs microseconds a step. Hidden states are asked of eager forwards only."""
+        (shape_for). Returns (logits [B, S, V], hidden [B, S, layers, H] or None) with S the tier;
+        prompt chunks (logits='none') that a tier holds replay one chunk graph each and return
+        (None, hidden or None). The hidden states of a graph step are a view of the runner's
+        buffer, valid until its next forward. Only hidden_layers equal to the runner's (or none)
+        replay graphs. A replay needs no inference mode (it records nothing), so only the eager
+        paths enter it: it costs microseconds a step."""
         if chunks:
             raise ValueError("only a packing runner caches prompt chunks in a decode forward")
-        if logits == "none" and not hidden_layers and self.use_graphs:
+        in_graphs = not hidden_layers or tuple(hidden_layers) == self.hidden_layers    # graphs write these
+        if logits == "none" and in_graphs and self.use_graphs:
             shapes = [self.chunk_shape(r) for r in rows]
             if all(shapes):
-                for row, shape in zip(rows, shapes):
-                    self._replay_chunk(row, shape)
+                hidden = self._replay_chunks(rows, shapes, bool(hidden_layers))
                 self.last_shape = None
-                return None, None
+                return None, hidden
         num_device = num_device_tokens if draft_tokens is None else draft_tokens.shape[1]
-        shape = self.shape_for(rows, num_device) if logits == "all" and not hidden_layers else None
+        shape = self.shape_for(rows, num_device) if logits == "all" and in_graphs else None
         if shape is None and step_inputs is not None:
             raise ValueError("a step with extension inputs needs a graph shape (check shape_for first)")
         self.last_shape = shape
@@ -237,9 +265,14 @@ class CudaGraphRunner(ModelRunner):
             self.input_ids[:b * t].view(b, t)[slots, held:held + num_device] = draft_tokens
         self._replay(shape)
         slots = [r.slot for r in rows]
-        if slots == list(range(len(rows))):
-            return self._output(b, t, len(rows)), None
-        return self._output(b, t, b).index_select(0, to_device(slots, self.device)), None
+        in_order = slots == list(range(len(rows)))
+        out, hidden = self._output(b, t, len(rows) if in_order else b)
+        hidden = hidden if hidden_layers else None
+        if not in_order:                                # graph row r is slot r: the rows' own, in their order
+            index = to_device(slots, self.device)
+            out = out.index_select(0, index)
+            hidden = hidden.index_select(0, index) if hidden is not None else None
+        return out, hidden
 
     def _replay(self, shape: tuple[int, int, int]) -> None:
         if self.use_graphs:
@@ -266,7 +299,9 @@ class CudaGraphRunner(ModelRunner):
         """Launch step `shape` after the step whose step_result is `previous`, before the host has
         read it: every active graph row ([b] 1 or 0) advances by its tokens out and feeds its last
         token (dummy rows stay in the spare region); only the extension's values (step_inputs, by
-        rows' slots) come from the host. rows: the step's rows (slot; their tokens are unused)."""
+        rows' slots) come from the host. rows: the step's rows (slot; their tokens are unused). The
+        hidden-state buffer then holds the launched step's: the step being read has lost its own,
+        so GraphStep launches no step for a drafter that reads hidden states."""
         b, t, _ = shape
         num = previous[:, 0]
         last = previous.gather(1, num[:, None] + 1)                                   # [b, 1]
@@ -298,11 +333,13 @@ class CudaGraphRunner(ModelRunner):
             self.read_done.synchronize()
         return self._read.tolist()
 
-    def _output(self, b: int, t: int, n: int) -> torch.Tensor:
-        """The logits of graph rows [0, n) of shape (b, t): [n, t, V], a view made once."""
+    def _output(self, b: int, t: int, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits [n, t, V] and hidden states [n, t, layers, H] (None without hidden layers) of
+        graph rows [0, n) of shape (b, t): views made once."""
         out = self._outputs.get((b, t, n))
         if out is None:
-            out = self._outputs[(b, t, n)] = self.logits[:b * t].view(b, t, -1)[:n]
+            hidden = None if self.hidden is None else self.hidden[:b * t].view(b, t, *self.hidden.shape[1:])[:n]
+            out = self._outputs[(b, t, n)] = self.logits[:b * t].view(b, t, -1)[:n], hidden
         return out
 
     def _write_inputs(self, rows: list[Row], b: int, t: int, step_inputs: list[tuple] | None = None) -> None:
