@@ -3,8 +3,11 @@ one process.
 
     python benchmarks/engine_ab.py --dataset ../shared/data/spec_bench_question.jsonl \
         --concurrency 32 --rounds 4
+    python benchmarks/engine_ab.py --dataset ../shared/data/spec_bench_question.jsonl \
+        --model qwen2.5-coder-1.5b-instruct --draft-model qwen2.5-coder-0.5b-instruct --ngram-first \
+        --concurrency 16 --rounds 2 --max-tokens 96
 
-One LLMEngine (n-gram speculation, as many slots as clients) runs the prompts serve_bench.py runs
+One LLMEngine (n-gram speculation, or a draft model with --draft-model; as many slots as clients) runs the prompts serve_bench.py runs
 at that concurrency (its level's place in `--concurrency 1 4 16 32`; chat template, greedy, 256
 tokens at most, EOS honoured) as a closed loop: every request is queued at once and the next
 joins as soon as one ends, as the benchmark's clients keep one request each in flight. Each round
@@ -79,13 +82,19 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over N GPUs (or CPU processes)")
+    p.add_argument("--draft-model", help="speculate with this draft model instead of n-gram lookup")
+    p.add_argument("--ngram-first", action="store_true", help="with --draft-model: n-gram lookup first, the draft model where no tail matches")
     args = p.parse_args()
     if args.concurrency < 1 or args.rounds < 1:
         p.error("--concurrency and --rounds must be at least 1")
+    if args.ngram_first and not args.draft_model:
+        p.error("--ngram-first goes with --draft-model")
+    spec = (SpecConfig(method="draft", draft_model=args.draft_model, ngram_first=args.ngram_first) if args.draft_model
+            else SpecConfig(method="ngram"))
     c = args.concurrency
     texts = first_turns(args.dataset)
     start = 7 * (STANDARD_LEVELS.index(c) if c in STANDARD_LEVELS else 0)
-    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=c, spec=SpecConfig(method="ngram"),
+    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=c, spec=spec,
                                     tensor_parallel_size=args.tensor_parallel_size))
     tok = engine.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": texts[(start + i) % len(texts)]}]),
