@@ -62,6 +62,22 @@ def test_the_target_as_its_own_draft_is_always_accepted(folders, plain):
     assert not drafter.tokens and sorted(llm.engine.scheduler.free_slots) == [0, 1, 2]
 
 
+def test_a_plain_request_costs_the_draft_model_nothing(folders, plain):
+    """speculate=False (the benchmarks' plain baseline in the same engine): the draft model caches
+    none of its prompt and drafts nothing for it, so the baseline pays nothing for the drafter."""
+    spec = SpecConfig(method="draft", draft_model=str(folders[0]), num_draft_tokens=4, draft_vocab=0)
+    llm = LLM(str(folders[0]), spec=spec, **OPTIONS)
+    runner = llm.engine.drafter.runner
+    forward, calls = runner.forward, []
+
+    def counting(rows, *args, **kwargs):
+        calls.append(len(rows))
+        return forward(rows, *args, **kwargs)
+    runner.forward = counting
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS, speculate=False)] == plain and not calls
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain and calls
+
+
 def test_another_draft_model_keeps_greedy_output(folders, plain):
     spec = SpecConfig(method="draft", draft_model=str(folders[1]), num_draft_tokens=5)
     out = LLM(str(folders[0]), spec=spec, **OPTIONS).generate(PROMPTS, PARAMS)

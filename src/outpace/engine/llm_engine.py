@@ -202,6 +202,13 @@ class LLMEngine:
         for c in chunks:
             c.seq.num_cached = c.end
             c.seq.prefill_s += elapsed
+        # a plain request (speculate=False: a baseline in the same engine) costs a drafter with a
+        # cache of its own nothing: that drafter never drafts for it
+        mine = [i for i, c in enumerate(chunks) if c.seq.speculate]
+        if not mine:
+            return
+        if len(mine) < len(chunks):
+            chunks, hidden = [chunks[i] for i in mine], None if hidden is None else hidden[mine]
         self.drafter.prefilled(Prefilled([c.seq.seq_id for c in chunks], [c.seq.slot for c in chunks],
                                          [c.start for c in chunks], [c.seq.token_ids[c.start:c.end] for c in chunks],
                                          hidden))
