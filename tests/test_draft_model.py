@@ -19,6 +19,7 @@ from outpace import LLM, SamplingParams, SpecConfig
 from outpace.engine.llm_engine import LLMEngine
 from outpace.errors import IncompatibleModelsError, InvalidParameterError
 from outpace.runner.cuda_graphs import CudaGraphRunner
+from outpace.speculative.draft_model import DraftModelDrafter
 from tiny import make_tiny
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [100, 200, 300, 100, 200], [7] * 30, [42],
@@ -76,6 +77,27 @@ def test_a_plain_request_costs_the_draft_model_nothing(folders, plain):
     runner.forward = counting
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS, speculate=False)] == plain and not calls
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain and calls
+
+
+def test_prompts_wait_for_the_catch_up_while_the_model_is_not_asked(folders, plain, monkeypatch):
+    """While no step asks the model for drafts its prompt chunks are not cached (no forward), and
+    a row that later drafts catches up on its whole prompt in propose: the target as its own draft,
+    every draft accepted, shows that cache equals the chunked one."""
+    monkeypatch.setattr(DraftModelDrafter, "verified", lambda self, result: setattr(self, "drafting", False))
+    spec = SpecConfig(method="draft", draft_model=str(folders[0]), num_draft_tokens=4, draft_vocab=0)
+    llm = LLM(str(folders[0]), spec=spec, **OPTIONS)
+    drafter = llm.engine.drafter
+    drafter.drafting = False
+    forward, prefills = drafter.runner.forward, []
+
+    def counting(rows, logits="all", *args, **kwargs):
+        prefills.extend(rows if logits == "none" else [])
+        return forward(rows, logits, *args, **kwargs)
+    drafter.runner.forward = counting
+    out = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in out] == plain and not prefills
+    drafted = sum(o.spec["num_draft_tokens"] for o in out)
+    assert drafted > 0 and sum(o.spec["num_accepted_tokens"] for o in out) == drafted
 
 
 def test_another_draft_model_keeps_greedy_output(folders, plain):

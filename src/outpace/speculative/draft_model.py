@@ -18,7 +18,10 @@ Cache invariant, per sequence: positions [0, valid) of its slot hold this model'
 of the sequence's own tokens. Drafting writes entries past `valid` for the drafted tokens fed
 back; after verification those that equal the accepted tokens stay valid, the rest are stale and
 are overwritten by the next catch-up (the target's rollback rule, by length). Prompt chunks are
-cached in the same chunks as the target's (prefilled), so the first draft needs no long catch-up.
+cached in the same chunks as the target's (prefilled), so the first draft needs no long catch-up,
+while the model drafts: after a step that asked it for no draft (the controller found that it
+does not pay at that load, as at 16 rows on a 2-core CPU) the chunks are left to the catch-up of
+the rows that draft later, so a load where the model never drafts pays nothing for it.
 
 A greedy row drafts the draft's argmax. A sampled row samples the draft's distribution, shaped
 by the row's own parameters, with the target's noise for that output position (u(seed, i),
@@ -40,7 +43,7 @@ from outpace.runner.model_runner import Row
 from outpace.runner.staging import to_device
 from outpace.sampling.sampler import SamplingState, inverse_cdf, logits_to_probs
 from outpace.speculative.compat import check_vocab_compatible
-from outpace.speculative.drafter import DraftBatch, DraftContext, Drafter, Drafts, Prefilled
+from outpace.speculative.drafter import DraftBatch, DraftContext, Drafter, Drafts, Prefilled, Verified
 from outpace.weights.hub import resolve_model
 from outpace.weights.loader import load_model
 from outpace.weights.tokenizer import Tokenizer
@@ -60,6 +63,8 @@ class DraftModelDrafter(Drafter):
         self.valid: dict[int, int] = {}             # seq_id -> cached prefix (the invariant above)
         self.fed: dict[int, list[int]] = {}         # seq_id -> drafted tokens written past valid
         self.per_token: dict[int, float] = {}       # batch bucket -> seconds per drafted token
+        self.drafting = True                        # whether the last verified step asked for drafts
+        self.asked = False                          # whether this step has asked
 
     def bind(self, context: DraftContext) -> None:
         folder = resolve_model(self.source)
@@ -102,12 +107,18 @@ class DraftModelDrafter(Drafter):
         self.valid[seq_id], self.fed[seq_id] = 0, []
 
     def prefilled(self, chunks: Prefilled) -> None:
-        """The target's prompt chunks, cached in this model's slots too (one forward)."""
+        """The target's prompt chunks, cached in this model's slots too (one forward) while it
+        drafts (the top)."""
+        if not self.drafting:
+            return
         rows = [Row(slot, tokens, start) for slot, tokens, start in zip(chunks.slots, chunks.token_ids, chunks.starts)]
         self.runner.forward(rows, logits="none")
         for seq_id, start, n in zip(chunks.seq_ids, chunks.starts, chunks.lengths):
             if self.valid[seq_id] == start:
                 self.valid[seq_id] = start + n
+
+    def verified(self, result: Verified) -> None:
+        self.drafting, self.asked = self.asked, False
 
     def accept(self, seq_id: int, token_ids: Sequence[int]) -> None:
         """Drafted entries past `valid` stay valid as far as they equal the accepted tokens."""
@@ -130,6 +141,7 @@ class DraftModelDrafter(Drafter):
         """Up to budget[i] tokens for each row: the first forward catches rows up and drafts one
         token each; every further forward feeds each drafting row its last drafted token."""
         active = [i for i, k in enumerate(batch.budget) if k > 0]
+        self.asked = self.asked or bool(active)
         rows = []
         for i in active:
             seq_id = batch.seq_ids[i]
