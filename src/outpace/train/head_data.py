@@ -38,7 +38,10 @@ class Recorded:
 
 
 class Recorder(Drafter):
-    """Drafts nothing; keeps the target's hidden states of `layers` at each position it is fed."""
+    """Drafts nothing; keeps the target's hidden states of `layers` at each position it is fed
+    (of plain requests: the trainer's answers decode plainly)."""
+
+    prefills_plain = True
 
     def __init__(self, layers: tuple[int, ...]):
         self.hidden_layers = layers
