@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+from itertools import groupby
 
 import torch
 import torch.nn.functional as F
@@ -138,14 +139,9 @@ class QuantizedParts(nn.Module):
     def __init__(self, parts: list[tuple[torch.Tensor, str]], in_features: int, out_features: int, bias: bool):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        runs: list[tuple[list[torch.Tensor], str]] = []
-        for blocks, qtype in parts:
-            if runs and runs[-1][1] == qtype:
-                runs[-1][0].append(blocks)
-            else:
-                runs.append(([blocks], qtype))
-        self.parts = nn.ModuleList(QuantizedLinear(torch.cat(blocks), qtype, in_features, sum(len(b) for b in blocks),
-                                                   False) for blocks, qtype in runs)
+        runs = [(torch.cat([blocks for blocks, _ in run]), qtype) for qtype, run in groupby(parts, key=lambda p: p[1])]
+        self.parts = nn.ModuleList(QuantizedLinear(blocks, qtype, in_features, blocks.shape[0], False)
+                                   for blocks, qtype in runs)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
