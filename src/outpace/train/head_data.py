@@ -25,7 +25,8 @@ from tqdm import tqdm
 from outpace.config import SamplingParams
 from outpace.errors import InvalidParameterError
 from outpace.llm import LLM
-from outpace.speculative.drafter import Drafter, Prefilled, Verified
+from outpace.model.eagle3 import default_layers
+from outpace.speculative.drafter import DraftContext, Drafter, Prefilled, Verified
 
 
 @dataclass
@@ -38,14 +39,19 @@ class Recorded:
 
 
 class Recorder(Drafter):
-    """Drafts nothing; keeps the target's hidden states of `layers` at each position it is fed
-    (of plain requests: the trainer's answers decode plainly)."""
+    """Drafts nothing; keeps the target's hidden states at each position it is fed (of plain
+    requests: the trainer's answers decode plainly): the layers an EAGLE-3 head reads and the last
+    one, learnt at bind, before the engine builds the CUDA graphs that write them."""
 
     prefills_plain = True
 
-    def __init__(self, layers: tuple[int, ...]):
-        self.hidden_layers = layers
+    def __init__(self):
         self.parts: dict[int, list[tuple[int, torch.Tensor]]] = {}      # seq_id -> (first position, [n, layers, H])
+
+    def bind(self, context: DraftContext) -> None:
+        L = context.target.cfg.num_layers
+        self.head_layers = default_layers(L)
+        self.hidden_layers = tuple(sorted(set(self.head_layers) | {L - 1}))
 
     def begin(self, seq_id, token_ids):
         self.parts[seq_id] = []

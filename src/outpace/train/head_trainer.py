@@ -38,7 +38,7 @@ from outpace.errors import InvalidParameterError
 from outpace.kernels.fused import linear
 from outpace.llm import LLM
 from outpace.model.draft_head import HeadConfig
-from outpace.model.eagle3 import Eagle3Head, default_layers, save_eagle3_head
+from outpace.model.eagle3 import Eagle3Head, save_eagle3_head
 from outpace.train.draft_vocab import answer_counts, coverage, draft_vocab
 from outpace.train.head_data import Recorded, Recorder, generate_shards, load_shards, read_prompts
 from outpace.train.unroll import Batch, unrolled_loss
@@ -110,14 +110,14 @@ def train_head(config: TrainConfig) -> dict:
 
     # ---- the target's answers -------------------------------------------------------------------
     t0 = time.perf_counter()
-    llm = LLM(config.model, spec=SpecConfig(method="none"), drafter=Recorder(()), device=device, dtype=config.dtype,
+    # on a GPU the target answers in CUDA graphs, which write the hidden states the Recorder keeps
+    llm = LLM(config.model, spec=SpecConfig(method="none"), drafter=Recorder(), device=device, dtype=config.dtype,
                 max_num_seqs=config.max_num_seqs, max_model_len=config.max_prompt_tokens + config.max_tokens + 1,
-                calibrate=False, cuda_graphs=False)
+                calibrate=False)
     target = llm.engine.model
     L = target.cfg.num_layers
-    layers = default_layers(L)
     recorder = llm.engine.drafter
-    recorder.hidden_layers = tuple(sorted(set(layers) | {L - 1}))
+    layers = recorder.head_layers
     for name, part in (("heldout", held), ("train", train)):
         generate_shards(llm, recorder, part, out / "data", name, config.max_tokens, config.max_prompt_tokens,
                         config.shard_size)
