@@ -155,3 +155,24 @@ def test_sampled_trees_give_plain_seeded_sampling(tiny_folder):
         assert [s.output_ids for s in seqs] == want
         if truth is not None:
             assert sum(s.stats.num_accepted_tokens for s in seqs) > 0
+
+
+def test_trees_in_bfloat16_on_the_cpu_kernels_are_refused(tmp_path, default_model_dir):
+    """Plain steps attend in the CPU kernels, a tree in PyTorch: in bfloat16 their roundings part
+    (the default model's quantized trees changed most prompts' greedy output), so a tree width
+    above 1 there is an error that says what to use; float32 runs."""
+    from heads import target_config, write_eagle3_head
+    from outpace.errors import InvalidParameterError
+    from outpace.kernels import cpu_kernels
+
+    target, head = tmp_path / "target", tmp_path / "head"
+    make_tiny("llama-4-layers", target, vocab_size=49152, tokenizer_from=default_model_dir)
+    write_eagle3_head(head, target_config(target), dtype=torch.float32)
+    assert cpu_kernels.attention_fits(load_model(target, torch.bfloat16, "cpu", 64).cfg, torch.bfloat16,
+                                      torch.device("cpu")) == cpu_kernels.has_library()
+    options = dict(OPTIONS, dtype="bfloat16")
+    spec = SpecConfig(method="eagle3", draft_head=str(head), tree_width=2, num_draft_tokens=4)
+    if cpu_kernels.has_library():
+        with pytest.raises(InvalidParameterError, match="float32 weights"):
+            LLM(str(target), spec=spec, **options)
+    LLM(str(target), spec=spec, **dict(OPTIONS, dtype="float32")).generate(PROMPTS[:1], PARAMS)
