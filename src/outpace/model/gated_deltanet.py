@@ -63,7 +63,7 @@ class GatedDeltaNet(nn.Module):
         if recurrent_kernels.serves(proj, cache.conv[layer]):
             log = None if cache.snapshots else cache.log[layer]
             out = recurrent_kernels.gated_deltanet(
-                proj, *self._kernel_weights(), self.norm.eps, cache.conv[layer], cache.state[layer], log, rows.table, rows.max_width,
+                proj, *self._kernel_weights(), self.norm.eps, cache.conv[layer], cache.state[layer], log, rows.table,
                 (self.num_k_heads, self.key_dim, self.num_v_heads, self.value_dim))
             return linear(out, self.out).view(*shape[:-1], -1)
         qkv, z, b, a = proj.split(self.in_proj_sizes, dim=-1)
