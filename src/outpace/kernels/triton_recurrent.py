@@ -31,27 +31,29 @@ import triton
 import triton.language as tl
 
 COLUMNS = 8                 # the row table's columns (recurrent_rows.RowGroup.table)
-CONV_BLOCK = 256            # channels a convolution program takes
+CONV_BLOCK = 64             # channels a convolution program takes (all its row's tokens)
 VALUE_BLOCK = 16            # a delta-rule program's columns of the state [dk, dv]
 
 
 @triton.jit
 def _conv_input(proj_ptr, tok, c, mask, proj_stride, C, GATED: tl.constexpr):
-    """The convolution's input at stream token `tok`, channels c: q k v (GATED: b * x, rounded)."""
-    at = proj_ptr + tok.to(tl.int64) * proj_stride
-    x = tl.load(at + c, mask=mask, other=0.0)
+    """[len(tok), len(c)] the convolution's inputs at stream tokens `tok`, channels c: q k v
+    (GATED: b * x, rounded as PyTorch rounds the product)."""
+    at = proj_ptr + tok.to(tl.int64)[:, None] * proj_stride + c[None, :]
+    x = tl.load(at, mask=mask, other=0.0)
     if GATED:
-        x = (x * tl.load(at + 2 * C + c, mask=mask, other=0.0)).to(proj_ptr.dtype.element_ty)
+        x = (x * tl.load(at + 2 * C, mask=mask, other=0.0)).to(proj_ptr.dtype.element_ty)
     return x.to(tl.float32)
 
 
 @triton.jit
 def _conv_kernel(proj_ptr, w_ptr, bias_ptr, hist_ptr, rows_ptr, out_ptr, proj_stride, C, hist_rows,
                  K: tl.constexpr, KW: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 TOKENS: tl.constexpr, BLOCK: tl.constexpr):
-    """One row's channels [c0, c0 + BLOCK): out_t = sum_i w[i] x_{t-K+1+i} (+ bias), then silu
-    (Gated DeltaNet) or times the gate c (GATED, LFM2). Window: history entries conv_start ..
-    conv_start+K-2 (zeros when fresh); `window` [KW, BLOCK] holds them, rows >= K-1 unused."""
+                 TP: tl.constexpr, BLOCK: tl.constexpr):
+    """One row's channels [c0, c0 + BLOCK), all its tokens at once (tile [TP, BLOCK], TP >= its
+    tokens): out_t = sum_i w[i] x_{t-K+1+i} (+ bias), then silu (Gated DeltaNet) or times the
+    gate c (GATED, LFM2). Inputs before token 0 are the window, history entries conv_start ..
+    conv_start+K-2 (zeros when fresh)."""
     row = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_c = c < C
@@ -59,44 +61,41 @@ def _conv_kernel(proj_ptr, w_ptr, bias_ptr, hist_ptr, rows_ptr, out_ptr, proj_st
     slot, fresh, conv_start = tl.load(info), tl.load(info + 3), tl.load(info + 4)
     offset, n, verify = tl.load(info + 5), tl.load(info + 6), tl.load(info + 7)
     hist = hist_ptr + slot * hist_rows * C
+    t = tl.arange(0, TP)
+    real = (t < n)[:, None] & in_c[None, :]
+    acc = tl.full((TP, BLOCK), 0.0, tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + c, mask=in_c, other=0.0)[None, :]
+    for j in tl.static_range(K):
+        at = t + j - (K - 1)                                    # [TP] each input's token; < 0: the window
+        x = _conv_input(proj_ptr, offset + at, c, real & (at >= 0)[:, None], proj_stride, C, GATED)
+        x += tl.load(hist + (conv_start + K - 1 + at)[:, None] * C + c[None, :],
+                     mask=real & (at < 0)[:, None] & (fresh == 0), other=0.0).to(tl.float32)
+        acc += tl.load(w_ptr + j * C + c, mask=in_c, other=0.0)[None, :] * x
+    y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tok = (offset + t).to(tl.int64)[:, None]
+    if GATED:
+        y *= tl.load(proj_ptr + tok * proj_stride + C + c[None, :], mask=real, other=0.0).to(tl.float32)
+    else:
+        y = y * tl.sigmoid(y)
+    tl.store(out_ptr + tok * C + c[None, :], y.to(out_ptr.dtype.element_ty), mask=real)
+    # the history: a verify row's window then its inputs (entries 0 .. K-2+n), else the K-1 inputs
+    # before its next token; every old entry it keeps is read before any entry is written
     i = tl.arange(0, KW)
     in_window = (i < K - 1)[:, None] & in_c[None, :]
-    window = tl.load(hist + (conv_start + i)[:, None] * C + c[None, :], mask=in_window & (fresh == 0),
-                     other=0.0).to(tl.float32)
-    for t in range(0, TOKENS):
-        acc = tl.full((BLOCK,), 0.0, tl.float32)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + c, mask=in_c, other=0.0)
-        for j in tl.static_range(K):
-            at = t + j - (K - 1)                                # the input's token; < 0: the window
-            x = _conv_input(proj_ptr, offset + at, c, in_c & (at >= 0) & (t < n), proj_stride, C, GATED)
-            x += tl.sum(tl.where((i == K - 1 + at)[:, None], window, 0.0), axis=0)
-            acc += tl.load(w_ptr + j * C + c, mask=in_c, other=0.0) * x
-        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        tok = (offset + t).to(tl.int64)
-        if GATED:
-            y *= tl.load(proj_ptr + tok * proj_stride + C + c, mask=in_c & (t < n), other=0.0).to(tl.float32)
-        else:
-            y = y * tl.sigmoid(y)
-        tl.store(out_ptr + tok * C + c, y.to(out_ptr.dtype.element_ty), mask=in_c & (t < n))
-    # the history: a verify row's window then its inputs (entries 0 .. K-2+n), else the K-1 inputs
-    # before its next token; its old entries are read (window, or `last` below) before any is written
+    window = tl.load(hist + (conv_start + i)[:, None] * C + c[None, :], mask=in_window & (fresh == 0), other=0.0)
     ends = n - (K - 1) + i                                      # [KW] the last K-1 inputs' tokens
     last = tl.load(hist + (conv_start + n + i)[:, None] * C + c[None, :],
                    mask=in_window & (ends < 0)[:, None] & (fresh == 0), other=0.0)
     tl.debug_barrier()
     if verify != 0:
-        tl.store(hist + i[:, None] * C + c[None, :], window.to(hist_ptr.dtype.element_ty), mask=in_window)
-        for t in range(0, TOKENS):
-            x = _conv_input(proj_ptr, offset + t, c, in_c & (t < n), proj_stride, C, GATED)
-            tl.store(hist + (K - 1 + t) * C + c, x.to(hist_ptr.dtype.element_ty), mask=in_c & (t < n))
+        tl.store(hist + i[:, None] * C + c[None, :], window, mask=in_window)
+        x = _conv_input(proj_ptr, offset + t, c, real, proj_stride, C, GATED)
+        tl.store(hist + (K - 1 + t)[:, None] * C + c[None, :], x.to(hist_ptr.dtype.element_ty), mask=real)
     else:
-        real = in_window & (ends >= 0)[:, None]
-        inputs = proj_ptr + (offset + ends).to(tl.int64)[:, None] * proj_stride + c[None, :]
-        x = tl.load(inputs, mask=real, other=0.0)
-        if GATED:
-            x = (x * tl.load(inputs + 2 * C, mask=real, other=0.0)).to(proj_ptr.dtype.element_ty)
-        x = tl.where(real, x.to(tl.float32), last.to(tl.float32))
+        kept = in_window & (ends >= 0)[:, None]
+        x = _conv_input(proj_ptr, offset + ends, c, kept, proj_stride, C, GATED)
+        x = tl.where(kept, x, last.to(tl.float32))
         tl.store(hist + i[:, None] * C + c[None, :], x.to(hist_ptr.dtype.element_ty), mask=in_window)
 
 
@@ -123,7 +122,7 @@ def _delta_kernel(mixed_ptr, proj_ptr, neg_a_ptr, dt_bias_ptr, state_ptr, rows_p
     S = tl.load(head + read * entry_size + tile, mask=in_tile & (fresh == 0), other=0.0)
     C = 2 * Hk * DK + H * DV
     neg_a, dt_bias = tl.load(neg_a_ptr + h), tl.load(dt_bias_ptr + h)
-    for t in range(0, TOKENS):
+    for t in tl.static_range(TOKENS):      # unrolled: each token's loads wait on nothing before them
         # a row's tokens past its own (rows of other widths in the forward): no decay, no write
         real = t < n
         tok = (offset + t).to(tl.int64)
@@ -167,7 +166,7 @@ def _causal_conv(proj: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     grid = (rows.shape[0], triton.cdiv(channels, CONV_BLOCK))
     _conv_kernel[grid](proj, weight, weight if bias is None else bias, history, rows, out, proj.stride(0), channels,
                        history.shape[1], K=K, KW=triton.next_power_of_2(max(K - 1, 1)), GATED=gated,
-                       HAS_BIAS=bias is not None, TOKENS=max_tokens, BLOCK=CONV_BLOCK, num_warps=4)
+                       HAS_BIAS=bias is not None, TP=triton.next_power_of_2(max_tokens), BLOCK=CONV_BLOCK, num_warps=4)
     return out
 
 
