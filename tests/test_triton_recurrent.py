@@ -50,7 +50,7 @@ def model(request, tmp_path_factory):
         for p in mixer.parameters():
             p.copy_(torch.randn_like(p) * 0.7)
         for linear, scale in ((mixer.in_proj, 6), (mixer.out, 30)):       # the CPU's packed layout, or plain
-            getattr(linear, "packed", linear.weight).mul_(scale)
+            (linear.packed if hasattr(linear, "packed") else linear.weight).mul_(scale)
     return model
 
 
