@@ -90,13 +90,13 @@ def _conv_kernel(proj_ptr, w_ptr, bias_ptr, hist_ptr, rows_ptr, out_ptr, proj_st
     tl.debug_barrier()
     if verify != 0:
         tl.store(hist + i[:, None] * C + c[None, :], window, mask=in_window)
-        x = _conv_input(proj_ptr, offset + t, c, real, proj_stride, C, GATED)
-        tl.store(hist + (K - 1 + t)[:, None] * C + c[None, :], x.to(hist_ptr.dtype.element_ty), mask=real)
+        inputs = _conv_input(proj_ptr, offset + t, c, real, proj_stride, C, GATED)
+        tl.store(hist + (K - 1 + t)[:, None] * C + c[None, :], inputs.to(hist_ptr.dtype.element_ty), mask=real)
     else:
         kept = in_window & (ends >= 0)[:, None]
-        x = _conv_input(proj_ptr, offset + ends, c, kept, proj_stride, C, GATED)
-        x = tl.where(kept, x, last.to(tl.float32))
-        tl.store(hist + i[:, None] * C + c[None, :], x.to(hist_ptr.dtype.element_ty), mask=in_window)
+        tail = tl.where(kept, _conv_input(proj_ptr, offset + ends, c, kept, proj_stride, C, GATED),
+                        last.to(tl.float32))
+        tl.store(hist + i[:, None] * C + c[None, :], tail.to(hist_ptr.dtype.element_ty), mask=in_window)
 
 
 @triton.jit
