@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from outpace import LLM, SamplingParams, SpecConfig
+from outpace.engine.graph_step import GraphStep
 from outpace.runner.cuda_graphs import CudaGraphRunner
 from outpace.runner.model_runner import ModelRunner, Row
 from outpace.weights.loader import load_model
@@ -92,6 +93,29 @@ def slot_state(runner, slot: int) -> list[torch.Tensor]:
 
 
 ENGINE_PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [100, 200, 300, 100, 200], [7] * 30, [42]]
+PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.mark.parametrize("snapshots", [True, False], ids=["snapshots", "replay"])
+def test_graph_path_speculation_is_lossless_on_the_cpu(folder, snapshots):
+    """The engine as it runs on CUDA (the graph runner's static steps, GraphStep with overlap),
+    eagerly on the CPU in float64: the truth corrupted after two tokens (rows rolled back to their
+    middle, or kept whole) and random drafts keep plain greedy output."""
+    options = dict(dtype="float64", device="cpu", max_num_seqs=3, max_model_len=128, max_prefill_tokens=8,
+                   calibrate=False, recurrent_snapshots=snapshots)
+    plain = {tuple(p): o.token_ids for p, o in
+             zip(ENGINE_PROMPTS, LLM(str(folder), spec="none", **options).generate(ENGINE_PROMPTS, PARAMS))}
+    for drafter in (OracleDrafter(plain, corrupt_after=2), RandomDrafter(49152)):
+        llm = LLM(str(folder), spec=SpecConfig(num_draft_tokens=4), drafter=drafter, **options)
+        engine = llm.engine
+        engine.runner = CudaGraphRunner(engine.model, 3, 128, 8, num_draft_tokens=4, progress=False,
+                                        snapshots=snapshots)
+        engine.steps = GraphStep(engine.runner, drafter, engine.controller, 128, 4, scheduler=engine.scheduler,
+                                 overlap=True)
+        out = llm.generate(ENGINE_PROMPTS, PARAMS)
+        for prompt, o in zip(ENGINE_PROMPTS, out):
+            assert o.token_ids == plain[tuple(prompt)], f"{type(drafter).__name__} changed {prompt}"
+        assert sum(o.spec["num_draft_tokens"] for o in out) > 0
 
 
 @needs_cuda
@@ -102,13 +126,12 @@ def test_speculative_greedy_equals_plain_in_graphs(folder, dtype, snapshots):
     the truth corrupted after two tokens and random drafts keep plain greedy output."""
     options = dict(dtype=dtype, device="cuda", max_num_seqs=3, max_model_len=128, max_prefill_tokens=8,
                    calibrate=False, recurrent_snapshots=snapshots)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     llm = LLM(str(folder), spec="none", **options)
     assert llm.engine.uses_graphs
-    plain = {tuple(p): o.token_ids for p, o in zip(ENGINE_PROMPTS, llm.generate(ENGINE_PROMPTS, params))}
+    plain = {tuple(p): o.token_ids for p, o in zip(ENGINE_PROMPTS, llm.generate(ENGINE_PROMPTS, PARAMS))}
     for drafter in (OracleDrafter(plain), OracleDrafter(plain, corrupt_after=2), RandomDrafter(49152)):
         llm = LLM(str(folder), spec=SpecConfig(num_draft_tokens=4), drafter=drafter, **options)
-        out = llm.generate(ENGINE_PROMPTS, params)
+        out = llm.generate(ENGINE_PROMPTS, PARAMS)
         for prompt, o in zip(ENGINE_PROMPTS, out):
             assert o.token_ids == plain[tuple(prompt)], f"{type(drafter).__name__} changed {prompt}"
         assert sum(o.spec["num_draft_tokens"] for o in out) > 0
