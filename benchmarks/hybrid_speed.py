@@ -1,10 +1,14 @@
-"""Hybrid models on the CPU: plain decode against transformers, what verifying drafts and rolling
-back recurrent state cost, and speculation's speedup on a hybrid against a dense model of
-similar cost. One run on one machine; every ratio is taken against a baseline measured in the
-same run, interleaved with it, so drift of a shared machine touches both alike.
+"""Hybrid models on the CPU or a CUDA GPU: plain decode against transformers, what verifying
+drafts and rolling back recurrent state cost, and speculation's speedup on a hybrid against a
+dense model of similar cost. One run on one machine; every ratio is taken against a baseline
+measured in the same run, interleaved with it, so drift of a shared machine touches both alike.
 
-    python benchmarks/hybrid_speed.py            # Qwen3.5-0.8B's shape, random weights: minutes on 2 cores
-    python benchmarks/hybrid_speed.py --quick    # tiny shapes: a smoke test, seconds
+    python benchmarks/hybrid_speed.py                  # Qwen3.5-0.8B's shape, random weights: minutes on 2 cores
+    python benchmarks/hybrid_speed.py --quick          # tiny shapes: a smoke test, seconds
+    python benchmarks/hybrid_speed.py --device cuda    # on the GPU: outpace's steps replay CUDA graphs
+
+On CUDA, (b) times the graph runner's replays, (c) the Triton kernels (kernels/triton_recurrent),
+and every timed span ends with the device's work (torch.cuda.synchronize).
 
 (a) Plain greedy decode at batch 1: outpace against transformers' generate, the same random
     weights, dtype and threads, a random prompt; decode tokens/s = (new tokens - 1) / time from
@@ -43,6 +47,7 @@ from outpace.bench.models import random_qwen35_08b, random_qwen35_08b_dense
 from outpace.bench.peers import OutpaceEngine, TransformersEngine, load_transformers
 from outpace.weights.loader import load_model
 from outpace.kernels import recurrent_kernels
+from outpace.runner.cuda_graphs import CudaGraphRunner
 from outpace.model.gated_deltanet import GatedDeltaNet
 from outpace.model.recurrent_rows import RowGroup
 from outpace.runner.model_runner import ModelRunner, Row
@@ -50,7 +55,8 @@ from outpace.runner.state_cache import StateCache
 from outpace.paths import outpace_home
 from outpace.speculative.drafter import Drafter, Drafts
 
-MEMORY_BUDGET = 256 << 20       # bytes of recurrent state (c) allocates for one batch size and mode (beyond L3)
+MEMORY_BUDGET = {"cpu": 256 << 20, "cuda": 24 << 30}    # bytes of recurrent state (c) allocates for one batch
+                                                        # size and mode (beyond the CPU's L3)
 ROLLBACK_ACCEPTANCE = 0.7       # (c): each draft accepted with this probability while all before it were
 # (quick) tiny shapes of both models: every kind of layer, seconds in all
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -76,12 +82,19 @@ def decode_rate(generation) -> float:
     return (len(generation.token_ids) - 1) / generation.decode_s
 
 
+def clock(device: str) -> float:
+    """perf_counter once the device's queued work is done."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 # ---- (a) ------------------------------------------------------------------------------------
 def plain_decode(folder: Path, args, prompt: list[int]) -> dict:
     """outpace and transformers alternately, args.rounds times each."""
-    llm = LLM(str(folder), spec="none", dtype=args.dtype, device="cpu", max_num_seqs=1,
+    llm = LLM(str(folder), spec="none", dtype=args.dtype, device=args.device, max_num_seqs=1,
               max_model_len=len(prompt) + args.new_tokens + 16, calibrate=False)
-    hf = load_transformers(folder, llm.engine.dtype, "cpu")
+    hf = load_transformers(folder, llm.engine.dtype, args.device)
     eos = sorted(set(llm.engine.model.cfg.eos_token_ids))         # ignored by both (min_new_tokens, ignore_eos)
     engines = {"outpace": OutpaceEngine(llm, speculate=False), "transformers": TransformersEngine(hf, eos)}
     for engine in engines.values():         # untimed: first calls allocate
@@ -101,8 +114,13 @@ def plain_decode(folder: Path, args, prompt: list[int]) -> dict:
 def verify_cost(model, args, prompt: list[int]) -> dict:
     """Median forward seconds of 1 + k tokens, k = 0..args.max_verify, interleaved over rounds."""
     ks = list(range(args.max_verify + 1))
-    runner = ModelRunner(model, num_slots=1, max_len=len(prompt) + 4 * len(ks) * args.reps + 16,
-                         max_step_tokens=len(prompt), max_verify_tokens=ks[-1] + 1, snapshots=True)
+    max_len = len(prompt) + 4 * len(ks) * args.reps + 16
+    if args.device == "cuda":
+        runner = CudaGraphRunner(model, num_slots=1, max_len=max_len, max_step_tokens=len(prompt),
+                                 num_draft_tokens=ks[-1], progress=False, snapshots=True)
+    else:
+        runner = ModelRunner(model, num_slots=1, max_len=max_len, max_step_tokens=len(prompt),
+                             max_verify_tokens=ks[-1] + 1, snapshots=True)
     runner.forward([Row(0, prompt[:-1], 0)], logits="none")
     position, token = len(prompt) - 1, prompt[-1]
     times = {k: [] for k in ks}
@@ -110,12 +128,13 @@ def verify_cost(model, args, prompt: list[int]) -> dict:
     for rep in range(args.reps + 1):
         for k in rng.sample(ks, len(ks)):
             row = Row(0, [token] + random_prompt(k, model.cfg.vocab_size, seed=rep * 100 + k), position)
-            started = time.perf_counter()
-            out, _ = runner.forward([row], logits="tokens")
+            started = clock(args.device)
+            out, _ = runner.forward([row], logits=runner.greedy_logits)
             if rep:                         # the first round warms up
-                times[k].append(time.perf_counter() - started)
+                times[k].append(clock(args.device) - started)
             runner.cache.commit([0], [0])
-            position, token = position + 1, int(out[0, 0])
+            first = out[0, 0] if out.dim() == 2 else out[0, 0].argmax()
+            position, token = position + 1, int(first)
     one = statistics.median(times[0])
     return {"one_token_s": one, "ratio": {k: statistics.median(times[k]) / one for k in ks[1:]}}
 
@@ -130,6 +149,18 @@ def rollback_cost(model, args, dtype: torch.dtype) -> dict:
     shape = mixer.state_shape()
     heads = (mixer.num_k_heads, mixer.key_dim, mixer.num_v_heads, mixer.value_dim)
     weights = mixer._kernel_weights()
+    device = args.device
+    if device == "cuda":
+        from outpace.kernels import triton_recurrent
+
+        def layer_forward(proj, cache, layer, table, width):
+            log = None if cache.snapshots else cache.log[layer]
+            triton_recurrent.gated_deltanet(proj, *weights[:3], cache.conv[layer], cache.state[layer], log, table,
+                                            width, heads)
+    else:
+        def layer_forward(proj, cache, layer, table, width):
+            recurrent_kernels.gated_deltanet(proj, *weights, mixer.norm.eps, cache.conv[layer], cache.state[layer],
+                                             cache.log[layer], table, heads)
     state_bytes = shape.delta[2] * shape.delta[1] * shape.delta[3] * 4
     rng = random.Random(2)
     results = {}
@@ -137,32 +168,30 @@ def rollback_cost(model, args, dtype: torch.dtype) -> dict:
         caches = {}
         for mode in ("snapshots", "replay"):
             entries = R if mode == "snapshots" else 2
-            num_layers = max(1, min(len(mixers), MEMORY_BUDGET // (batch * entries * state_bytes)))
-            caches[mode] = StateCache([shape] * num_layers, batch, R, mode == "snapshots", dtype)
-        slots = torch.arange(batch)
+            num_layers = max(1, min(len(mixers), MEMORY_BUDGET[device] // (batch * entries * state_bytes)))
+            caches[mode] = StateCache([shape] * num_layers, batch, R, mode == "snapshots", dtype, device)
+        slots = torch.arange(batch, device=device)
         timings = {k: {name: [] for name in ("in_place", "snapshots", "replay", "commit_snapshots",
                                              "commit_replay")} for k in range(1, R)}
         for rep in range(args.reps + 1):
             for k in rng.sample(range(1, R), R - 1):
                 width = k + 1
-                proj = torch.randn(batch * width, mixer.in_proj.out_features).to(dtype)
+                proj = torch.randn(batch * width, mixer.in_proj.out_features).to(device, dtype)
                 accepted = [next((j for j in range(k) if rng.random() >= ROLLBACK_ACCEPTANCE), k) for _ in slots]
                 for mode in ("in_place", "snapshots", "replay"):
                     cache = caches["replay" if mode == "replay" else "snapshots"]
                     verify = mode != "in_place"
-                    rows = cache.rows(slots, torch.full((batch,), width), torch.zeros(batch, dtype=torch.bool),
-                                      width, verify)
+                    rows = cache.rows(slots, torch.full((batch,), width, device=device),
+                                      torch.zeros(batch, dtype=torch.bool, device=device), width, verify)
                     table = RowGroup(0, batch * width, batch, width, None, rows).table()
-                    log = cache.log
-                    started = time.perf_counter()
+                    started = clock(device)
                     for layer in range(len(cache.conv)):
-                        recurrent_kernels.gated_deltanet(proj, *weights, mixer.norm.eps, cache.conv[layer],
-                                                         cache.state[layer], log[layer], table, heads)
-                    forward = time.perf_counter() - started
+                        layer_forward(proj, cache, layer, table, width)
+                    forward = clock(device) - started
                     if verify:
-                        started = time.perf_counter()
+                        started = clock(device)
                         cache.commit(slots, accepted)
-                        commit = time.perf_counter() - started
+                        commit = clock(device) - started
                     if rep:
                         scale = len(mixers) / len(cache.conv)       # to the model's DeltaNet layers
                         timings[k][mode].append(forward * scale)
@@ -214,7 +243,7 @@ def speculation(folder: Path, args, prompt: list[int]) -> dict:
     """Plain decoding and each fixed-rate oracle in one engine, alternately, args.rounds times each."""
     drafter = FixedRateOracle(vocab=2)
     llm = LLM(str(folder), spec=SpecConfig(num_draft_tokens=args.num_draft), drafter=drafter, dtype=args.dtype,
-              device="cpu", max_num_seqs=1, max_model_len=len(prompt) + args.new_tokens + 16, calibrate=False,
+              device=args.device, max_num_seqs=1, max_model_len=len(prompt) + args.new_tokens + 16, calibrate=False,
               recurrent_snapshots=True)
     drafter.vocab = llm.engine.model.cfg.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
@@ -241,16 +270,17 @@ def speculation(folder: Path, args, prompt: list[int]) -> dict:
 # ---- the run --------------------------------------------------------------------------------
 def models(args) -> tuple[Path, Path]:
     """The hybrid's folder and its dense twin's (built once into the outpace cache)."""
+    made = dict(device=args.device, tokenizer_from=args.tokenizer_from)
     if not args.quick:
-        return random_qwen35_08b(), random_qwen35_08b_dense()
+        return random_qwen35_08b(**made), random_qwen35_08b_dense(**made)
     home = outpace_home() / "models"
-    return (random_qwen35_08b(home / "random-qwen3.5-tiny", **TINY | TINY_DELTANET),
-            random_qwen35_08b_dense(home / "random-qwen3.5-tiny-dense", **TINY))
+    return (random_qwen35_08b(home / "random-qwen3.5-tiny", **made, **TINY | TINY_DELTANET),
+            random_qwen35_08b_dense(home / "random-qwen3.5-tiny-dense", **made, **TINY))
 
 
 def report(results: dict) -> str:
     env, settings = results["environment"], results["settings"]
-    lines = [f"CPU flags: {env['cpu_flags']}", f"threads {env['threads']}, torch {env['torch']}, "
+    lines = [f"CPU flags: {env['cpu_flags']}", f"device {env['device']}, threads {env['threads']}, torch {env['torch']}, "
              f"transformers {env['transformers']}, dtype {settings['dtype']}"]
     if "plain_decode" in results:
         a = results["plain_decode"]
@@ -296,6 +326,9 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny shapes and few tokens: a smoke test in seconds")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--tokenizer-from", type=Path, default=None,
+                   help="a folder whose tokenizer files the random models take (default: the default model's)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: every core)")
     p.add_argument("--prompt-tokens", type=int, default=None, help="random prompt (default 128, quick 16)")
     p.add_argument("--new-tokens", type=int, default=None, help="new tokens a run (default 64, quick 8)")
@@ -319,7 +352,9 @@ def main(argv: list[str] | None = None) -> dict:
     hybrid, dense = models(args)
     vocab = json.loads((hybrid / "config.json").read_text())["vocab_size"]
     prompt = random_prompt(args.prompt_tokens, vocab)
-    results = {"environment": {"cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+    card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    results = {"environment": {"cpu_flags": cpu_flags(), "device": card, "threads": torch.get_num_threads(),
+                               "torch": torch.__version__,
                                "transformers": __import__("transformers").__version__, "machine": platform.machine()},
                "settings": {"quick": quick, "dtype": args.dtype, "prompt_tokens": args.prompt_tokens,
                             "new_tokens": args.new_tokens, "num_draft": args.num_draft,
@@ -327,7 +362,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "a" in args.parts:
         results["plain_decode"] = plain_decode(hybrid, args, prompt)
     if "b" in args.parts or "c" in args.parts:
-        model = load_model(hybrid, dtype, "cpu", max_len=args.prompt_tokens + 512)
+        model = load_model(hybrid, dtype, args.device, max_len=args.prompt_tokens + 512)
         if "b" in args.parts:
             results["verify_cost"] = verify_cost(model, args, prompt)
         if "c" in args.parts:

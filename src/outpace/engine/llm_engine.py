@@ -16,6 +16,7 @@ from outpace.engine.step import EagerStep, Proposal, StepResult, chunk_rows
 from outpace.engine.stopping import StopChecker
 from outpace.errors import InvalidParameterError, PromptTooLongError
 from outpace.kernels import cpu_kernels, cpu_linear
+from outpace.model.recurrent_rows import has_triton
 from outpace.runner.calibrate import measure_verify_cost
 from outpace.runner.cuda_graphs import CudaGraphRunner
 from outpace.runner.model_runner import ModelRunner
@@ -68,8 +69,8 @@ class LLMEngine:
         self.model = load_model(folder, self.dtype, self.device, config.max_model_len,
                                 self.workers.shard if self.workers else None, config.weights)
         self._check_trees(config.spec.tree_width)
-        # the CUDA graph runner on a GPU (its padded steps do not suit recurrent state yet)
-        self.uses_graphs = self.device.startswith("cuda") and not self.model.is_recurrent
+        # the CUDA graph runner on a GPU; a recurrent model's steps need the Triton kernels there
+        self.uses_graphs = self.device.startswith("cuda") and (not self.model.is_recurrent or has_triton())
         spec = config.spec
         num_draft_tokens = spec.num_draft_tokens if spec.enabled or drafter is not None else 0
         self.num_draft_tokens = num_draft_tokens
@@ -123,13 +124,15 @@ class LLMEngine:
                            max_step_tokens=max_step_tokens, exact_width=exact_width,
                            max_verify_tokens=num_draft_tokens + 1, snapshots=config.recurrent_snapshots)
         else:
-            extension = None if self.workers else self.drafter.graph_step(
+            # no in-graph drafting for a recurrent model: its graph would verify without the commit
+            # that rolls the state back
+            extension = None if self.workers or self.model.is_recurrent else self.drafter.graph_step(
                 config.max_num_seqs, max(num_draft_tokens + 1, exact_width or 0))
             make = partial(CudaGraphRunner, num_slots=config.max_num_seqs, max_len=config.max_model_len,
                            max_step_tokens=max_step_tokens, exact_width=exact_width,
                            num_draft_tokens=num_draft_tokens, use_graphs=config.cuda_graphs,
                            extension=extension, max_prefill_tokens=config.max_prefill_tokens,
-                           hidden_layers=self.drafter.hidden_layers)
+                           hidden_layers=self.drafter.hidden_layers, snapshots=config.recurrent_snapshots)
         return make(self.model) if self.workers is None else ParallelRunner(make, self.model, self.workers)
 
     def _draft_runner(self, model) -> ModelRunner:

@@ -14,7 +14,7 @@ from outpace.model.rope import rope_tables
 
 
 class DecoderLM(nn.Module):
-    is_recurrent = False    # layers with recurrent state (HybridLM): rolled back by cache.commit, no CUDA graphs yet
+    is_recurrent = False    # layers with recurrent state (HybridLM): rolled back by cache.commit
     # Hugging Face parameter name (per layer, after "model.layers.N.") -> (our name, shard index).
     # Fused matrices take their parts in the listed order: qkv = [q; k; v], gate_up = [gate; up].
     LAYER_WEIGHTS = {

@@ -8,8 +8,9 @@ slot's state; each head's output is normed, gated by silu(z) and projected back.
 the norms compute in the state cache's dtype (float32, or float64 for a float64 model).
 
 On the CPU in float32 or bfloat16 everything between the two projections is one call of
-kernels/recurrent_kernels for the whole forward; elsewhere (float64, CUDA) it runs as PyTorch ops
-group by group.
+kernels/recurrent_kernels for the whole forward; on CUDA with Triton, forwards of short rows
+(decode, verify, short prompt chunks) run kernels/triton_recurrent up to the gated norm;
+elsewhere (float64 on the CPU, long prompt chunks on CUDA) PyTorch ops run group by group.
 """
 from __future__ import annotations
 
@@ -66,10 +67,18 @@ class GatedDeltaNet(nn.Module):
                 (self.num_k_heads, self.key_dim, self.num_v_heads, self.value_dim))
             return linear(out, self.out).view(*shape[:-1], -1)
         qkv, z, b, a = proj.split(self.in_proj_sizes, dim=-1)
-        out = x.new_empty(x.shape[0], self.num_v_heads, self.value_dim)
-        for group in rows.groups:
-            out[group.start:group.stop] = group.tokens(self._rows(group, qkv, b, a, cache, layer))
-        out = self.norm(out, z.view(out.shape)).flatten(1)
+        if rows.on_gpu_kernels(proj):
+            from outpace.kernels import triton_recurrent
+            log = None if cache.snapshots else cache.log[layer]
+            out = triton_recurrent.gated_deltanet(
+                proj, *self._kernel_weights()[:3], cache.conv[layer], cache.state[layer], log, rows.table, rows.max_width,
+                (self.num_k_heads, self.key_dim, self.num_v_heads, self.value_dim))
+            out = out.view(x.shape[0], self.num_v_heads, self.value_dim)
+        else:
+            out = x.new_empty(x.shape[0], self.num_v_heads, self.value_dim)
+            for group in rows.groups:
+                out[group.start:group.stop] = group.tokens(self._rows(group, qkv, b, a, cache, layer))
+        out = self.norm(out, z.reshape(out.shape)).flatten(1)
         return linear(out, self.out).view(*shape[:-1], -1)
 
     def _kernel_weights(self) -> tuple[torch.Tensor, ...]:

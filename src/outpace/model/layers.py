@@ -105,6 +105,9 @@ class ForwardBatch:
     # the norms, SwiGLU and (outside the kernel's attention) rotation run as cpu_kernels: every CPU
     # forward whose activations' dtype the kernels serve
     cpu_pointwise: bool = False
+    # a static step's (the CUDA graph runner's): rows starting at this position or later are idle
+    # slots' dummy rows, which recurrent layers run on a slot no sequence reads; None: no idle rows
+    idle_start: int | None = None
 
 
 class RMSNorm(nn.Module):

@@ -5,12 +5,19 @@ into their real tokens, and, packed after them, prompt chunks each of its own sl
 Attention reads each token's slot and position; a recurrent layer instead runs each sequence's
 tokens in order from its slot's state, so it takes them group by group: the rows as [B, S] (each
 row's tokens first, padding after), then each chunk as [1, n]. The stream's tokens are the groups'
-in order: rows' [0, T), then each chunk's. The C kernels (kernels/recurrent_kernels.c) take the
-same sequences as one table, a row a sequence with where its tokens sit in the stream.
+in order: rows' [0, T), then each chunk's. The C kernels (kernels/recurrent_kernels.c) and the
+Triton ones (kernels/triton_recurrent.py) take the same sequences as one table, a row a sequence
+with where its tokens sit in the stream.
+
+The CUDA graph runner's static steps hold a row for every slot of their batch bucket, each padded
+to the tier's tokens. A row of an idle slot (a dummy row, from batch.idle_start on) runs on the
+state cache's sink slot from zero state; a real row's padding tokens run as tokens, writing only
+the snapshots (or log entries) past the row's own, which no commit picks.
 """
 from __future__ import annotations
 
 import functools
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +25,15 @@ import torch
 from outpace.errors import UnsupportedModelError
 from outpace.model.layers import AttentionKind, ForwardBatch
 from outpace.runner.state_cache import StateCache, StateRows
+
+# rows of at most this many tokens run the Triton kernels on CUDA; longer prompt chunks run
+# delta_rule.chunks in PyTorch (the kernels run a row's tokens one after another)
+GPU_ROW_TOKENS = 32
+
+
+@functools.cache
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 @dataclass
@@ -66,19 +82,34 @@ class RowGroups:
     def table(self) -> torch.Tensor:
         return torch.cat([group.table() for group in self.groups]).contiguous()
 
+    @property
+    def max_width(self) -> int:
+        return max(g.width for g in self.groups)
+
+    def on_gpu_kernels(self, x: torch.Tensor) -> bool:
+        """Whether the recurrent layers run kernels/triton_recurrent for activations x: on CUDA
+        with Triton, every row at most GPU_ROW_TOKENS tokens."""
+        return x.is_cuda and has_triton() and self.max_width <= GPU_ROW_TOKENS
+
 
 def row_groups(batch: ForwardBatch, cache: StateCache) -> RowGroups:
     """The forward's groups, each with its StateRows from `cache` (a StateCache), which moves its
     slots to their state after this forward. Rows that return logits are verify rows."""
-    if batch.attention is AttentionKind.GRAPH or (batch.mask is not None and batch.mask.dtype != torch.bool):
-        # the CUDA graph runner's static steps: they pad prompt chunks to a tier and run idle slots'
-        # rows, which a recurrent layer would take as tokens of those sequences
-        raise UnsupportedModelError("hybrid models do not run in the CUDA graph runner's padded steps yet: "
-                                    "run them on the CPU (device='cpu')")
-    cache.begin_forward()
+    static = batch.idle_start is not None
+    if not static and (batch.attention is AttentionKind.GRAPH
+                       or (batch.mask is not None and batch.mask.dtype != torch.bool)):
+        # the CUDA graph runner's padded prompt chunks: a recurrent layer would take their padding
+        # as tokens of the sequence
+        raise UnsupportedModelError("hybrid models' prompt chunks do not run in CUDA graphs: the runner "
+                                    "must run them eagerly")
+    if not static:
+        cache.begin_forward()
     B, S = batch.positions.shape
     device = batch.positions.device
-    fresh = batch.positions[:, 0] == 0
+    slots, fresh = batch.slots, batch.positions[:, 0] == 0
+    if static:
+        idle = batch.positions[:, 0] >= batch.idle_start
+        slots, fresh = torch.where(idle, cache.sink, slots), fresh | idle
     packed = batch.packed
     if packed is None:
         index, num_tokens = None, B * S
@@ -86,7 +117,7 @@ def row_groups(batch: ForwardBatch, cache: StateCache) -> RowGroups:
     else:
         index, num_tokens = packed.index, len(packed.index)
         lengths = torch.bincount(index // S, minlength=B)
-    groups = [RowGroup(0, num_tokens, B, S, index, cache.rows(batch.slots, lengths, fresh, S, batch.logits))]
+    groups = [RowGroup(0, num_tokens, B, S, index, cache.rows(slots, lengths, fresh, S, batch.logits, static))]
     for chunk in packed.chunks if packed is not None else []:
         start = groups[-1].stop
         slots, lengths = torch.tensor([chunk.slot, chunk.n], device=device).view(2, 1)

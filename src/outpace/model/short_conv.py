@@ -1,7 +1,8 @@
 """ShortConv: LFM2's gated short convolution. One projection gives b, c, x per token; b * x runs
 through a causal depthwise convolution of a few taps (its state: the inputs before a row's first
 token), and c gates the result before the out projection. On the CPU in float32 or bfloat16 the
-three steps are one call of kernels/recurrent_kernels for the whole forward."""
+three steps are one call of kernels/recurrent_kernels for the whole forward, on CUDA (short rows,
+with Triton) one launch of kernels/triton_recurrent."""
 from __future__ import annotations
 
 import torch
@@ -30,10 +31,15 @@ class ShortConv(nn.Module):
         """x [B, S, H] or [T, H] (the stream's tokens) -> the same shape."""
         shape = x.shape
         proj = linear(x.reshape(-1, shape[-1]), self.in_proj)
-        if recurrent_kernels.serves(proj, cache.conv[layer]):
+        on_gpu = rows.on_gpu_kernels(proj)
+        if on_gpu or recurrent_kernels.serves(proj, cache.conv[layer]):
             weight, bias = recurrent_kernels.kernel_weights(self, (self.conv.weight, self.conv.bias),
                                                             lambda w, b: (w[:, 0].t(), b))
-            out = recurrent_kernels.short_conv(proj, weight, bias, cache.conv[layer], rows.table)
+            if on_gpu:
+                from outpace.kernels import triton_recurrent
+                out = triton_recurrent.short_conv(proj, weight, bias, cache.conv[layer], rows.table, rows.max_width)
+            else:
+                out = recurrent_kernels.short_conv(proj, weight, bias, cache.conv[layer], rows.table)
             return linear(out, self.out).view(shape)
         b, c, x = proj.chunk(3, dim=-1)
         gated = b * x

@@ -61,15 +61,16 @@ class CudaGraphRunner(ModelRunner):
     def __init__(self, model: DecoderLM, num_slots: int, max_len: int, max_step_tokens: int,
                  exact_width: int | None = None, num_draft_tokens: int = 0, use_graphs: bool = True,
                  batch_sizes: list[int] | None = None, kv_lens: list[int] | None = None, progress: bool = True,
-                 extension=None, max_prefill_tokens: int = 0, hidden_layers: tuple[int, ...] = ()):
+                 extension=None, max_prefill_tokens: int = 0, hidden_layers: tuple[int, ...] = (),
+                 snapshots: bool = True):
         """num_draft_tokens: the most drafts a verify row holds (rows of 1 .. 1 + num_draft_tokens tokens).
         batch_sizes: the buckets (default 1, 2, 4, ... up to num_slots); kv_lens: the key-length
         buckets (default 512, 1024, ... below the cache length, and the cache length);
         max_prefill_tokens: the longest prompt chunk a graph holds (0: chunks run eagerly);
         hidden_layers: the layers whose hidden states every graph also writes (the drafter's; empty:
-        none, at no cost)."""
+        none, at no cost); snapshots: a recurrent model's rollback (ModelRunner)."""
         cache_len = -(-(max_len + max_step_tokens) // 64) * 64
-        super().__init__(model, num_slots, max_len, cache_len - max_len, exact_width)
+        super().__init__(model, num_slots, max_len, cache_len - max_len, exact_width, num_draft_tokens + 1, snapshots)
         if max(num_draft_tokens + 1, exact_width or 0) > max_step_tokens:
             raise ValueError(f"a step of {num_draft_tokens + 1} tokens per row needs max_step_tokens >= that")
         self.tiers = [exact_width] if exact_width else list(range(1, num_draft_tokens + 2))
@@ -80,7 +81,8 @@ class CudaGraphRunner(ModelRunner):
         self.kv_lens = [self.cache_len] if exact_width else sorted(set(kv_lens or doublings(512, self.cache_len)))
         if max_prefill_tokens > max_step_tokens:
             raise ValueError(f"prompt chunks of {max_prefill_tokens} tokens need max_step_tokens >= that")
-        self.prefill_tiers = doublings(16, max_prefill_tokens) if max_prefill_tokens else []
+        # a recurrent model's prompt chunks run eagerly: a padded chunk's padding would be its tokens
+        self.prefill_tiers = doublings(16, max_prefill_tokens) if max_prefill_tokens and not model.is_recurrent else []
         rows, tokens, vocab = self.buckets[-1], max(self.tiers), model.logit_rows
         device = self.device
         # The buffers, at the largest shape; shape (b, t) uses views of their first entries.
@@ -139,7 +141,7 @@ class CudaGraphRunner(ModelRunner):
             self.extension.before(b, t, input_ids)
         batch = ForwardBatch(input_ids=input_ids, positions=positions, slots=self.slot_ids[:b], kv_len=L,
                              attention=AttentionKind.GRAPH if kernel else AttentionKind.DENSE, mask=bias,
-                             slot_start=0, window=self.window)
+                             slot_start=0, window=self.window, idle_start=self.max_len)
         out, hidden = self.model(batch, self.cache, self.hidden_layers)                 # [b*t, V], [b*t, layers, H]
         self.logits[:b * t].copy_(out)
         if hidden is not None:
@@ -280,6 +282,8 @@ class CudaGraphRunner(ModelRunner):
         else:
             with torch.inference_mode():
                 self._run_step(*shape)
+        if self.model.is_recurrent:         # its rows were captured: the host records the verify
+            self.cache.state.begin_verify(shape[1])
 
     # ---- overlapped steps -------------------------------------------------------------------
     def step_result(self, shape: tuple[int, int, int]) -> torch.Tensor:

@@ -18,10 +18,14 @@ Per recurrent layer and slot:
     again: every layer is causal, so a rejected token changed no accepted token's inputs.
 Prompt chunks (rows without logits) update the live state in place. A row at position 0 starts
 from zero state (a new sequence in a reused slot); nothing needs clearing when a sequence ends.
+One slot past the sequences' (`sink`) takes the rows of a static step that hold no sequence (the
+CUDA graph runner's idle slots): their writes land there, where no sequence reads.
 
 A forward whose rows return logits is a verify forward. Without a commit each row's state is the
 one after its last token (padding included, where the runner padded it); after one with more than
-one token a row, commit(slots, num_accepted) must come before the next forward.
+one token a row, commit(slots, num_accepted) must come before the next forward. The host keeps
+that record (begin_verify); a captured step's rows record nothing, so the runner records each
+replay itself.
 """
 from __future__ import annotations
 
@@ -70,6 +74,8 @@ class StateCache:
         self.state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         self.entries = max_row_tokens if snapshots else 2
         R, E = max_row_tokens, self.entries
+        self.sink = num_slots
+        num_slots += 1
 
         def zeros(*shape, dtype=self.state_dtype):
             return torch.zeros(shape, dtype=dtype, device=device)
@@ -103,10 +109,11 @@ class StateCache:
                 "yet; run them with spec='none' (--spec none)")
 
     def rows(self, slots: torch.Tensor, lengths: torch.Tensor, fresh: torch.Tensor, width: int,
-             verify: bool) -> StateRows:
+             verify: bool, static: bool = False) -> StateRows:
         """Where rows of `width` tokens (lengths real) on `slots` read and write, and each slot
         moved to its state after the row's last token. Called once per group of a forward, after
-        begin_forward, before any layer runs."""
+        begin_forward, before any layer runs; static: a captured step's rows, device work only
+        (the runner calls begin_verify at each replay)."""
         if verify and width > self.max_row_tokens:
             raise UnsupportedModelError(
                 f"a hybrid model's state cache rolls back rows of at most {self.max_row_tokens} tokens "
@@ -126,9 +133,15 @@ class StateCache:
             self.live[slots] = final
         self.read[slots], self.row_tokens[slots], self.fresh[slots] = read, lengths, fresh
         self.conv_start[slots] = lengths
+        if not static:
+            self.begin_verify(width)
+        return StateRows(slots, fresh, lengths, width, True, read, conv_start, snapshots, final)
+
+    def begin_verify(self, width: int) -> None:
+        """The host's record of a verify forward of rows of `width` tokens: commit takes its
+        width, and a forward before the commit is refused."""
         self._verify_width = width
         self._uncommitted = width > 1
-        return StateRows(slots, fresh, lengths, width, True, read, conv_start, snapshots, final)
 
     # ---- a layer's reads and writes (layer: index among the recurrent layers) -------------
     def conv_window(self, layer: int, rows: StateRows) -> torch.Tensor:
