@@ -251,7 +251,9 @@ def test_large_uploads_stall_no_stream_and_no_health_check(server):
     """Guards: a 10.8 MB body stopped every stream for 15 s and /health answered after 15 s
     (parsing, templating and tokenizing ran on the event loop). While one client sends bodies of
     2 MB (parsed, refused by length), 10 MB declared and 10 MB chunked (refused by size), another
-    stream's longest gap stays under twice its longest gap before, and /health answers in 100 ms.
+    stream's longest gap stays under twice its longest gap before (at least 0.1 s more than it:
+    gaps of 25 ms before doubled on a quiet 2-core machine as parsing took the GIL), and /health
+    answers in 100 ms.
     The machine is shared: the timing holds in one of two tries (the stall it guards against
     fails both)."""
     failures = []
@@ -325,7 +327,7 @@ def measure_uploads(server) -> str | None:
     before = max(g for t, g in gaps if before_start <= t < upload_start)
     during = max(g for t, g in gaps if upload_start <= t <= upload_end + 0.5)
     median = sorted(health_during)[len(health_during) // 2]
-    if during >= 2 * before:
+    if during >= max(2 * before, before + 0.1):
         return f"longest gap {during:.3f} s during the uploads, {before:.3f} s before"
     if median >= 0.1 or max(health_during) >= max(0.1, 2 * max(health_before)):
         return (f"/health took {median:.3f} s (median) and {max(health_during):.3f} s (most) during the uploads, "
