@@ -18,7 +18,7 @@ from outpace.model.config import ModelConfig
 from outpace.model.hybrid_config import hybrid_fields
 from outpace.runner.model_runner import ModelRunner, Row
 from outpace.weights.loader import load_model
-from tiny import HYBRID_FAMILIES, make_tiny
+from tiny import HYBRID_FAMILIES, make_tiny, slot_state
 
 MAX_LEN = 256
 
@@ -141,19 +141,6 @@ def test_ragged_rows_and_chunks_equal_rows_alone(ours64):
         torch.testing.assert_close(runner.forward(last)[0], fresh.forward(last)[0], atol=1e-10, rtol=1e-10)
 
 
-def slot_state(runner, slot) -> list[torch.Tensor]:
-    """The slot's recurrent state: each layer's convolution window and delta-rule state."""
-    cache = runner.cache.state
-    out = []
-    for layer, history in enumerate(cache.conv):
-        taps = history.shape[1] - cache.max_row_tokens
-        start = int(cache.conv_start[slot])
-        out.append(history[slot, start:start + taps])
-        if cache.state[layer] is not None:
-            out.append(cache.state[layer][slot, int(cache.live[slot])])
-    return out
-
-
 @pytest.mark.parametrize("snapshots", [True, False], ids=["snapshots", "replay"])
 def test_commit_equals_plain_run(ours64, snapshots):
     """Verify 1 + k tokens on several rows, commit n accepted drafts (0, some, all, different per
@@ -177,7 +164,7 @@ def test_commit_equals_plain_run(ours64, snapshots):
         runner.forward(verify)
         runner.cache.commit(slots, accepted)
         for s in slots:
-            for got, want in zip(slot_state(runner, s), slot_state(plain, s)):
+            for got, want in zip(slot_state(runner.cache.state, s), slot_state(plain.cache.state, s)):
                 torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
         got, _ = runner.forward(next_rows)
         want = torch.cat([plain.forward([r])[0] for r in next_rows])

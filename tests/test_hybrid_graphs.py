@@ -17,7 +17,7 @@ from outpace.runner.cuda_graphs import CudaGraphRunner
 from outpace.runner.model_runner import ModelRunner, Row
 from outpace.weights.loader import load_model
 from test_spec_lossless import OracleDrafter, RandomDrafter
-from tiny import make_tiny
+from tiny import make_tiny, slot_state
 
 MAX_LEN, SPARE, SLOTS = 64, 16, 5
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -60,7 +60,7 @@ def test_static_steps_match_model_runner(folder, snapshots):
         for slot, ids in PROMPTS.items():
             runner.forward([Row(slot, ids, 0)], logits="none")
         runner.forward([Row(1, [9, 9, 9, 9], 0)], logits="none")     # slot 1: half its prompt cached
-    held = slot_state(static, 1)
+    held = slot_state(static.cache.state, 1)
     for rows, accepted in steps():
         want, _ = base.forward(rows)
         got, _ = static.forward(rows)
@@ -70,7 +70,7 @@ def test_static_steps_match_model_runner(folder, snapshots):
         if accepted is not None:
             for runner in (base, static):
                 runner.cache.commit([r.slot for r in rows], accepted)
-        for got_state, want_state in zip(slot_state(static, 1), held):
+        for got_state, want_state in zip(slot_state(static.cache.state, 1), held):
             assert torch.equal(got_state, want_state), "a dummy row changed an idle slot's state"
     # the rest of slot 1's prompt, then a decode step: its state came through the steps intact
     for runner in (base, static):
@@ -78,18 +78,6 @@ def test_static_steps_match_model_runner(folder, snapshots):
     want, _ = base.forward([Row(1, [3], 6)])
     got, _ = static.forward([Row(1, [3], 6)])
     torch.testing.assert_close(got[0, :1], want[0, :1], rtol=1e-4, atol=1e-4)
-
-
-def slot_state(runner, slot: int) -> list[torch.Tensor]:
-    """A slot's convolution window and live state in every recurrent layer."""
-    cache = runner.cache.state
-    out = []
-    for layer, history in enumerate(cache.conv):
-        start = int(cache.conv_start[slot])
-        out.append(history[slot, start:start + history.shape[1] - cache.max_row_tokens].clone())
-        if cache.state[layer] is not None:
-            out.append(cache.state[layer][slot, int(cache.live[slot])].clone())
-    return out
 
 
 ENGINE_PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [100, 200, 300, 100, 200], [7] * 30, [42]]

@@ -17,7 +17,7 @@ from outpace.model.recurrent_rows import row_groups
 from outpace.runner.model_runner import ModelRunner, Row
 from outpace.weights.loader import load_model
 from test_spec_lossless import OracleDrafter, RandomDrafter
-from tiny import make_tiny
+from tiny import make_tiny, slot_state
 
 MAX_LEN = 256
 pytestmark = pytest.mark.skipif(not recurrent_kernels.serves(torch.zeros(1)), reason="no C compiler")
@@ -154,21 +154,10 @@ def test_rollback_is_bit_exact(folder, dtype, snapshots, cpu_level):
         runner.forward(verify)
         runner.cache.commit(slots, accepted)
         for s in slots:
-            for got, want in zip(slot_state(runner, s), slot_state(plain, s)):
+            for got, want in zip(slot_state(runner.cache.state, s), slot_state(plain.cache.state, s)):
                 assert torch.equal(got, want)
         got, _ = runner.forward(next_rows)
         assert torch.equal(got, torch.cat([plain.forward([r])[0] for r in next_rows]))
-
-
-def slot_state(runner, slot) -> list[torch.Tensor]:
-    cache = runner.cache.state
-    out = []
-    for layer, history in enumerate(cache.conv):
-        start = int(cache.conv_start[slot])
-        out.append(history[slot, start:start + history.shape[1] - cache.max_row_tokens])
-        if cache.state[layer] is not None:
-            out.append(cache.state[layer][slot, int(cache.live[slot])])
-    return out
 
 
 def test_float32_prompt_chunks_of_a_bfloat16_model(folder, pytorch_path):

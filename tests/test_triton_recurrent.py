@@ -19,7 +19,7 @@ from outpace.kernels import recurrent_kernels
 from outpace.model.layers import ForwardBatch
 from outpace.model.recurrent_rows import GPU_ROW_TOKENS, RowGroups, row_groups
 from outpace.weights.loader import load_model
-from tiny import make_tiny
+from tiny import make_tiny, slot_state
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
@@ -89,17 +89,6 @@ def run(model, snapshots: bool):
     outs.append(forward(model, cache, 14, 3, True, idle=True, seed=4)[:1])     # the real row's outputs
     cache.commit([2], [2])
     return outs, cache, before, slot_state(cache, 0)
-
-
-def slot_state(cache, slot: int) -> list[torch.Tensor]:
-    """A slot's convolution window and live state, each layer's."""
-    out = []
-    for layer, history in enumerate(cache.conv):
-        start = int(cache.conv_start[slot])
-        out.append(history[slot, start:start + history.shape[1] - cache.max_row_tokens].clone())
-        if cache.state[layer] is not None:
-            out.append(cache.state[layer][slot, int(cache.live[slot])].clone())
-    return out
 
 
 def assert_near(got: torch.Tensor, want: torch.Tensor):

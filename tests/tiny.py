@@ -69,3 +69,15 @@ def make_tiny(family: str, folder: Path, vocab_size: int = 256, tokenizer_from: 
             if (Path(tokenizer_from) / name).exists():
                 shutil.copy(Path(tokenizer_from) / name, Path(folder) / name)
     return model
+
+
+def slot_state(cache, slot: int) -> list[torch.Tensor]:
+    """A hybrid's slot in a StateCache (runner.cache.state): each recurrent layer's convolution
+    window and its live delta-rule state, copied."""
+    out = []
+    for layer, history in enumerate(cache.conv):
+        start = int(cache.conv_start[slot])
+        out.append(history[slot, start:start + history.shape[1] - cache.max_row_tokens].clone())
+        if cache.state[layer] is not None:
+            out.append(cache.state[layer][slot, int(cache.live[slot])].clone())
+    return out
