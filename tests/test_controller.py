@@ -252,6 +252,22 @@ def test_packed_drafting_overhead_is_charged_per_drafted_token():
     assert abs(c.step_cost(8, 8 + 1) - (1.01 + 0.1 + 0.02)) < 0.01
 
 
+def test_a_drafters_priced_forwards_are_charged_once_and_not_to_free_rows():
+    """A draft model's forwards (0.05 s a drafted token, its own price) are in the step times the
+    controller fits. Taken out of the fit, a paid drafted token costs its forward share plus that
+    price once, and a free lookup token (a chain's n-gram rows) its forward share alone.
+    Regression: left in, the fit's slope charged every drafted token about 0.05 more, paid (twice)
+    or free."""
+    c = DraftController(8, {8: [[0, 1.0], [64, 1.64]]}, packed=True, draft_cost=lambda batch_size: 0.05)
+    for i in range(300):
+        drafted = (4, 8, 12)[i % 3]
+        paid = drafted if i % 2 else 0
+        c.observe_step(8, 8 + drafted, 1.0 + 0.01 * drafted + 0.1 + 0.05 * paid, paid)
+    free, paid = c._costs(8, paid=False), c._costs(8)
+    assert abs(free(8 + 10) - (1.1 + 0.1)) < 0.01
+    assert abs(paid(8 + 10) - (1.1 + 0.1 + 0.5)) < 0.01
+
+
 def test_drafted_tokens_cost_what_they_cost_when_every_step_drafts():
     """Regression: plain steps' overhead was a mean of plain steps and the drafting overhead one of
     drafting steps beyond it. Where every step drafted (16 rows) the plain mean went stale (here:

@@ -200,7 +200,7 @@ class LLMEngine:
         result = self.steps.verify(plan, proposal, joined)
         if joined:
             self._prefilled(plan, None, time.perf_counter() - t0)
-        self.observe_step(plan, result, time.perf_counter() - t0)
+        self.observe_step(plan, result, proposal.paid_tokens, time.perf_counter() - t0)
         t1 = time.perf_counter()
         self.accept(plan.decode, proposal, result)
         done = self.postprocess(plan.decode)
@@ -231,17 +231,17 @@ class LLMEngine:
                                          [c.start for c in chunks], [c.seq.token_ids[c.start:c.end] for c in chunks],
                                          hidden))
 
-    def observe_step(self, plan: StepPlan, result: StepResult, elapsed: float) -> None:
+    def observe_step(self, plan: StepPlan, result: StepResult, paid_tokens: int, elapsed: float) -> None:
         """What the step cost, for the controller's fit (an uncalibrated controller learns nothing
-        from times). A launched step is timed by the period between two reads; a step that also
-        cached prompt chunks says nothing about decode cost, nor one that launched its successor
-        (its time holds that launch)."""
+        from times), paid_tokens of its drafts priced by the drafter. A launched step is timed by
+        the period between two reads; a step that also cached prompt chunks says nothing about
+        decode cost, nor one that launched its successor (its time holds that launch)."""
         if not self.controller.is_timed:
             return
         if result.period is not None:
-            self.controller.observe_step(result.step_rows, result.step_tokens, result.period)
+            self.controller.observe_step(result.step_rows, result.step_tokens, result.period, paid_tokens)
         elif not plan.prefill and self.steps.launched is None:
-            self.controller.observe_step(result.step_rows, result.step_tokens, elapsed)
+            self.controller.observe_step(result.step_rows, result.step_tokens, elapsed, paid_tokens)
 
     def accept(self, seqs: list[Sequence], proposal: Proposal, result: StepResult) -> None:
         """Append each row's verified tokens (up to a stop) and tell the controller and drafter."""

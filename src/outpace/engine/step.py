@@ -39,6 +39,13 @@ class Proposal:
     in_graph: bool = False
 
     @property
+    def paid_tokens(self) -> int:
+        """Drafted tokens the step verifies whose drafting the drafter prices (all but a chain's
+        free lookup rows)."""
+        free = self.drafts.free if self.drafts is not None and self.drafts.free else [False] * len(self.budget)
+        return sum(n for n, f in zip(self.budget, free) if not f)
+
+    @property
     def match_len(self) -> list[int]:
         if self.drafts is None or self.drafts.match_len is None:
             return [0] * len(self.budget)

@@ -333,21 +333,30 @@ class DraftController:
             # reached: every earlier position was accepted
             counts.observe(j <= num_accepted, j < num_accepted, POOL_DECAY)
 
-    def observe_step(self, batch_size: int, tokens: int, seconds: float) -> None:
+    def observe_step(self, batch_size: int, tokens: int, seconds: float, paid_tokens: int = 0) -> None:
         """A decode step of batch_size rows holding `tokens` tokens in all took `seconds` (propose
-        through the host sync). What it took beyond the calibrated forward (launches, the host's
-        work, drafting and acceptance math, contexts longer than the calibration's, whose attention
-        grows with each drafted token where rows are packed) is fitted per bucket as alpha + beta *
-        x over the recent steps, plain and drafting alike (a decayed least-squares line, its slope
-        shrunk toward none by SLOPE_PRIOR). One fit rather than separate means of plain and
-        drafting steps: where nearly every step drafts, a plain steps' mean goes stale and the
-        drafting one absorbs its error, so drafted tokens look cheaper than they are. One slow
-        step (a first call, a collection pause) counts as at most a few forwards."""
+        through the host sync), paid_tokens of its drafted tokens drafted by a drafter that prices
+        its own forwards (draft_cost). What it took beyond the calibrated forward and that price
+        (launches, the host's work, lookups, acceptance math, contexts longer than the
+        calibration's, whose attention grows with each drafted token where rows are packed) is
+        fitted per bucket as alpha + beta * x over the recent steps, plain and drafting alike (a
+        decayed least-squares line, its slope shrunk toward none by SLOPE_PRIOR). The drafter's
+        price is taken out first because _costs charges it on top of the fit: left in, a draft
+        model's forwards were counted twice, and a chain's free lookup rows paid for them through
+        the slope. It is taken out down to nothing left, not below: a price above what the steps
+        took is kept, not refunded through the fit (free rows would then look cheaper than
+        nothing). One fit rather than separate means of plain and drafting steps: where nearly
+        every step drafts, a plain steps' mean goes stale and the drafting one absorbs its error, so
+        drafted tokens look cheaper than they are. One slow step (a first call, a collection pause)
+        counts as at most a few forwards."""
         if not self.buckets:
             return
         b = self._bucket(batch_size)
         forward = self._forward(b, batch_size, tokens)
-        x, y = self._drafting(batch_size, tokens), min(seconds - forward, OUTLIER_FORWARDS * forward)
+        y = seconds - forward
+        if paid_tokens and self.draft_cost is not None:
+            y = max(y - self.draft_cost(batch_size) * paid_tokens, 0.0)
+        x, y = self._drafting(batch_size, tokens), min(y, OUTLIER_FORWARDS * forward)
         sums = self.sums.setdefault(b, LineFit())
         sums.add(x, y, FIT_DECAY)
         self.fit[b] = sums.line(SLOPE_PRIOR * (self.num_draft_tokens ** 2 if self.packed else 1))
