@@ -63,6 +63,42 @@ def test_the_target_as_its_own_draft_is_always_accepted(folders, plain):
     assert not drafter.tokens and sorted(llm.engine.scheduler.free_slots) == [0, 1, 2]
 
 
+def test_a_draft_window_reads_the_prompts_tail_alone(folders, plain):
+    """draft_window=6: the draft model caches at most a prompt's last 6 tokens and drafts from
+    them as from a prompt of its own. With the target as its own draft, every draft is the target's
+    greedy continuation of the window plus the output so far (a misplaced position or a stale
+    entry would show as another token); the output stays plain's."""
+    window = 6
+    spec = SpecConfig(method="draft", draft_model=str(folders[0]), num_draft_tokens=4, draft_vocab=0,
+                      draft_window=window)
+    llm = LLM(str(folders[0]), spec=spec, **OPTIONS)
+    drafter = llm.engine.drafter
+    runner, propose = drafter.runner, drafter.propose
+    forward, cached, drafts = runner.forward, [], []
+
+    def counting(rows, *args, **kwargs):
+        if kwargs.get("logits") == "none":
+            cached.extend(len(r.token_ids) for r in rows)
+        return forward(rows, *args, **kwargs)
+
+    def recording(batch):       # a fresh engine numbers its sequences 0, 1, ... in prompt order
+        out = propose(batch)
+        drafts.extend((s, m, d) for s, m, d in zip(batch.seq_ids, batch.num_output, out.host_rows()) if d)
+        return out
+    runner.forward, drafter.propose = counting, recording
+    out = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in out] == plain
+    assert sum(cached) <= sum(min(len(p), window) for p in PROMPTS)
+    reference = LLM(str(folders[0]), spec="none", **OPTIONS)
+    checked = 0
+    for i, num_output, draft in drafts[:40]:
+        context = PROMPTS[i][-window:] + plain[i][:num_output]
+        params = SamplingParams(temperature=0, max_tokens=len(draft), ignore_eos=True)
+        assert reference.generate([context], params)[0].token_ids == draft
+        checked += len(PROMPTS[i]) > window
+    assert checked > 5
+
+
 def test_a_plain_request_costs_the_draft_model_nothing(folders, plain):
     """speculate=False (the benchmarks' plain baseline in the same engine): the draft model caches
     none of its prompt and drafts nothing for it, so the baseline pays nothing for the drafter."""

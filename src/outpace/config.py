@@ -67,7 +67,8 @@ class SpecConfig:
     'draft' by a small model of the same tokenizer (draft_model: a known name, a Hugging Face
     folder or a .gguf file), which stops drafting a row when its top probability falls below p_min,
     and drafts among the first draft_vocab token ids (0: all of them; BPE vocabularies number their
-    tokens by merge order, most frequent first, and the draft's LM head is then that much smaller);
+    tokens by merge order, most frequent first, and the draft's LM head is then that much smaller)
+    and reads only the last draft_window tokens of each prompt (0: all of it);
     'eagle3' by an EAGLE-3 head on the target's hidden states (draft_head: its folder; without
     one, the head that ships for a known model: outpace/heads/<name>); 'mtp' by
     a multi-token-prediction module (draft_head: the folder holding its weights, the target's own
@@ -95,6 +96,7 @@ class SpecConfig:
     draft_model: str | None = None
     p_min: float = 0.0
     draft_vocab: int = 32768
+    draft_window: int = 0
     ngram_first: bool = False
     draft_head: str | None = None
     tree_width: int = 1
@@ -113,6 +115,7 @@ class SpecConfig:
                "method 'draft' needs draft_model: a known model name, a Hugging Face folder or a .gguf file")
         _check(0.0 <= self.p_min < 1.0, f"p_min must be in [0, 1), got {self.p_min}")
         _check(self.draft_vocab >= 0, f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
+        _check(self.draft_window >= 0, f"draft_window must be >= 0 (0: the whole prompt), got {self.draft_window}")
         _check(self.method != "mtp" or bool(self.draft_head),
                "method 'mtp' needs draft_head: the folder holding the module's weights (the target's own where it ships one)")
         _check(1 <= self.tree_width <= MAX_TREE_WIDTH, f"tree_width must be in [1, {MAX_TREE_WIDTH}], got {self.tree_width}")

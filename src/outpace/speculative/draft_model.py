@@ -15,13 +15,16 @@ tensor (a host read a position would leave the device idle while the host reads 
 next forward), and each row is cut afterwards where the per-position loop would have stopped it.
 
 Cache invariant, per sequence: positions [0, valid) of its slot hold this model's keys and values
-of the sequence's own tokens. Drafting writes entries past `valid` for the drafted tokens fed
+of the first `valid` tokens it reads (the whole sequence, or from the window's start). Drafting writes entries past `valid` for the drafted tokens fed
 back; after verification those that equal the accepted tokens stay valid, the rest are stale and
 are overwritten by the next catch-up (the target's rollback rule, by length). Prompt chunks are
 cached in the same chunks as the target's (prefilled), so the first draft needs no long catch-up,
 while the model drafts: after a step that asked it for no draft (the controller found that it
 does not pay at that load, as at 16 rows on a 2-core CPU) the chunks are left to the catch-up of
-the rows that draft later, so a load where the model never drafts pays nothing for it.
+the rows that draft later, so a load where the model never drafts pays nothing for it. With a
+window (draft_window N), the model reads only each prompt's last N tokens, as a sequence of its
+own from position 0 of its slot: its share of a long prompt's prefill is N tokens at most, and it
+drafts from that much context (a lookup ahead of it, ngram_first, still matches the whole prompt).
 
 A greedy row drafts the draft's argmax. A sampled row samples the draft's distribution, shaped
 by the row's own parameters, with the target's noise for that output position (u(seed, i),
@@ -33,6 +36,7 @@ target's own sample).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -53,14 +57,17 @@ class DraftModelDrafter(Drafter):
     name = "draft"
     priced_after_drafting = False       # every drafted token costs a forward: the controller's budget first
 
-    def __init__(self, model: str, p_min: float = 0.0, draft_vocab: int = 0):
+    def __init__(self, model: str, p_min: float = 0.0, draft_vocab: int = 0, window: int = 0):
         """model: a known name, a Hugging Face folder or a .gguf file of the draft model;
-        draft_vocab: draft among the first token ids alone (0: every id the two models share)."""
+        draft_vocab: draft among the first token ids alone (0: every id the two models share);
+        window: the draft model reads only the last `window` tokens of each prompt (0: all of it)."""
         self.source = model
         self.p_min = p_min
         self.draft_vocab = draft_vocab
-        self.tokens: dict[int, list[int]] = {}      # seq_id -> prompt and accepted tokens
-        self.valid: dict[int, int] = {}             # seq_id -> cached prefix (the invariant above)
+        self.window = window
+        self.tokens: dict[int, list[int]] = {}      # seq_id -> the tokens it reads: prompt tail, accepted tokens
+        self.offset: dict[int, int] = {}            # seq_id -> the sequence's position of tokens[0]
+        self.valid: dict[int, int] = {}             # seq_id -> cached prefix of tokens (the invariant above)
         self.fed: dict[int, list[int]] = {}         # seq_id -> drafted tokens written past valid
         self.per_token: dict[int, float] = {}       # batch bucket -> seconds per drafted token
         self.drafting = True                        # whether the last verified step asked for drafts
@@ -103,7 +110,10 @@ class DraftModelDrafter(Drafter):
 
     # ---- sequences ----------------------------------------------------------------------------
     def begin(self, seq_id: int, token_ids: Sequence[int]) -> None:
-        self.tokens[seq_id] = list(token_ids)
+        """A window keeps the prompt's tail; the draft model reads it as a sequence of its own, from
+        position 0 of its slot (rotary positions are relative, so the shift changes nothing else)."""
+        offset = max(0, len(token_ids) - self.window) if self.window else 0
+        self.tokens[seq_id], self.offset[seq_id] = list(token_ids[offset:]), offset
         self.valid[seq_id], self.fed[seq_id] = 0, []
 
     def prefilled(self, chunks: Prefilled) -> None:
@@ -111,11 +121,18 @@ class DraftModelDrafter(Drafter):
         drafts (the top)."""
         if not self.drafting:
             return
-        rows = [Row(slot, tokens, start) for slot, tokens, start in zip(chunks.slots, chunks.token_ids, chunks.starts)]
-        self.runner.forward(rows, logits="none")
-        for seq_id, start, n in zip(chunks.seq_ids, chunks.starts, chunks.lengths):
-            if self.valid[seq_id] == start:
-                self.valid[seq_id] = start + n
+        rows, cached = [], []
+        for seq_id, slot, tokens, start in zip(chunks.seq_ids, chunks.slots, chunks.token_ids, chunks.starts):
+            # the chunk's part inside the window, at the draft's own positions
+            skip = max(0, self.offset[seq_id] - start)
+            start = start + skip - self.offset[seq_id]
+            if skip < len(tokens) and self.valid[seq_id] == start:
+                rows.append(Row(slot, tokens[skip:], start))
+                cached.append((seq_id, start + len(tokens) - skip))
+        if rows:
+            self.runner.forward(rows, logits="none")
+        for seq_id, end in cached:
+            self.valid[seq_id] = end
 
     def verified(self, result: Verified) -> None:
         self.drafting, self.asked = self.asked, False
@@ -132,7 +149,7 @@ class DraftModelDrafter(Drafter):
         self.fed[seq_id] = []
 
     def end(self, seq_id: int) -> None:
-        for state in (self.tokens, self.valid, self.fed):
+        for state in (self.tokens, self.offset, self.valid, self.fed):
             state.pop(seq_id, None)
 
     # ---- drafting -----------------------------------------------------------------------------
@@ -142,6 +159,8 @@ class DraftModelDrafter(Drafter):
         token each; every further forward feeds each drafting row its last drafted token."""
         active = [i for i, k in enumerate(batch.budget) if k > 0]
         self.asked = self.asked or bool(active)
+        if self.window:         # the rows' positions in the draft model's own sequences
+            batch = replace(batch, positions=[p - self.offset[s] for s, p in zip(batch.seq_ids, batch.positions)])
         rows = []
         for i in active:
             seq_id = batch.seq_ids[i]

@@ -20,7 +20,7 @@ def make_drafter(spec: SpecConfig, model: str, device: str, max_seqs: int, max_l
     if spec.method == "ngram":
         return NgramDrafter(spec)
     if spec.method == "draft":
-        model = DraftModelDrafter(spec.draft_model, spec.p_min, spec.draft_vocab)
+        model = DraftModelDrafter(spec.draft_model, spec.p_min, spec.draft_vocab, spec.draft_window)
         return DrafterChain([NgramDrafter(spec), model]) if spec.ngram_first else model
     if spec.method in HEADS:
         folder = spec.draft_head or str(shipped_head(model))
