@@ -156,7 +156,8 @@ def test_a_killed_worker_ends_the_run_with_a_clear_error(tiny_folder):
 
 
 DRIVER = textwrap.dedent("""
-    import multiprocessing, sys
+    import faulthandler, multiprocessing, signal, sys
+    faulthandler.register(signal.SIGUSR1, all_threads=True)     # the test's stack dump if it hangs
     from outpace.config import SamplingParams
     from outpace.llm import LLM
     if __name__ == "__main__":
@@ -181,7 +182,13 @@ def test_no_worker_outlives_its_driver(how, tiny_folder, tmp_path):
         worker = int(driver.stdout.readline())
         time.sleep(1.0)                                     # mid-generation
         os.killpg(driver.pid, getattr(signal, how))
-        driver.wait(timeout=20)
+        try:
+            driver.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.kill(driver.pid, signal.SIGUSR1)             # where it waits, every thread, on its stderr
+            time.sleep(1.0)
+            driver.kill()
+            pytest.fail(f"the driver did not exit in 20 s after {how}; its stderr:\n{driver.stderr.read()[-8000:]}")
         deadline = time.monotonic() + 5
         while _alive(worker) and time.monotonic() < deadline:
             time.sleep(0.05)
