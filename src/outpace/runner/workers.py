@@ -130,10 +130,6 @@ class Workers:
         if launched is not None and (launched[1] != world_size or launched[0] != 0):
             raise InvalidParameterError(f"torchrun started {launched[1]} processes; run with "
                                         f"--tensor-parallel-size {launched[1]} (this is rank {launched[0]})")
-        # the store's, gloo's and NCCL's threads start with Ctrl-C blocked, inheriting this
-        # thread's mask: the signal then lands on Python's main thread, never inside a
-        # collective's socket read (a driver once hung in all_reduce after Ctrl-C, its worker alive)
-        blocked = _block_sigint()
         try:
             if launched is None:
                 store = dist.TCPStore("127.0.0.1", 0, world_size, True, wait_for_workers=False)
@@ -151,9 +147,7 @@ class Workers:
             channel = Channel(dist.new_group(backend="gloo", timeout=CHANNEL_TIMEOUT), 0,
                               None if mailbox is None else Mailbox(mailbox, world_size),
                               failed=lambda: any(p.exitcode is not None for p in processes))
-            _restore_sigmask(blocked)
         except BaseException:
-            _restore_sigmask(blocked)
             _kill(processes)
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -234,19 +228,6 @@ class Workers:
         _leave_group(self.device)
         if self.device == "cpu":
             torch.set_num_threads(self.threads_before)
-
-
-def _block_sigint():
-    """Block SIGINT in this thread (threads it starts inherit the mask); the mask before, or None
-    where the platform has no thread signal masks."""
-    if not hasattr(signal, "pthread_sigmask"):
-        return None
-    return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-
-
-def _restore_sigmask(mask) -> None:
-    if mask is not None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def _wait_joined(store: dist.TCPStore, processes: list) -> None:
