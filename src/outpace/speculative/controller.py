@@ -353,10 +353,10 @@ class DraftController:
             return
         b = self._bucket(batch_size)
         forward = self._forward(b, batch_size, tokens)
-        y = seconds - forward
+        extra = seconds - forward
         if paid_tokens and self.draft_cost is not None:
-            y = max(y - self.draft_cost(batch_size) * paid_tokens, 0.0)
-        x, y = self._drafting(batch_size, tokens), min(y, OUTLIER_FORWARDS * forward)
+            extra = max(extra - self.draft_cost(batch_size) * paid_tokens, 0.0)
+        x, y = self._drafting(batch_size, tokens), min(extra, OUTLIER_FORWARDS * forward)
         sums = self.sums.setdefault(b, LineFit())
         sums.add(x, y, FIT_DECAY)
         self.fit[b] = sums.line(SLOPE_PRIOR * (self.num_draft_tokens ** 2 if self.packed else 1))

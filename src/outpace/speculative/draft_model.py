@@ -15,9 +15,10 @@ tensor (a host read a position would leave the device idle while the host reads 
 next forward), and each row is cut afterwards where the per-position loop would have stopped it.
 
 Cache invariant, per sequence: positions [0, valid) of its slot hold this model's keys and values
-of the first `valid` tokens it reads (the whole sequence, or from the window's start). Drafting writes entries past `valid` for the drafted tokens fed
-back; after verification those that equal the accepted tokens stay valid, the rest are stale and
-are overwritten by the next catch-up (the target's rollback rule, by length). Prompt chunks are
+of the first `valid` tokens it reads (the whole sequence, or from the window's start). Drafting
+writes entries past `valid` for the drafted tokens fed back; after verification those that equal
+the accepted tokens stay valid, the rest are stale and are overwritten by the next catch-up (the
+target's rollback rule, by length). Prompt chunks are
 cached in the same chunks as the target's (prefilled), so the first draft needs no long catch-up,
 while the model drafts: after a step that asked it for no draft (the controller found that it
 does not pay at that load, as at 16 rows on a 2-core CPU) the chunks are left to the catch-up of
