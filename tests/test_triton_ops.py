@@ -2,10 +2,10 @@
 float32 from the same bf16 inputs; CUDA only.
 
 Guards: the one-row product must equal F.linear for even and ragged sizes, with a bias; decode
-attention must equal masked attention for grouped and plain heads, several tokens per row, rows
-in a range of slots, a sliding window and key lengths that splits do not divide, and must not
-read a cache entry past a query's position (those hold large values here, which would swamp any
-result that saw them).
+attention must equal masked attention for grouped and plain heads of 16 to 256 dims, several
+tokens per row, rows in a range of slots, a sliding window and key lengths that splits do not
+divide, and must not read a cache entry past a query's position (those hold large values here,
+which would swamp any result that saw them).
 """
 import pytest
 import torch
@@ -48,6 +48,8 @@ def test_matvec_rows_compute_as_alone(rows):
     (9, 3, 64, 3, 5, 640, 0, 1),         # the default model's heads, verify rows in slots 1..3
     (4, 2, 16, 2, 17, 192, 0, 2),
     (8, 8, 64, 2, 3, 256, 40, 0),        # no grouping, a sliding window
+    (8, 2, 256, 1, 1, 200, 0, 0),        # Qwen3.5's gated attention: heads of 256, decode
+    (8, 2, 256, 2, 9, 330, 0, 1),        # and verify rows of 1 + 8 tokens (64 query rows a block)
 ])
 def test_decode_attention_equals_masked_attention(heads, kv_heads, dim, rows, tokens, keys, window, slot_start):
     from outpace.kernels.triton_ops import decode_attention
@@ -72,6 +74,12 @@ def test_decode_attention_equals_masked_attention(heads, kv_heads, dim, rows, to
     got = decode_attention(q, k_cache, v_cache, positions, keys, slot_start, window)
     assert got.shape == (rows, tokens, heads * dim)
     torch.testing.assert_close(got.float(), want.transpose(1, 2).reshape(rows, tokens, -1), rtol=2e-2, atol=2e-2)
+
+
+def test_attention_fits_what_registers_hold():
+    from outpace.kernels.triton_ops import attention_fits
+    assert attention_fits(128, 128) and attention_fits(256, 36) and attention_fits(256, 64)
+    assert not attention_fits(256, 65) and not attention_fits(512, 1) and not attention_fits(96, 4)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -125,8 +125,9 @@ def linear_rows(x: torch.Tensor, layer: nn.Module, n: int) -> torch.Tensor:
 
 def graph_attention(dtype: torch.dtype, head_dim: int, device: torch.device, queries: int) -> bool:
     """Whether decode_attention runs here: inside graphs, for a half dtype, a power-of-two head
-    size up to 128 and at most 128 queries per key/value head (query heads per group x tokens per
-    row). Its queries see keys j <= their positions, so no mask is built for it."""
+    size up to 256 and few enough queries per key/value head (query heads per group x tokens per
+    row; triton_ops.attention_fits). Its queries see keys j <= their positions, so no mask is
+    built for it."""
     ops = _graph_kernels(dtype, torch.device(device))
     return ops is not None and ops.attention_fits(head_dim, queries)
 

@@ -8,7 +8,8 @@ query's keys over too few blocks: 8.8 us a layer for 512 keys, 16 us for 9 queri
 gives each block a few output rows over all of K (qkv 92%, o 85%, down 95%, gate_up 102%: the copy
 bandwidth counts a read and a write); `decode_attention` splits the keys over blocks
 (flash-decoding) and combines the parts in a second kernel, which writes the heads in the layout
-the o projection reads (5.1 us and 6.8 us for the two cases above).
+the o projection reads (5.1 us and 6.8 us for the two cases above). Heads of 256 (Qwen3.5's gated
+attention) take key blocks of half the size, their tiles being twice as wide.
 
 Both compute what the reference computes, in float32 from bf16 inputs, but in another order:
 graph and eager steps can part at near-ties, as with the compiled elementwise kernels (fused.py).
@@ -132,10 +133,20 @@ def _attention_combine_kernel(part_ptr, stat_ptr, out_ptr, num_splits, num_heads
     tl.store(out_ptr + ((row * T + token) * num_heads + head) * D + d, out.to(out_ptr.dtype.element_ty))
 
 
+# a block's query tile, (query rows padded to a power of two, at least 16) x head size, at most
+# this many elements: its float32 accumulator and bf16 queries then fit 8 warps' registers
+QUERY_TILE = 128 * 128
+
+
+def _query_rows(queries: int) -> int:
+    return max(16, triton.next_power_of_2(queries))
+
+
 def attention_fits(head_dim: int, queries: int) -> bool:
     """Whether decode_attention takes a head size and a number of queries per key/value head
     (query heads per group x tokens per row): their tiles must fit a block's registers."""
-    return 16 <= head_dim <= 128 and head_dim & (head_dim - 1) == 0 and queries <= 128
+    return (16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+            and _query_rows(queries) * head_dim <= QUERY_TILE)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
@@ -155,12 +166,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part = torch.empty(B, H, T, splits, D, dtype=torch.float32, device=q.device)
     stat = torch.empty(B, H, T, splits, 2, dtype=torch.float32, device=q.device)
     out = torch.empty(B, T, H * D, dtype=q.dtype, device=q.device)
-    M = max(16, triton.next_power_of_2(G * T))
+    M = _query_rows(G * T)
     _attention_part_kernel[(B, kv_heads, splits)](
         q, k_cache, v_cache, positions.contiguous(), part, stat,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         slot_start, split_len, splits, H, window, math.log2(math.e) / math.sqrt(D),
-        T=T, G=G, D=D, M=M, BLOCK=block, num_warps=4 if M * D <= 4096 else 8)
+        T=T, G=G, D=D, M=M, BLOCK=block if D <= 128 else block // 2, num_warps=4 if M * D <= 4096 else 8)
     _attention_combine_kernel[(B * H * T,)](part, stat, out, splits, H, T=T, D=D,
                                            SPLITS=triton.next_power_of_2(splits), num_warps=1 if D <= 64 else 2)
     return out
