@@ -135,9 +135,8 @@ def _delta_kernel(mixed_ptr, proj_ptr, neg_a_ptr, dt_bias_ptr, state_ptr, rows_p
     """One (value block, row, value head): the gated delta rule over the row's tokens on state
     columns [v0, v0 + BV) of the head, S [BK, BV] (rows >= DK, columns >= DV unused):
         S = exp(g) S;  S += k (b (v - S^T k))^T;  o = S^T q.
-    The inputs of PRE tokens are loaded together, the next PRE's before this PRE's recurrence: a
-    token's loads would otherwise wait on the stores of the one before it (the compiler cannot
-    tell they do not alias), a memory round trip a token."""
+    The inputs of PRE tokens are loaded together, the next PRE's before this PRE's recurrence, so
+    that no token's loads start only after the token before it is done."""
     vb, row, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kh = h // (H // Hk)
     info = rows_ptr + row * 8
