@@ -49,3 +49,40 @@ def test_speculative_greedy_equals_plain_on_hybrids(hybrid, name, snapshots):
     if name in ("corrupt-after-2", "random"):
         assert drafted > accepted
     assert sorted(llm.engine.scheduler.free_slots) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("snapshots", [True, False])
+def test_state_bytes_is_what_the_cache_allocates(hybrid, snapshots):
+    from outpace.runner.state_cache import StateCache, state_bytes
+    model = LLM(str(hybrid[0]), spec="none", **options()).engine.model
+    shapes = model.state_shapes()
+    cache = StateCache(shapes, 3, 5, snapshots, torch.float64)
+    assert state_bytes(shapes, 3, 5, snapshots, torch.float64) == cache.nbytes > 0
+
+
+def test_snapshots_give_way_to_replay_when_memory_is_short(hybrid, monkeypatch, capsys):
+    """By default a hybrid rolls back from snapshots, unless they would take over a quarter of the
+    memory left: then by replay, said on stderr, and output still equals plain output."""
+    from outpace.engine import llm_engine
+    folder, plain = hybrid
+    monkeypatch.setattr(llm_engine, "free_memory", lambda device: 1000)
+    llm = LLM(str(folder), spec=SpecConfig(num_draft_tokens=4), drafter=RandomDrafter(49152), **options())
+    assert not llm.engine.snapshots and not llm.engine.runner.cache.state.snapshots
+    assert "rolling back by replay" in capsys.readouterr().err
+    for prompt, o in zip(PROMPTS, llm.generate(PROMPTS, PARAMS)):
+        assert o.token_ids == plain[tuple(prompt)]
+    monkeypatch.setattr(llm_engine, "free_memory", lambda device: 1 << 40)
+    llm = LLM(str(folder), spec=SpecConfig(num_draft_tokens=4), **options())
+    assert llm.engine.snapshots and llm.engine.runner.cache.state.snapshots
+    monkeypatch.setattr(llm_engine, "free_memory", lambda device: 1000)
+    llm = LLM(str(folder), spec=SpecConfig(num_draft_tokens=4), **options(recurrent_snapshots=True))
+    assert llm.engine.runner.cache.state.snapshots, "an explicit choice is kept"
+
+
+@pytest.mark.parametrize("flag,value", [("auto", None), ("snapshots", True), ("replay", False)])
+def test_recurrent_rollback_flag(flag, value):
+    import argparse
+    from outpace.cli import add_model_args, model_options
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    assert model_options(p.parse_args(["--recurrent-rollback", flag]))["recurrent_snapshots"] is value

@@ -31,6 +31,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-overlap", action="store_true",
                    help="CUDA graphs: launch each greedy step only after the host has read the last one's "
                         "tokens (by default it is launched before, so the GPU never waits for the host)")
+    p.add_argument("--recurrent-rollback", default="auto", choices=["auto", "snapshots", "replay"],
+                   help="hybrid models (recurrent layers): a rejected draft's state is rolled back from a snapshot "
+                        "per verified token, or by replaying the accepted tokens from a checkpoint (less memory); "
+                        "auto (default): snapshots unless they would take over a quarter of the memory left")
+
+
+def model_options(args) -> dict:
+    """The engine options that add_model_args reads, as LLM / EngineConfig keywords."""
+    return dict(dtype=args.dtype, weights=args.weights, device=args.device, max_model_len=args.max_model_len,
+                cuda_graphs=not args.no_cuda_graphs, overlap=not args.no_overlap,
+                tensor_parallel_size=args.tensor_parallel_size,
+                recurrent_snapshots={"auto": None, "snapshots": True, "replay": False}[args.recurrent_rollback])
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -91,9 +103,7 @@ def sampling_params(args):
 def cmd_generate(args) -> None:
     from outpace.llm import LLM
     params = sampling_params(args)
-    llm = LLM(args.model, spec=spec_config(args), dtype=args.dtype, weights=args.weights, device=args.device,
-              max_model_len=args.max_model_len, max_num_seqs=1, cuda_graphs=not args.no_cuda_graphs,
-              overlap=not args.no_overlap, tensor_parallel_size=args.tensor_parallel_size)
+    llm = LLM(args.model, spec=spec_config(args), max_num_seqs=1, **model_options(args))
     printed = 0
 
     def stream(seq):
@@ -136,12 +146,8 @@ def cmd_serve(args) -> None:
     server_config = serve_config(args)          # bad flags fail before the model loads
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = EngineConfig(model=args.model, dtype=args.dtype, weights=args.weights, device=args.device,
-                          max_num_seqs=args.max_num_seqs,
-                          max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
-                          spec=spec_config(args), calibrate=not args.no_calibrate,
-                          cuda_graphs=not args.no_cuda_graphs, overlap=not args.no_overlap,
-                          tensor_parallel_size=args.tensor_parallel_size)
+    config = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
+                          spec=spec_config(args), calibrate=not args.no_calibrate, **model_options(args))
     engine = LLMEngine(config)
     app = build_app(engine, args.model, server_config, engine_thread=False)
     # the engine loop stays in this thread, the one that loaded the model (AsyncEngine.run says

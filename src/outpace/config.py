@@ -147,9 +147,10 @@ class EngineConfig:
     calibrate: bool = True          # measure verify cost per batch size at start (draft controller)
     cuda_graphs: bool = True        # CUDA: decode/verify steps replay graphs captured at start
     overlap: bool = True            # CUDA graphs: a greedy step's successor launches before its tokens are read
-    # hybrid models: roll recurrent state back from a snapshot per verified token (False: keep a
-    # checkpoint and replay the accepted tokens' state updates, less memory)
-    recurrent_snapshots: bool = True
+    # hybrid models: roll recurrent state back from a snapshot per verified token (True), or keep
+    # a checkpoint and replay the accepted tokens' state updates, in less memory (False); None
+    # (default): snapshots unless they would take more than a quarter of the memory left
+    recurrent_snapshots: bool | None = None
     # ranks a model is split over (tensor parallelism): GPUs cuda:0..N-1, or N processes on the CPU
     tensor_parallel_size: int = 1
 

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from outpace.bench.dataset import Record, load_spec_bench
 from outpace.bench.margin import divergence
 from outpace.bench.summary import DEFINITIONS, markdown_table, summarize
+from outpace.cli import model_options
 from outpace.config import SamplingParams, SpecConfig
 from outpace.errors import OutpaceError, PromptTooLongError
 from outpace.llm import LLM, RequestOutput
@@ -139,10 +140,7 @@ def bench_command(args, spec: SpecConfig, params: SamplingParams) -> None:
         raise OutpaceError("outpace bench compares speculation with plain decoding: use --spec ngram")
     records = load_spec_bench(args.dataset, args.category, args.limit_per_category)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    llm = LLM(args.model, spec=spec, dtype=args.dtype, weights=args.weights, device=args.device,
-              max_model_len=args.max_model_len,
-              max_num_seqs=1, cuda_graphs=not args.no_cuda_graphs, overlap=not args.no_overlap,
-              tensor_parallel_size=args.tensor_parallel_size)
+    llm = LLM(args.model, spec=spec, max_num_seqs=1, **model_options(args))
     config = {"command": " ".join(["outpace"] + sys.argv[1:]), "model": args.model, "dataset": str(args.dataset),
               "categories": args.category, "limit_per_category": args.limit_per_category,
               "spec": dataclasses.asdict(spec)}

@@ -3,6 +3,7 @@ schedule, propose, verify, accept, postprocess."""
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from functools import partial
 
@@ -21,6 +22,7 @@ from outpace.runner.calibrate import measure_verify_cost
 from outpace.runner.cuda_graphs import CudaGraphRunner
 from outpace.runner.model_runner import ModelRunner
 from outpace.runner.parallel import ParallelRunner
+from outpace.runner.state_cache import free_memory, state_bytes
 from outpace.runner.workers import start_workers
 from outpace.sampling.sampler import request_seed
 from outpace.speculative.controller import DraftController
@@ -45,6 +47,10 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
         is_bf16_cpu = not device.startswith("cuda") and cpu_linear.prefers_bfloat16()
         return torch.bfloat16 if device.startswith("cuda") or is_bf16_cpu else torch.float32
     return getattr(torch, dtype)
+
+
+# the most of a device's memory left after loading that a hybrid model's state snapshots may take
+SNAPSHOT_MEMORY_SHARE = 0.25
 
 
 class LLMEngine:
@@ -82,6 +88,7 @@ class LLMEngine:
         self.drafter.bind(DraftContext(config.max_num_seqs, config.max_model_len, num_draft_tokens + 1,
                                        next(self.model.parameters()).device, self.dtype, self.model,
                                        self.tokenizer, self._draft_runner, config.weights))
+        self.snapshots = self._snapshots(config, max(num_draft_tokens + 1, exact_width or 1))
         self.runner = self._make_runner(config, num_draft_tokens, exact_width)
         cost = None
         if num_draft_tokens and config.calibrate and not spec.exact:
@@ -113,6 +120,24 @@ class LLMEngine:
                 "whose roundings differ, so outputs would not equal plain decoding's. Use --weights fp32, "
                 "or tree_width 1 (chains)")
 
+    def _snapshots(self, config: EngineConfig, max_row_tokens: int) -> bool:
+        """Whether a hybrid model rolls verify rows back from a state snapshot per token (else a
+        checkpoint and replay): config.recurrent_snapshots where set; by default snapshots, unless
+        their states would take more than SNAPSHOT_MEMORY_SHARE of what the device has left once
+        the model is loaded (the key/value cache is still to come), then replay, said on stderr."""
+        if config.recurrent_snapshots is not None or not self.model.is_recurrent:
+            return config.recurrent_snapshots is not False
+        shapes, slots = self.model.state_shapes(), config.max_num_seqs
+        snapshots, replay = (state_bytes(shapes, slots, max_row_tokens, mode, self.dtype) for mode in (True, False))
+        free = free_memory(next(self.model.parameters()).device)
+        if free is None or snapshots <= SNAPSHOT_MEMORY_SHARE * free:
+            return True
+        print(f"outpace: recurrent state snapshots for {slots} sequences of up to {max_row_tokens} verified tokens "
+              f"would take {snapshots / 2**30:.2f} GiB of the {free / 2**30:.2f} GiB left; rolling back by replay "
+              f"({replay / 2**30:.2f} GiB, each step reruns the accepted tokens' state updates). Fewer --max-num-seqs "
+              f"or --num-draft-tokens keep snapshots; --recurrent-rollback snapshots insists", file=sys.stderr)
+        return False
+
     def _make_runner(self, config: EngineConfig, num_draft_tokens: int, exact_width: int | None) -> ModelRunner:
         """CUDA: decode/verify steps replay captured CUDA graphs (run eagerly with cuda_graphs
         off), which draft and verify themselves where the drafter has a graph step (not under
@@ -122,7 +147,7 @@ class LLMEngine:
         if not self.uses_graphs:
             make = partial(ModelRunner, num_slots=config.max_num_seqs, max_len=config.max_model_len,
                            max_step_tokens=max_step_tokens, exact_width=exact_width,
-                           max_verify_tokens=num_draft_tokens + 1, snapshots=config.recurrent_snapshots)
+                           max_verify_tokens=num_draft_tokens + 1, snapshots=self.snapshots)
         else:
             # no in-graph drafting for a recurrent model: its graph would verify without the commit
             # that rolls the state back
@@ -132,7 +157,7 @@ class LLMEngine:
                            max_step_tokens=max_step_tokens, exact_width=exact_width,
                            num_draft_tokens=num_draft_tokens, use_graphs=config.cuda_graphs,
                            extension=extension, max_prefill_tokens=config.max_prefill_tokens,
-                           hidden_layers=self.drafter.hidden_layers, snapshots=config.recurrent_snapshots)
+                           hidden_layers=self.drafter.hidden_layers, snapshots=self.snapshots)
         return make(self.model) if self.workers is None else ParallelRunner(make, self.model, self.workers)
 
     def _draft_runner(self, model) -> ModelRunner:

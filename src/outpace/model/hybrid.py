@@ -15,7 +15,7 @@ from outpace.model.layers import MLP, ForwardBatch
 from outpace.model.recurrent_rows import RowGroups, row_groups
 from outpace.runner.hybrid_cache import HybridCache
 from outpace.runner.kv_cache import KVCache
-from outpace.runner.state_cache import StateCache
+from outpace.runner.state_cache import RecurrentShape, StateCache
 
 
 class HybridLayer(nn.Module):
@@ -62,9 +62,12 @@ class HybridLM(DecoderLM):
         else a checkpoint and the rows' logged inputs, replayed at commit (runner/state_cache.py)."""
         c = self.cfg
         attention = sum(layer.is_attention for layer in self.layers)
-        shapes = [layer.mixer.state_shape() for layer in self.layers if not layer.is_attention]
         return HybridCache(KVCache(attention, num_slots, c.num_kv_heads, max_len, c.head_dim, dtype, device),
-                           StateCache(shapes, num_slots, max_row_tokens, snapshots, dtype, device))
+                           StateCache(self.state_shapes(), num_slots, max_row_tokens, snapshots, dtype, device))
+
+    def state_shapes(self) -> list[RecurrentShape]:
+        """What each recurrent layer keeps per slot, in layer order."""
+        return [layer.mixer.state_shape() for layer in self.layers if not layer.is_attention]
 
     def run_layers(self, h, cos, sin, batch: ForwardBatch, cache: HybridCache):
         rows = row_groups(batch, cache.state)

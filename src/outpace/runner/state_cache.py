@@ -62,6 +62,39 @@ class StateRows:
     final: torch.Tensor | None      # [B] entry of the state after the last real token (otherwise)
 
 
+def state_bytes(shapes: list[RecurrentShape], num_slots: int, max_row_tokens: int, snapshots: bool,
+                dtype: torch.dtype) -> int:
+    """What StateCache(shapes, num_slots, max_row_tokens, snapshots, dtype) allocates for its
+    histories, states and logs, in bytes."""
+    state_size = 8 if dtype == torch.float64 else 4
+    R, E, slots = max_row_tokens, (max_row_tokens if snapshots else 2), num_slots + 1
+    total = 0
+    for s in shapes:
+        total += slots * (s.conv_kernel - 1 + R) * s.conv_channels * dtype.itemsize
+        if s.delta:
+            Hk, dk, H, dv = s.delta
+            total += slots * E * H * dk * dv * state_size
+            if not snapshots:
+                total += slots * R * (Hk * dk + H * dv + 2 * H) * state_size
+    return total
+
+
+def free_memory(device: torch.device | str) -> int | None:
+    """Bytes the device can still give: the GPU's free memory, or the host's available memory
+    (Linux's MemAvailable); None where neither can be read."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 class StateCache:
     def __init__(self, shapes: list[RecurrentShape], num_slots: int, max_row_tokens: int, snapshots: bool,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
