@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from functools import partial
 from pathlib import Path
 
@@ -170,7 +171,8 @@ DRIVER = textwrap.dedent("""
 
 # Known bug (2026-11-28): in three fresh-clone CI runs of the whole suite the driver hung after
 # Ctrl-C, its main thread inside a layer's gloo all_reduce while its worker was still alive; 40
-# runs of the same driver alone exited in under a second. Not fixed; the dump below says where it waits.
+# runs of the same driver alone exited in under a second. Not fixed; the dump below says where the
+# driver and its worker wait.
 SIGINT_HANG = pytest.mark.xfail(reason="known: the driver can hang in all_reduce after Ctrl-C "
                                        "when the whole suite runs (benchmark-log, session 26)", strict=False)
 
@@ -193,9 +195,13 @@ def test_no_worker_outlives_its_driver(how, tiny_folder, tmp_path):
             driver.wait(timeout=20)
         except subprocess.TimeoutExpired:
             os.kill(driver.pid, signal.SIGUSR1)             # where it waits, every thread, on its stderr
+            if _alive(worker):
+                os.kill(worker, signal.SIGUSR1)             # and the worker, on the same stderr
             time.sleep(1.0)
             driver.kill()
-            pytest.fail(f"the driver did not exit in 20 s after {how}; its stderr:\n{driver.stderr.read()[-8000:]}")
+            said = f"the driver did not exit in 20 s after {how}; its stderr:\n{driver.stderr.read()[-8000:]}"
+            warnings.warn(said)         # the warnings summary shows it where an expected failure hides it
+            pytest.fail(said)
         deadline = time.monotonic() + 5
         while _alive(worker) and time.monotonic() < deadline:
             time.sleep(0.05)
