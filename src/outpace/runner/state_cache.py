@@ -65,18 +65,8 @@ class StateRows:
 def state_bytes(shapes: list[RecurrentShape], num_slots: int, max_row_tokens: int, snapshots: bool,
                 dtype: torch.dtype) -> int:
     """What StateCache(shapes, num_slots, max_row_tokens, snapshots, dtype) allocates for its
-    histories, states and logs, in bytes."""
-    state_size = 8 if dtype == torch.float64 else 4
-    R, E, slots = max_row_tokens, (max_row_tokens if snapshots else 2), num_slots + 1
-    total = 0
-    for s in shapes:
-        total += slots * (s.conv_kernel - 1 + R) * s.conv_channels * dtype.itemsize
-        if s.delta:
-            Hk, dk, H, dv = s.delta
-            total += slots * E * H * dk * dv * state_size
-            if not snapshots:
-                total += slots * R * (Hk * dk + H * dv + 2 * H) * state_size
-    return total
+    histories, states and logs, in bytes: the cache built on the meta device, which holds no data."""
+    return StateCache(shapes, num_slots, max_row_tokens, snapshots, dtype, "meta").nbytes
 
 
 def free_memory(device: torch.device | str) -> int | None:
