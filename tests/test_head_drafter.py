@@ -16,6 +16,7 @@ from outpace.engine.graph_step import GraphStep
 from outpace.model.draft_head import attend
 from outpace.runner.cuda_graphs import CudaGraphRunner
 from outpace.runner.model_runner import ModelRunner, Row
+from outpace.speculative.head_graphs import HeadGraphs
 from heads import target_config, write_eagle3_head
 from tiny import make_tiny
 
@@ -124,8 +125,9 @@ def _assert_drafts_from_scratch(llm, drafter, calls):
 def test_a_head_on_graph_steps_reads_their_hidden_states(folders, plain):
     """The GPU path (CudaGraphRunner's static steps, run eagerly here, with GraphStep): the
     target's hidden states come from the graph step's buffer, and the head's drafts are still
-    its run from scratch, with steps where nobody drafts among them (those are not launched
-    ahead: the launched step would overwrite their hidden states before the head caught up)."""
+    its run from scratch, with steps where nobody drafts among them (launched ahead of the host's
+    read where the controller would not draft next either: the head catches up on each before
+    the launched step overwrites its hidden states)."""
     llm = _llm(folders)
     engine, drafter = llm.engine, llm.engine.drafter
     engine.runner = CudaGraphRunner(engine.model, 3, 256, 8, num_draft_tokens=4, progress=False,
@@ -141,16 +143,70 @@ def test_a_head_on_graph_steps_reads_their_hidden_states(folders, plain):
     engine.runner.forward = recorded_forward
     asked, num_draft = {"calls": 0}, engine.controller.num_draft
 
-    def some_plain(*args):                      # every third step drafts nothing
+    def some_plain(*args):                      # stretches of four asks answered with no draft
         asked["calls"] += 1
-        return 0 if asked["calls"] % 3 == 0 else num_draft(*args)
+        return 0 if asked["calls"] // 4 % 2 else num_draft(*args)
     engine.controller.num_draft = some_plain
     recorded = Recorded(llm, drafter)
+    launched, launch = [], engine.steps._launch_next
+    engine.steps._launch_next = lambda *args: launched.append(launch(*args)) or launched[-1]
     out = llm.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in out] == plain
     assert sum(s is not None for s in shapes) > 20 and engine.steps.launched is None
+    assert sum(x is not None for x in launched) > 5
     assert len(recorded.calls) > 20
     _assert_drafts_from_scratch(llm, drafter, recorded.calls[::2])
+
+
+@pytest.mark.parametrize("tree_width", [1, 3])
+def test_the_heads_own_graph_bodies_keep_its_drafts(folders, plain, tree_width):
+    """The head's catch-up and chains as HeadGraphs run them (static shapes: graph row = slot,
+    inactive rows in the spare region, a mask over the whole cache; eagerly here, as the bodies
+    of its CUDA graphs): output equals plain output, the chains are still the head's run from
+    scratch and stay on the device until the step's synchronisation, and trees (drafted eagerly
+    over the graphs' catch-up) keep the output too."""
+    llm = _llm(folders, tree_width=tree_width)
+    engine, drafter = llm.engine, llm.engine.drafter
+    drafter.graphs = HeadGraphs(drafter, 3, 256, 5, 4, chains=tree_width == 1)
+    caught_up, catch_up = [], drafter.graphs.catch_up
+    drafter.graphs.catch_up = lambda result: caught_up.append(catch_up(result)) or caught_up[-1]
+    recorded = Recorded(llm, drafter)
+    proposals, drafted, propose = [], [], recorded.propose
+
+    def propose_and_count(batch):
+        proposals.append(propose(batch))
+        drafted.append(int(proposals[-1].num_draft.sum()))       # before anything else can touch it
+        return proposals[-1]
+    recorded.propose = propose_and_count
+    out = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in out] == plain
+    assert len(caught_up) > 20 and all(caught_up)
+    # the drafts' lengths the step's host read gives are those proposed
+    assert sum(o.spec["num_draft_tokens"] for o in out) == sum(drafted) > 0
+    if tree_width == 1:
+        assert all(p.num_draft_host is None for p in proposals if p.tokens.numel())
+        assert len(recorded.calls) > 20
+        _assert_drafts_from_scratch(llm, drafter, recorded.calls[::2])
+    assert sorted(engine.scheduler.free_slots) == [0, 1, 2]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_heads_cuda_graphs_keep_greedy_output(folders):
+    """On a GPU the head replays its own graphs (catch-up and chains) beside the target's: greedy
+    output equals plain greedy output of the same engine setup, batched, with rollback (float64:
+    no near-ties between the target's decode and verify steps)."""
+    options = OPTIONS | dict(device="cuda")
+    plain = [o.token_ids for o in LLM(str(folders[0]), spec="none", **options).generate(PROMPTS, PARAMS)]
+    llm = LLM(str(folders[0]), spec=SpecConfig(method="eagle3", draft_head=str(folders[1]), num_draft_tokens=4),
+              **options)
+    drafter = llm.engine.drafter
+    assert drafter.graphs is not None and drafter.graphs.graphs
+    calls, catch_up = [], drafter.graphs.catch_up
+    drafter.graphs.catch_up = lambda result: calls.append(catch_up(result)) or calls[-1]
+    out = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in out] == plain
+    assert len(calls) > 20 and all(calls)
+    assert sum(o.spec["num_draft_tokens"] for o in out) > 0
 
 
 def test_tree_nodes_are_best_children_along_their_paths(folders, plain):

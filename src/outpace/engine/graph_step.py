@@ -6,7 +6,10 @@ Beyond EagerStep it does two things captured graphs make possible:
     its extension), replacing some forty small launches from the host;
   - overlap: once a greedy graph step is queued, the step after it is launched before the host
     reads the first one's tokens (each row's start and last token derived on the device from the
-    first step's result), so the GPU never idles while the host reads and accepts a step.
+    first step's result), so the GPU never idles while the host reads and accepts a step. A
+    step is launched ahead without drafts: where a drafter outside the graph (a head, a draft
+    model, a chain whose lookup drafts first) would draft the next step, none is launched; a
+    head catches up on a plain step's hidden states before its successor overwrites them.
 A launched step holds the same rows as the step before it; the next engine step reads it
 (resume) instead of scheduling. Rows whose sequence ended meanwhile are dropped, tokens and all.
 """
@@ -14,12 +17,15 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from outpace.engine.scheduler import PrefillChunk, Scheduler, StepPlan
 from outpace.engine.sequence import Sequence
 from outpace.engine.step import EagerStep, Launched, Proposal, StepResult
 from outpace.runner.cuda_graphs import CudaGraphRunner
 from outpace.runner.model_runner import Row
 from outpace.runner.staging import to_device
+from outpace.speculative.drafter import Verified
 
 
 class GraphStep(EagerStep):
@@ -69,13 +75,21 @@ class GraphStep(EagerStep):
 
     def _plain_greedy(self, seqs, logits, hidden, t0) -> StepResult:
         """A plain greedy step a graph ran is read like any graph step (its successor launched
-        first where it may be); the drafter's device state needs no append where nobody drafts. A
-        drafter that reads hidden states (a head) catches up on every step's (EagerStep's): a
-        launched step would overwrite them in the runner's buffer before it had."""
-        if (self.runner.last_shape is not None and not self.drafter.hidden_layers
-                and (self.extension is None or not any(s.speculate for s in seqs))):
+        first where it may be); the drafter's device state needs no append where nobody drafts.
+        A drafter that reads hidden states (a head) catches up on them in _read_back."""
+        if self.runner.last_shape is not None and (self.extension is None or not any(s.speculate for s in seqs)):
             return self._read_back(seqs, [0] * len(seqs), self.runner.last_shape, t0)
         return super()._plain_greedy(seqs, logits, hidden, t0)
+
+    def _catch_up(self, seqs: list[Sequence], shape: tuple[int, int, int], result) -> None:
+        """A plain graph step's outcome (result: step_result's rows) for a drafter that reads
+        hidden states, its rows' tokens and hidden states taken from the graph rows, queued before
+        a launched step overwrites them in the runner's buffer."""
+        index = to_device([s.slot for s in seqs], result.device)
+        tokens = result.index_select(0, index)[:, 2:3]
+        hidden = self.runner.step_hidden(shape).index_select(0, index)[:, :1]
+        self.drafter.verified(Verified(self._draft_batch(seqs, [0] * len(seqs)), tokens,
+                                       torch.ones_like(tokens[:, 0]), hidden))
 
     def _read_back(self, seqs: list[Sequence], budget: list[int], shape: tuple[int, int, int], t0: float,
                    may_launch: bool = True) -> StepResult:
@@ -85,6 +99,8 @@ class GraphStep(EagerStep):
         runner = self.runner
         result = runner.step_result(shape)
         runner.start_read(result)
+        if self.drafter.hidden_layers and any(s.speculate for s in seqs):
+            self._catch_up(seqs, shape, result)
         if may_launch and self.overlap:
             self.launched = self._launch_next(seqs, shape, result)
         host = runner.read_back()                       # the step's one host synchronisation
@@ -103,7 +119,11 @@ class GraphStep(EagerStep):
         ahead = shape[1]                                # the most tokens the step being read adds to a row
         speculating = [s.seq_id for s in seqs if s.speculate]
         drafts = bool(speculating) and self.extension is not None
-        k = self.controller.num_draft(speculating, len(seqs)) if drafts else 0
+        k = self.controller.num_draft(speculating, len(seqs)) if speculating else 0
+        if speculating and not drafts and (k or self.drafter.uses_room):
+            # a drafter outside the graph drafts the next step (a chain's lookup, free, drafts
+            # whatever the controller's length): it is proposed, not launched
+            return None
         # a launched step cannot take a buffer row: only rows that have one draft
         budget = [min(k, self.budget_for(s, ahead)) if drafts and self.extension.has_row(s.seq_id) else 0 for s in seqs]
         rows = [Row(s.slot, [0], len(s.token_ids) - 1 + ahead) for s in seqs]     # starts, at the most

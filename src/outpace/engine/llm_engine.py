@@ -87,7 +87,8 @@ class LLMEngine:
         # bound first: a head learns the layers it reads when it loads, and the runner's graphs write them
         self.drafter.bind(DraftContext(config.max_num_seqs, config.max_model_len, num_draft_tokens + 1,
                                        next(self.model.parameters()).device, self.dtype, self.model,
-                                       self.tokenizer, self._draft_runner, config.weights))
+                                       self.tokenizer, self._draft_runner, config.weights,
+                                       graphs=self.uses_graphs and config.cuda_graphs))
         self.snapshots = self._snapshots(config, max(num_draft_tokens + 1, exact_width or 1))
         self.runner = self._make_runner(config, num_draft_tokens, exact_width)
         cost = None

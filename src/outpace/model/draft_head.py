@@ -25,7 +25,7 @@ from torch import nn
 
 from outpace.errors import InvalidParameterError
 from outpace.kernels.fused import rope
-from outpace.model.layers import MLP, RMSNorm
+from outpace.model.layers import MLP, RMSNorm, planless_attention
 from outpace.model.rope import rope_tables
 
 
@@ -139,7 +139,11 @@ class DraftHead(nn.Module):
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """q [B, S, Hq, D] over keys and values [B, KVH, L, D] through mask [B, 1, S, L] (True: may
-    attend) -> [B, S, Hq * D]."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                         enable_gqa=True)
+    attend) -> [B, S, Hq * D]. On CUDA through kernels that build no plan per shape: every
+    eager catch-up and draft has a new key length (layers.PROMPT_BACKENDS)."""
+    q, k, v = q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype)
+    if q.is_cuda:
+        out = planless_attention(q, k, v, mask)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     return out.transpose(1, 2).flatten(-2)

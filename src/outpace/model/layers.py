@@ -29,6 +29,16 @@ from outpace.kernels.fused import add_rms_norm, linear, rms_norm, rope, rope_sto
 PROMPT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+def planless_attention(q, keys, values, mask, causal: bool = False) -> torch.Tensor:
+    """scaled_dot_product_attention of q [B, H, S, D] over keys/values [B, KVH, L, D] through
+    PROMPT_BACKENDS (CUDA shapes that rarely repeat)."""
+    repeat = q.shape[1] // keys.shape[1]
+    if repeat > 1:                  # grouped-query attention: one key/value head per query head
+        keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)
+    with sdpa_kernel(PROMPT_BACKENDS):
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal)
+
+
 @dataclass
 class PromptChunk:
     """A prompt chunk cached in a decode forward: its tokens follow the rows' and attend apart."""
@@ -289,11 +299,7 @@ class Attention(nn.Module):
         if span_rows is not None:
             q = q.new_zeros((keys.shape[0], *q.shape[1:])).index_copy_(0, span_rows, q)
         if prompt and q.is_cuda:
-            repeat = q.shape[1] // keys.shape[1]
-            if repeat > 1:                  # grouped-query attention: one key/value head per query head
-                keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)
-            with sdpa_kernel(PROMPT_BACKENDS):
-                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal)
+            out = planless_attention(q, keys, values, mask, causal)
         else:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)
         return out if span_rows is None else out.index_select(0, span_rows)

@@ -337,6 +337,10 @@ class CudaGraphRunner(ModelRunner):
             self.read_done.synchronize()
         return self._read.tolist()
 
+    def step_hidden(self, shape: tuple[int, int, int]) -> torch.Tensor:
+        """The hidden states [b, t, layers, H] of the last graph step of `shape`, by graph row."""
+        return self._output(shape[0], shape[1], shape[0])[1]
+
     def _output(self, b: int, t: int, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The logits [n, t, V] and hidden states [n, t, layers, H] (None without hidden layers) of
         graph rows [0, n) of shape (b, t): views made once."""

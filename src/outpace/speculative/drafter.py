@@ -100,8 +100,10 @@ class Drafts:
                       None if self.parents is None else self.parents[:, :width], kept, self.match_len, self.free)
 
     def host_rows(self) -> list[list[int]]:
-        """The drafts as host lists (drafts on the CPU, lengths known: no synchronisation)."""
-        return [row[:n] for row, n in zip(self.tokens.tolist(), self.num_draft_host)]
+        """The drafts as host lists (drafts on the CPU, lengths known: no synchronisation; drafts
+        on a device: one)."""
+        lengths = self.num_draft_host if self.num_draft_host is not None else self.num_draft.tolist()
+        return [row[:n] for row, n in zip(self.tokens.tolist(), lengths)]
 
 
 @dataclass
@@ -156,6 +158,7 @@ class DraftContext:
     tokenizer: object               # the target's Tokenizer (a draft model's vocabulary is checked against it)
     make_runner: object             # (model) -> ModelRunner with the target's slots and length
     weights: str = "auto"           # how the target's GGUF matrices are held (EngineConfig.weights); a draft model's alike
+    graphs: bool = False            # the target replays CUDA graphs: a drafter's own forwards may as well
 
 
 class Drafter:

@@ -24,6 +24,9 @@ children become candidates. A row's draft is its budget's best candidates by cum
 log-probability (a child never scores above its parent, so every chosen node's parent is chosen);
 with tree_width 1 that is the greedy chain, proposed as a chain. Drafts are the head's argmax
 choices: one-hot drafts, which greedy and rejection-sampling verification keep lossless.
+
+Where the target replays CUDA graphs, the catch-up of verified rows and the drafting of chains
+replay graphs of their own (head_graphs.py); prompt chunks and trees run the forwards here eagerly.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ from outpace.model.eagle3 import load_eagle3_head
 from outpace.model.mtp import load_mtp_head
 from outpace.runner.calibrate import batch_buckets
 from outpace.speculative.drafter import DraftBatch, DraftContext, Drafter, Drafts, Prefilled, Verified
+from outpace.speculative.head_graphs import HeadGraphs
 
 # (context, cache length) -> the head, loaded and checked against the target
 HeadLoader = Callable[[DraftContext, int], DraftHead]
@@ -69,7 +73,15 @@ class HeadDrafter(Drafter):
         self.last_out = torch.zeros(context.num_slots, cfg.hidden_size, dtype=context.dtype, device=context.device)
         self.device = context.device
         self._heads = torch.arange(cfg.num_kv_heads, device=self.device)[None, :, None]
-        self._measure(context.num_slots)
+        # where the target replays graphs the head's catch-up and chains do too (head_graphs.py)
+        self.graphs = None
+        if context.graphs:
+            self.graphs = HeadGraphs(self, context.num_slots, context.max_len, context.max_step_tokens,
+                                     context.max_step_tokens - 1, chains=self.tree_width == 1)
+        if self.graphs is not None and self.graphs.draft_shapes:
+            self.per_token = self.graphs.measure()
+        else:
+            self._measure(context.num_slots)
 
     def _measure(self, num_slots: int) -> None:
         """Seconds per drafted token by batch bucket: a forward of b rows of one pair and its
@@ -94,14 +106,19 @@ class HeadDrafter(Drafter):
         return self.per_token[bucket]
 
     # ---- the head's forward over its cache ------------------------------------------------------
-    def _forward(self, feature, tokens, slots, rope_positions, write_positions, mask) -> torch.Tensor:
+    def project_store(self, feature, tokens, slots, rope_positions, write_positions):
         """Pairs of B rows: feature [B, S, H], tokens [B, S] (the target's ids), slots [B], rotary
-        and cache positions [B, S]; each query attends to its slot's entries through mask
-        [B, 1, S, L]. Writes the pairs' entries, returns their outputs [B, S, H]."""
+        and cache positions [B, S]. Writes the pairs' keys and values, returns (residual, q)."""
         residual, q, k, v = self.head.project(feature, self.embed(tokens), rope_positions)
         index = (slots[:, None, None], self._heads, write_positions[:, None, :])        # [B, KVH, S]
         self.k_cache.index_put_(index, k.transpose(1, 2).to(self.k_cache.dtype))
         self.v_cache.index_put_(index, v.transpose(1, 2).to(self.v_cache.dtype))
+        return residual, q
+
+    def _forward(self, feature, tokens, slots, rope_positions, write_positions, mask) -> torch.Tensor:
+        """project_store's pairs, each query attending to its slot's entries through mask
+        [B, 1, S, L]: their outputs [B, S, H]."""
+        residual, q = self.project_store(feature, tokens, slots, rope_positions, write_positions)
         L = mask.shape[-1]
         keys = self.k_cache[:, :, :L].index_select(0, slots)
         values = self.v_cache[:, :, :L].index_select(0, slots)
@@ -144,7 +161,8 @@ class HeadDrafter(Drafter):
         """Every verified position of each row as a pair (junk past the accepted ones)."""
         batch = result.batch
         S = result.out_tokens.shape[1]
-        self._catch_up(result.hidden[:, :S], result.out_tokens, batch.slots, batch.positions, result.num_out - 1)
+        if self.graphs is None or not self.graphs.catch_up(result):
+            self._catch_up(result.hidden[:, :S], result.out_tokens, batch.slots, batch.positions, result.num_out - 1)
         for seq_id in batch.seq_ids:
             self.ready[seq_id] = True
 
@@ -154,6 +172,8 @@ class HeadDrafter(Drafter):
         rows = [i for i, (s, k) in enumerate(zip(batch.seq_ids, batch.budget)) if k > 0 and self.ready.get(s)]
         if not rows:
             return Drafts.empty(len(batch), self.device)
+        if self.graphs is not None and self.graphs.draft_shapes:
+            return self.graphs.propose(batch, rows)
         budget = [batch.budget[i] for i in rows]
         tokens, scores, parents = self._candidates(torch.tensor([batch.slots[i] for i in rows], device=self.device),
                                                    torch.tensor([batch.positions[i] for i in rows], device=self.device),

@@ -1,0 +1,211 @@
+"""HeadGraphs: a head drafter's catch-up and chain drafting as CUDA graphs (head_drafter.py).
+
+Run eagerly, each forward of a one-layer head is some thirty launches from the host, with an
+attention over a key length that changes every step; on a GPU that cost more than the target's
+whole graph step, and a head that merely caught up left plain decoding at a third of its speed.
+Here the head's two jobs of every step replay graphs captured once per batch bucket:
+
+  catch-up (b, S): the verified rows' S pairs (the target's hidden states there and the tokens
+    after them) written to the head's cache; each row's stored output taken at its last accepted
+    pair;
+  draft (b, K): a chain of K tokens: the stored output's argmax, then K - 1 forwards, each fed
+    the one before's output and token.
+
+Graph row r is slot r, as in the target's graphs (runner/cuda_graphs.py). A slot without a row in
+the step is inactive: it writes its entries in the spare region past max_len, attends to key 0
+alone and keeps its stored output. A query attends to keys j <= its position (decode_attention
+reads no key past its row's last, so the graph's static key length, the whole cache, costs
+nothing); off CUDA, and for a dtype or head size the kernel does not take, the same bodies run
+through a mask over the whole cache (the tests run them so on the CPU).
+
+Inputs: starts, active and num_draft per graph row come from the host in one copy; the verified
+tokens, hidden states and last accepted pairs are copied on the device from the step's result.
+Token trees (tree_width > 1) draft eagerly; their catch-up replays these graphs all the same.
+"""
+from __future__ import annotations
+
+import bisect
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from outpace.kernels import fused
+from outpace.model.draft_head import attend
+from outpace.runner.calibrate import batch_buckets
+from outpace.runner.staging import HostSide, to_device
+from outpace.speculative.drafter import DraftBatch, Drafts, Verified
+
+
+HOST_SIDES = 4
+
+
+class HeadGraphs:
+    def __init__(self, drafter, num_slots: int, spare: int, max_verify: int, max_draft: int, chains: bool,
+                 progress: bool = True):
+        """drafter: the bound HeadDrafter (its head, caches and stored outputs); spare: the first
+        position past every real one (max_len), where inactive rows write; max_verify: the most
+        pairs a catch-up holds (1 + num_draft_tokens); max_draft: the longest chain; chains:
+        whether propose drafts through graphs (tree_width 1)."""
+        self.drafter = d = drafter
+        cfg = d.head.cfg
+        self.buckets = batch_buckets(num_slots)
+        R, device = self.buckets[-1], d.device
+        self.inputs = torch.zeros(3 * R, dtype=torch.long, device=device)      # [starts | active | num_draft]
+        self.starts, self.active, self.num_draft = self.inputs[:R], self.inputs[R:2 * R], self.inputs[2 * R:]
+        # host sides in turn: a copy queued behind a step launched ahead is waited for only
+        # HOST_SIDES copies later (HostSide waits for its last copy before a write)
+        self.hosts = [HostSide(self.inputs) for _ in range(HOST_SIDES)]
+        self._turn = 0
+        self.last = torch.zeros(R, dtype=torch.long, device=device)           # each row's last accepted pair
+        self.tokens = torch.zeros(R, max_verify, dtype=torch.long, device=device)
+        self.hidden = torch.zeros(R, max_verify, len(cfg.target_layers), cfg.target_hidden_size,
+                                  dtype=d.last_out.dtype, device=device)
+        self.drafts = torch.zeros(R, max(max_draft, 1), dtype=torch.long, device=device)
+        self.rows = torch.arange(R, device=device)
+        self._arange = torch.arange(max(max_verify, max_draft), device=device)
+        self.keys = torch.arange(d.cache_len, device=device)
+        self.spare = spare
+        self.catch_up_shapes = [(b, s) for b in self.buckets for s in range(1, max_verify + 1)]
+        self.draft_shapes = [(b, k) for b in self.buckets for k in range(1, max_draft + 1)] if chains else []
+        self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}
+        self.use_graphs = device.type == "cuda"
+        if self.use_graphs:
+            self.capture(progress)
+
+    # ---- the bodies ---------------------------------------------------------------------------
+    def _forward(self, feature, tokens, positions, active) -> torch.Tensor:
+        """Pairs of graph rows [0, b) at positions [b, S] (active [b, 1]: whether the row is
+        real): their entries written, their outputs [b, S, H] returned."""
+        d = self.drafter
+        b, S = tokens.shape
+        write = torch.where(active, positions, self.spare + self._arange[:S])
+        residual, q = d.project_store(feature, tokens, self.rows[:b], write, write)
+        seen = torch.where(active, positions, 0)
+        cfg = d.head.cfg
+        if fused.graph_attention(q.dtype, cfg.head_dim, q.device, cfg.num_heads // cfg.num_kv_heads * S):
+            out = fused.decode_attention(q.transpose(1, 2), d.k_cache, d.v_cache, seen, d.cache_len, 0, None)
+        else:
+            mask = self.keys[None, None, None, :] <= seen[:, None, :, None]         # [b, 1, S, L]
+            out = attend(q, d.k_cache[:b], d.v_cache[:b], mask)
+        return d.head.finish(residual, out)
+
+    def _catch_up(self, b: int, S: int) -> None:
+        d = self.drafter
+        active = self.active[:b, None].bool()
+        positions = self.starts[:b, None] + self._arange[:S]
+        out = self._forward(d.head.features(self.hidden[:b, :S]), self.tokens[:b, :S], positions, active)
+        last = out[self.rows[:b], self.last[:b]]
+        d.last_out[:b] = torch.where(active, last, d.last_out[:b])
+
+    def _draft(self, b: int, K: int) -> None:
+        d, head = self.drafter, self.drafter.head
+        active = self.active[:b, None].bool()
+        out = d.last_out[:b, None]                                                  # [b, 1, H]
+        for depth in range(K):
+            if depth:           # the token drafted last, at the position after the one before it
+                out = self._forward(out, self.drafts[:b, depth - 1:depth], self.starts[:b, None] + depth - 1, active)
+            self.drafts[:b, depth] = head.to_target(head.logits(out[:, 0]).argmax(-1))
+
+    def _run(self, kind: str, b: int, n: int) -> None:
+        graph = self.graphs.get((kind, b, n))
+        if graph is not None:
+            graph.replay()
+            return
+        with torch.inference_mode():
+            (self._catch_up if kind == "catch_up" else self._draft)(b, n)
+
+    # ---- a step -------------------------------------------------------------------------------
+    def _bucket(self, slots: list[int]) -> int:
+        return self.buckets[bisect.bisect_right(self.buckets, max(slots))]
+
+    def _send(self, slots: list[int], starts: list[int], num_draft: list[int] | None = None) -> None:
+        """The graph rows' starts and active flags (and drafts' lengths) in one copy. A catch-up
+        leaves the lengths alone: the step's host read, queued after it, still reads them."""
+        R = len(self.rows)
+        end = 3 * R if num_draft is not None else 2 * R
+        self._turn = (self._turn + 1) % len(self.hosts)
+        side = self.hosts[self._turn]
+        host = side.writable()
+        host[:end] = 0
+        for i, (slot, start) in enumerate(zip(slots, starts)):
+            host[slot], host[R + slot] = start, 1
+            if num_draft is not None:
+                host[2 * R + slot] = num_draft[i]
+        side.send(0, end)
+
+    def _index(self, slots: list[int]):
+        """The batch rows' graph rows: a slice where they are slots 0.. in order."""
+        return slice(0, len(slots)) if slots == list(range(len(slots))) else to_device(slots, self.rows.device)
+
+    def catch_up(self, result: Verified) -> bool:
+        """The step's verified pairs through the catch-up graph; False where no graph holds them."""
+        batch, S = result.batch, result.out_tokens.shape[1]
+        shape = ("catch_up", self._bucket(batch.slots), S)
+        if S > self.tokens.shape[1]:
+            return False
+        self._send(batch.slots, batch.positions)
+        index = self._index(batch.slots)
+        self.tokens[index, :S] = result.out_tokens
+        self.last[index] = result.num_out - 1
+        self.hidden[index, :S] = result.hidden[:, :S]
+        self._run(*shape)
+        return True
+
+    def propose(self, batch: DraftBatch, rows: list[int]) -> Drafts:
+        """Chains for batch rows `rows` (each drafts its budget), through the draft graph; the
+        drafts and their lengths stay on the device until the step's synchronisation."""
+        K = max(batch.budget[i] for i in rows)
+        drafting = set(rows)
+        num_draft = [batch.budget[i] if i in drafting else 0 for i in range(len(batch))]
+        self._send([batch.slots[i] for i in rows], [batch.positions[i] for i in rows], [num_draft[i] for i in rows])
+        self._run("draft", self._bucket([batch.slots[i] for i in rows]), K)
+        index = self._index(batch.slots)
+        return Drafts(self.drafts[index, :K], self.num_draft[index])
+
+    # ---- capture and prices -------------------------------------------------------------------
+    def capture(self, progress: bool) -> None:
+        """Every shape, largest first so that smaller graphs reuse the pool; every row inactive, so
+        the warm-up and capture write the spare region alone."""
+        shapes = [("draft", *s) for s in reversed(self.draft_shapes)]
+        shapes += [("catch_up", *s) for s in reversed(self.catch_up_shapes)]
+        device = self.rows.device
+        torch.cuda.synchronize(device)
+        started, pool = time.perf_counter(), torch.cuda.graph_pool_handle()
+        self.inputs.zero_()
+        with torch.inference_mode(), fused.for_graphs():
+            for shape in tqdm(shapes, desc="outpace: capturing the head's CUDA graphs", unit="graph",
+                              file=sys.stderr, disable=None if progress else True):
+                body = self._catch_up if shape[0] == "catch_up" else self._draft
+                body(*shape[1:])                        # warm-up: kernels chosen and compiled eagerly
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    body(*shape[1:])
+                self.graphs[shape] = graph
+        torch.cuda.synchronize(device)
+        if progress:
+            print(f"outpace: captured {len(self.graphs)} CUDA graphs of the head in "
+                  f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
+
+    def measure(self) -> dict[int, float]:
+        """Seconds per drafted token by batch bucket: a chain's forwards past its first token (a
+        depth of b rows costs one forward and its logits), over b rows. Every row inactive."""
+        K = max(k for _, k in self.draft_shapes)
+        self.inputs.zero_()
+        per_token = {}
+        for b in self.buckets:
+            times = []
+            for k in sorted({1, K}):
+                best = float("inf")
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    self._run("draft", b, k)
+                    if self.use_graphs:
+                        torch.cuda.synchronize(self.rows.device)
+                    best = min(best, time.perf_counter() - t0)
+                times.append(best)
+            # a depth's cost; where timing noise hides it, the chain's mean
+            depth = times[-1] - times[0] if K > 1 and times[-1] > times[0] else times[-1] / K
+            per_token[b] = depth / b
+        return per_token
