@@ -142,7 +142,6 @@ class HeadGraphs:
     def catch_up(self, result: Verified) -> bool:
         """The step's verified pairs through the catch-up graph; False where no graph holds them."""
         batch, S = result.batch, result.out_tokens.shape[1]
-        shape = ("catch_up", self._bucket(batch.slots), S)
         if S > self.tokens.shape[1]:
             return False
         self._send(batch.slots, batch.positions)
@@ -150,19 +149,18 @@ class HeadGraphs:
         self.tokens[index, :S] = result.out_tokens
         self.last[index] = result.num_out - 1
         self.hidden[index, :S] = result.hidden[:, :S]
-        self._run(*shape)
+        self._run("catch_up", self._bucket(batch.slots), S)
         return True
 
     def propose(self, batch: DraftBatch, rows: list[int]) -> Drafts:
         """Chains for batch rows `rows` (each drafts its budget), through the draft graph; the
         drafts and their lengths stay on the device until the step's synchronisation."""
-        K = max(batch.budget[i] for i in rows)
-        drafting = set(rows)
-        num_draft = [batch.budget[i] if i in drafting else 0 for i in range(len(batch))]
-        self._send([batch.slots[i] for i in rows], [batch.positions[i] for i in rows], [num_draft[i] for i in rows])
-        self._run("draft", self._bucket([batch.slots[i] for i in rows]), K)
+        slots = [batch.slots[i] for i in rows]
+        budget = [batch.budget[i] for i in rows]
+        self._send(slots, [batch.positions[i] for i in rows], budget)
+        self._run("draft", self._bucket(slots), max(budget))
         index = self._index(batch.slots)
-        return Drafts(self.drafts[index, :K], self.num_draft[index])
+        return Drafts(self.drafts[index, :max(budget)], self.num_draft[index])
 
     # ---- capture and prices -------------------------------------------------------------------
     def capture(self, progress: bool) -> None:
