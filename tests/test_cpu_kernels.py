@@ -15,6 +15,7 @@ from outpace.runner import model_runner
 from outpace.runner.model_runner import ModelRunner, Row
 from outpace.kernels import cpu_kernels
 from outpace.kernels.fused import _rms_norm
+from outpace.model.decoder import DecoderLM
 from outpace.weights.loader import load_model
 from tiny import FAMILIES, make_tiny
 
@@ -23,6 +24,18 @@ pytestmark = [pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gc
               pytest.mark.usefixtures("cpu_level")]
 
 BF16_ULP = 2.0 ** -7      # relative spacing of bfloat16 values
+
+
+def spy_attention(monkeypatch) -> list[int]:
+    """The tokens of each layer's attention kernel call from here on: per layer (rope_attend from
+    Python) or inside a DecoderStack call (one entry a layer)."""
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "rope_attend",
+                        lambda qkv, *a, _f=cpu_kernels.rope_attend, **k: calls.append(len(qkv)) or _f(qkv, *a, **k))
+    stack = cpu_kernels.DecoderStack.__call__
+    monkeypatch.setattr(cpu_kernels.DecoderStack, "__call__",
+                        lambda self, h, *a: calls.extend([len(h)] * len(self.array)) or stack(self, h, *a))
+    return calls
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -240,13 +253,40 @@ def test_many_rows_verify_through_the_kernels(tmp_path, monkeypatch):
     for s, p in enumerate(prompts):
         runner.forward([Row(s, p[:-5], 0)], logits="none")
     rows = [Row(s, p[-5:], len(p) - 5) for s, p in enumerate(prompts)]
-    calls = []
-    monkeypatch.setattr(cpu_kernels, "rope_attend",
-                        lambda *a, _f=cpu_kernels.rope_attend, **k: calls.append(1) or _f(*a, **k))
+    calls = spy_attention(monkeypatch)
     together = runner.forward(rows)[0]
-    assert len(calls) == model.cfg.num_layers
+    assert calls == [5 * rows_n] * model.cfg.num_layers
     for b, row in enumerate(rows):
         assert torch.equal(runner.forward([row])[0][0], together[b])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family,fields", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 6})])
+def test_stacked_layers_compute_as_the_layers_do(dtype, family, fields, tmp_path, monkeypatch):
+    """A CPU model of plain decoder layers runs them all in one DecoderStack call, whose logits
+    and kept hidden states equal the layers' own forwards bit for bit: a prompt, packed rows of
+    unequal lengths on scattered slots, a decode row beside a prompt chunk; with attention biases
+    (qwen2) and a sliding window too."""
+    make_tiny(family, tmp_path, **fields)
+    model = load_model(tmp_path, dtype, "cpu", max_len=256)
+    g = torch.Generator().manual_seed(11)
+    p0, p1, p2 = (torch.randint(0, 256, (n,), generator=g).tolist() for n in (30, 20, 9))
+
+    def run():
+        runner = ModelRunner(model, num_slots=4, max_len=256, max_step_tokens=64)
+        return [runner.forward([Row(1, p0[:20], 0)], hidden_layers=(0, 1)),
+                runner.forward([Row(3, p1[:12], 0)]),
+                runner.forward([Row(1, p0[20:21], 20), Row(3, p1[12:15], 12)], hidden_layers=(1,)),
+                runner.forward([Row(1, p0[21:22], 21)], chunks=[Row(0, p2, 0)])]
+    calls = spy_attention(monkeypatch)
+    stacked = run()
+    assert calls == [20, 20, 12, 12, 4, 4, 10, 10] and model.cpu_stack(dtype) is not None
+    monkeypatch.setattr(DecoderLM, "cpu_stack", lambda self, dtype: None)
+    layered = run()
+    for (logits, hidden), (expected, expected_hidden) in zip(stacked, layered):
+        assert torch.equal(logits, expected)
+        assert (hidden is None) == (expected_hidden is None)
+        assert hidden is None or torch.equal(hidden, expected_hidden)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -286,12 +326,11 @@ def test_rows_beside_prompt_chunks_compute_as_alone(family, tmp_path, monkeypatc
     runner.forward([Row(2, prompts[2][:10], 0)], logits="none")
     rows = [Row(0, prompts[0][-3:], 17), Row(1, prompts[1][-3:-2], 27)]
     alone = runner.forward(rows)[0]
-    calls = []
-    monkeypatch.setattr(cpu_kernels, "rope_attend", lambda *a, _f=cpu_kernels.rope_attend: calls.append(a) or _f(*a))
+    calls = spy_attention(monkeypatch)
     joined = runner.forward(rows, chunks=[Row(2, prompts[2][10:-1], 10), Row(3, prompts[3][:-1], 0)])[0]
     assert torch.equal(joined, alone)
     # every layer's rows (their 4 tokens) and chunks (29 and 24) in one kernel call
-    assert len(calls) == model.cfg.num_layers and all(len(a[0]) == 4 + 29 + 24 for a in calls)
+    assert calls == [4 + 29 + 24] * model.cfg.num_layers
     fresh = ModelRunner(model, num_slots=4, max_len=512, max_step_tokens=64)
     for slot in (2, 3):
         p = prompts[slot]

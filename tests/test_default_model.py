@@ -105,7 +105,8 @@ def test_bf16_prompt_chunks_compute_in_float32(default_model_dir, monkeypatch, c
         runner = ModelRunner(load_model(default_model_dir, dtype, "cpu", max_len=512), num_slots=1,
                              max_len=512, max_step_tokens=64)
         seen = []
-        hook = runner.model.layers[0].mlp.down.register_forward_hook(lambda m, args, out: seen.append(args[0].dtype))
+        hook = runner.model.register_forward_pre_hook(      # the dtype the forward computes in
+            lambda m, args, kwargs: seen.append(kwargs["compute_dtype"] or dtype), with_kwargs=True)
         for start in range(0, len(ids), chunk):
             runner.forward([Row(0, ids[start:start + chunk], start)], logits="none")
         hook.remove()

@@ -22,6 +22,7 @@ from outpace.config import EngineConfig
 from outpace.errors import InvalidParameterError
 from outpace.kernels import cpu_kernels
 from outpace.kernels.cpu_linear import QuantizedLinear, QuantizedParts
+from outpace.model.decoder import DecoderLM
 from outpace.runner.model_runner import ModelRunner, Row
 from outpace.weights import quantized
 from outpace.weights.gguf import QTYPES_KEY, GGUFFile, convert_gguf
@@ -182,6 +183,28 @@ def test_a_k_quant_gguf_computes_close_to_its_float_copy(home, tmp_path, dtype):
                for method in ("ngram", "none")]
     assert [o.token_ids for o in outputs[0]] == [o.token_ids for o in outputs[1]]
     assert all(len(o.token_ids) == 32 for o in outputs[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_layers_stacked_compute_as_the_layers_do(home, tmp_path, monkeypatch, dtype):
+    """Quantized layers, a qkv of mixed types with its biases among them, run in one
+    cpu_kernels.DecoderStack call with the logits of the layers' own forwards, bit for bit."""
+    kinds = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_1", "ffn_gate": "Q8_0",
+             "ffn_up": "Q8_0", "ffn_down": "Q5_0", "output": "Q6_K"}
+    shape = {"tie_word_embeddings": False, "vocab_size": 320, "hidden_size": 256, "intermediate_size": 512,
+             "head_dim": 64}
+    write_test_gguf(tmp_path / "m.gguf", "qwen2", shape, quantized=kinds)
+    model = load_model(convert_gguf(tmp_path / "m.gguf"), dtype, "cpu", max_len=64, weights="quantized")
+    assert model.cpu_stack(dtype) is not None and isinstance(model.layers[0].attn.qkv, QuantizedParts)
+
+    def run():
+        runner = ModelRunner(model, num_slots=2, max_len=64, max_step_tokens=64)
+        return [runner.forward([Row(0, list(range(3, 30)), 0)])[0], runner.forward([Row(1, [5, 6], 0)])[0],
+                runner.forward([Row(0, [7, 8, 9], 27), Row(1, [10], 2)])[0]]
+    stacked = run()
+    monkeypatch.setattr(DecoderLM, "cpu_stack", lambda self, dtype: None)
+    for got, expected in zip(stacked, run()):
+        assert torch.equal(got, expected)
 
 
 def test_inputs_not_whole_blocks_are_dequantized_with_a_warning(home, tmp_path, capsys):

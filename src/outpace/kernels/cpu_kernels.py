@@ -88,6 +88,8 @@ def _loaded() -> tuple[ctypes.CDLL, str] | None:
         rope_attend.argtypes = [p, i, p, i, p, p, p, p, p, i, p, i, i, i, i, i, i, f, p]
         rope_attend.restype = ctypes.c_int
     lib.argmax_f32.argtypes = [p, i, i, p]
+    lib.decoder_stack.argtypes = [p, i, ctypes.c_int, p, p, i, i, i, f, i, i, i, i, i, f, p, p, i, p, p, p, i, p, p, i, p]
+    lib.decoder_stack.restype = ctypes.c_int
     lib.linear.argtypes = [p, ctypes.c_int, i, i, p, ctypes.c_int, i, p, p, i]
     lib.linear.restype = ctypes.c_int
     lib.linear_bf16_dot.restype = ctypes.c_int
@@ -269,3 +271,68 @@ def rope_attend(qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch
         raise MemoryError("out of memory for attention scores") if failed == -1 else ValueError(
             f"CPU attention kernel: unsupported heads ({num_heads} query, {KVH} key/value) or head size {D}")
     return out
+
+
+MAX_PARTS = 3       # cpu_kernels.c's Product: runs of columns a product may have
+
+
+class _Product(ctypes.Structure):
+    _fields_ = [("parts", ctypes.c_long), ("weight", ctypes.c_void_p * MAX_PARTS), ("format", ctypes.c_long * MAX_PARTS),
+                ("columns", ctypes.c_long * MAX_PARTS), ("bias", ctypes.c_void_p * MAX_PARTS)]
+
+
+class _StackLayer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Product), ("o", _Product),
+                ("gate_up", _Product), ("down", _Product)]
+
+
+class DecoderStack:
+    """A decoder's layers as one call of cpu_kernels.c's decoder_stack: every layer's norms,
+    products, attention and SwiGLU, the same kernels in the same order as the layers' own forwards
+    (so the same bits), without a return to Python between them.
+
+    layers: per layer (input norm weight, post norm weight, qkv, o, gate_up, down), the norms in
+    the activations' dtype, each product as cpu_linear.kernel_parts lists it. The tensors are kept
+    here: the C structures point into them."""
+
+    def __init__(self, layers: list[tuple], eps: float, num_heads: int, intermediate: int):
+        self.tensors = []
+        self.array = (_StackLayer * len(layers))()
+        for entry, (input_norm, post_norm, *products) in zip(self.array, layers):
+            self.tensors += [input_norm, post_norm]
+            entry.input_norm, entry.post_norm = input_norm.data_ptr(), post_norm.data_ptr()
+            for name, runs in zip(("qkv", "o", "gate_up", "down"), products):
+                product = getattr(entry, name)
+                product.parts = len(runs)
+                for k, (weight, fmt, columns, bias) in enumerate(runs):
+                    product.weight[k], product.format[k], product.columns[k] = weight.data_ptr(), fmt, columns
+                    product.bias[k] = None if bias is None else bias.data_ptr()
+                    self.tensors += [weight, bias]
+        self.eps, self.num_heads, self.intermediate = eps, num_heads, intermediate
+
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, window: int | None,
+                 keep: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """h [T, H] the embedded tokens in the caches' dtype; cos, sin, slots, positions as
+        rope_attend takes them; caches [layers, slots, KVH, L, D]; keep: the layers whose output
+        stream to return. Returns (h, delta) after the last layer (the stream is h + delta) and
+        the kept layers' streams [T, len(keep), H] (None when keep is empty)."""
+        T, hidden = h.shape
+        KVH, L, D = k_cache.shape[2:]
+        h = h.clone()
+        delta = torch.empty_like(h)
+        at = torch.full((len(self.array),), -1, dtype=torch.int64)
+        for n, i in enumerate(keep):
+            at[i] = n
+        kept = h.new_empty(T, len(keep), hidden) if keep else None
+        slots, positions = slots.contiguous(), positions.contiguous()
+        failed = _library().decoder_stack(
+            self.array, len(self.array), h.dtype == torch.float32, h.data_ptr(), delta.data_ptr(), T, hidden,
+            self.intermediate, self.eps, self.num_heads, KVH, D, L, window or 0, D ** -0.5, k_cache.data_ptr(),
+            v_cache.data_ptr(), k_cache.stride(0), cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
+            slots.data_ptr(), T // slots.numel(), positions.data_ptr(), at.data_ptr(), len(keep),
+            None if kept is None else kept.data_ptr())
+        if failed:
+            raise MemoryError("out of memory in a CPU decoder step") if failed == -1 else ValueError(
+                "CPU decoder kernel: a product or attention it cannot take")
+        return h, delta, kept

@@ -153,3 +153,22 @@ class QuantizedParts(nn.Module):
                                out[..., start:start + rows])
             start += rows
         return out
+
+
+def kernel_parts(layer: nn.Module) -> list[tuple[torch.Tensor, int, int, torch.Tensor | None]] | None:
+    """How cpu_kernels.linear computes a layer: its output columns in order as runs of (packed
+    weight, format, columns, float32 bias or None), one run a part of a QuantizedParts; None where
+    the layer is not computed by the kernels."""
+    if isinstance(layer, QuantizedParts):
+        bias = None if layer.bias is None else layer.bias.detach().float()
+        runs, start = [], 0
+        for part in layer.parts:
+            rows = part.out_features
+            runs.append((part.packed, part.format, rows, None if bias is None else bias[start:start + rows]))
+            start += rows
+        return runs
+    if isinstance(layer, QuantizedLinear):
+        return [(layer.packed, layer.format, layer.out_features, None if layer.bias is None else layer.bias.detach().float())]
+    if isinstance(layer, PackedLinear) and layer.kernel:
+        return [(layer.packed, layer.format, layer.out_features, layer.bias)]
+    return None

@@ -7,9 +7,11 @@ import torch
 from torch import nn
 
 from outpace.model.config import ModelConfig
+from outpace.kernels import cpu_kernels
+from outpace.kernels.cpu_linear import kernel_parts
 from outpace.kernels.fused import linear, linear_rows
 from outpace.runner.kv_cache import KVCache
-from outpace.model.layers import DecoderLayer, ForwardBatch, RMSNorm
+from outpace.model.layers import MLP, Attention, AttentionKind, DecoderLayer, ForwardBatch, RMSNorm
 from outpace.model.rope import rope_tables
 
 
@@ -36,7 +38,9 @@ class DecoderLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_len: int):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # given its (meta) weight, the embedding skips its random init, whose first call on the meta
+        # device imports torch._dynamo: 2.4 s of every start
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_layers))
         self.norm = self.NORM(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -44,6 +48,7 @@ class DecoderLM(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_len, cfg.rope_scaling, cfg.rotary_dim)
         self.register_buffer("rope_cos", cos, persistent=False)   # [max_len, D] float32
         self.register_buffer("rope_sin", sin, persistent=False)
+        self._stacks = {}   # (activations' dtype, the layers' first product) -> cpu_kernels.DecoderStack or None
 
     def make_layer(self, i: int) -> nn.Module:
         return DecoderLayer(self.cfg, i)
@@ -76,12 +81,22 @@ class DecoderLM(nn.Module):
             positions = batch.rope_positions
         cos = self.rope_cos[positions].to(h.dtype).unsqueeze(-2)         # [B, S, 1, D] or [T, 1, D]
         sin = self.rope_sin[positions].to(h.dtype).unsqueeze(-2)
-        kept = []
         rows = len(batch.packed.index) if batch.packed is not None else None    # the rows' tokens come first
-        for i, (h, delta) in enumerate(self.run_layers(h, cos, sin, batch, cache)):
-            if i in hidden_layers:
-                kept.append((h + delta)[:rows].reshape(-1, h.shape[-1]).to(hidden_dtype))
-        hidden = torch.stack(kept, dim=1) if kept else None             # [N, layers, H]
+        stack = self.cpu_stack(h.dtype) if batch.attention is AttentionKind.CPU_KERNEL and h.dtype == cache.k.dtype \
+            else None
+        if stack is not None:
+            pk = batch.packed
+            h, delta, hidden = stack(h.reshape(-1, h.shape[-1]), cos, sin, cache.k, cache.v,
+                                     batch.slots if pk is None else pk.slots,
+                                     batch.positions if pk is None else pk.positions, self.cfg.sliding_window,
+                                     [i for i in range(len(self.layers)) if i in hidden_layers])
+            hidden = None if hidden is None else hidden[:rows]
+        else:
+            kept = []
+            for i, (h, delta) in enumerate(self.run_layers(h, cos, sin, batch, cache)):
+                if i in hidden_layers:
+                    kept.append((h + delta)[:rows].reshape(-1, h.shape[-1]).to(hidden_dtype))
+            hidden = torch.stack(kept, dim=1) if kept else None             # [N, layers, H]
         if not batch.logits:
             return None, hidden
         if batch.packed is not None and batch.packed.chunks:    # prompt chunks' tokens return nothing
@@ -90,6 +105,32 @@ class DecoderLM(nn.Module):
         # the LM head in the weights' dtype (a float32 forward's rows would widen its whole matrix)
         logits = self.lm_logits(normed.reshape(-1, normed.shape[-1]).to(hidden_dtype))
         return logits, hidden
+
+    def cpu_stack(self, dtype: torch.dtype) -> cpu_kernels.DecoderStack | None:
+        """The layers as one call of the CPU kernels (cpu_kernels.DecoderStack) for activations of
+        this dtype, where every layer is a plain DecoderLayer (no query/key norms, no override of
+        run_layers) whose products the kernels compute; else None (the layers' own forwards).
+        Built at the first CPU_KERNEL forward after the weights are in place."""
+        first = self.layers[0] if len(self.layers) else None
+        key = (dtype, id(getattr(getattr(first, "attn", None), "qkv", None)))     # packing replaces the products
+        if key not in self._stacks:
+            self._stacks[key] = self._build_stack(dtype)
+        return self._stacks[key]
+
+    def _build_stack(self, dtype: torch.dtype) -> cpu_kernels.DecoderStack | None:
+        if type(self).run_layers is not DecoderLM.run_layers or not self.layers:
+            return None
+        layers = []
+        for layer in self.layers:
+            if (type(layer) is not DecoderLayer or type(layer.attn) is not Attention or type(layer.mlp) is not MLP
+                    or layer.attn.q_norm is not None):
+                return None
+            products = [kernel_parts(m) for m in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)]
+            if any(p is None or len(p) > cpu_kernels.MAX_PARTS for p in products):
+                return None
+            norms = [norm.weight.detach().to(dtype).contiguous() for norm in (layer.input_norm, layer.post_norm)]
+            layers.append((*norms, *products))
+        return cpu_kernels.DecoderStack(layers, self.cfg.rms_norm_eps, self.cfg.num_heads, self.cfg.intermediate_size)
 
     def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head: x [N, H] -> float32 logits [N, logit_rows] (a draft model's draft
