@@ -12,7 +12,6 @@ from outpace.kernels.cpu_linear import kernel_parts
 from outpace.kernels.fused import linear, linear_rows
 from outpace.runner.kv_cache import KVCache
 from outpace.model.layers import MLP, Attention, AttentionKind, DecoderLayer, ForwardBatch, RMSNorm
-from outpace.model.rope import rope_tables
 
 
 class DecoderLM(nn.Module):
@@ -38,16 +37,18 @@ class DecoderLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_len: int):
         super().__init__()
         self.cfg = cfg
-        # given its (meta) weight, the embedding skips its random init, whose first call on the meta
-        # device imports torch._dynamo: 2.4 s of every start
+        # given its (meta) weight, the embedding skips its random init: an op on the meta device
+        # (as rope_tables' would be) runs PyTorch's Python reference, whose first call imports
+        # torch._dynamo, 2.4 s of every start
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_layers))
         self.norm = self.NORM(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.logit_rows = cfg.vocab_size    # the token ids [0, logit_rows) whose logits forward computes
-        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_len, cfg.rope_scaling, cfg.rotary_dim)
-        self.register_buffer("rope_cos", cos, persistent=False)   # [max_len, D] float32
-        self.register_buffer("rope_sin", sin, persistent=False)
+        # [max_len, D] float32, filled by loader.empty_model (rope_tables) once the model, built on
+        # the meta device, has its memory
+        self.register_buffer("rope_cos", torch.empty(max_len, cfg.head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(max_len, cfg.head_dim), persistent=False)
         self._stacks = {}   # (activations' dtype, the layers' first product) -> cpu_kernels.DecoderStack or None
 
     def make_layer(self, i: int) -> nn.Module:
