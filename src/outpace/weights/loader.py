@@ -77,14 +77,31 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: str, max_len: int,
         check_shardable(cfg, shard.world_size, family)
     with torch.device("meta"):
         model = family(cfg, max_len) if shard is None else TensorParallelLM(cfg, max_len, shard)
-    model.to_empty(device=device)
+    _allocate(model, device)
     if before_cast is not None:
         before_cast(model)
     model.to(dtype)
-    # rope tables stay float32 whatever the model dtype; to_empty left them uninitialised
+    # rope tables stay float32 whatever the model dtype; _allocate left them uninitialised
     cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_len, cfg.rope_scaling, cfg.rotary_dim)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     return model
+
+
+def _allocate(model: torch.nn.Module, device: str) -> None:
+    """Every meta parameter and buffer of model replaced by uninitialised memory on device, shared
+    ones staying shared. Module.to_empty does this through torch.empty_like, which on meta tensors
+    runs PyTorch's Python reference and imports sympy: about 38 MB and a second of every start."""
+    made = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in made:
+                    empty = torch.empty(t.shape, dtype=t.dtype, device=device)
+                    made[id(t)] = (torch.nn.Parameter(empty, requires_grad=t.requires_grad)
+                                   if isinstance(t, torch.nn.Parameter) else empty)
+                table[name] = made[id(t)]
 
 
 def ready(model: DecoderLM, device: str) -> DecoderLM:
