@@ -195,8 +195,8 @@ static void add_norm(int wide, const void *h, const void *delta, const void *wei
 /* Every layer of a decoder (layers.DecoderLayer: pre-norm attention without query/key norms, a
  * SwiGLU MLP) over T tokens in one call, each op the same kernel the layer's Python forward calls,
  * in the same order, so the result is bit for bit the per-layer one. A decode step of the default
- * model makes about 250 such calls; from Python each cost a few microseconds of interpreter and
- * ctypes work, a fifth of the step.
+ * model makes about 250 such calls; made from Python, each paid interpreter and ctypes work and
+ * the products' threads went idle between them (docs/DESIGN.md, "CPU steps").
  *
  * h [T, hidden]: the embedded tokens, replaced by the residual stream before the last layer's MLP
  * output; delta [T, hidden]: that output (the stream is h + delta, which the final norm adds).

@@ -75,6 +75,10 @@ class PackedLinear(nn.Module):
             bias = None if bias is None else bias.clone()
         self.register_buffer("bias", bias, persistent=False)
 
+    def runs(self) -> list[tuple[torch.Tensor, int, int, torch.Tensor | None]]:
+        """The kernels' packed weight as kernel_parts lists it (self.kernel only)."""
+        return [(self.packed, self.format, self.out_features, self.bias)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel:
             return cpu_kernels.linear(x, self.packed, self.format, self.bias, self.out_features)
@@ -123,6 +127,10 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.first_rows(x, self.out_features)
 
+    def runs(self) -> list[tuple[torch.Tensor, int, int, torch.Tensor | None]]:
+        """Its packed blocks as kernel_parts lists them."""
+        return [(self.packed, self.format, self.out_features, None if self.bias is None else self.bias.detach().float())]
+
     def first_rows(self, x: torch.Tensor, n: int) -> torch.Tensor:
         """self(x)[..., :n], those outputs alone (pack_quantized keeps output columns in order)."""
         bias = None if self.bias is None else self.bias[:n].float()
@@ -144,13 +152,20 @@ class QuantizedParts(nn.Module):
                                    for blocks, qtype in runs)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.float()
-        out, start = x.new_empty(*x.shape[:-1], self.out_features), 0
+    def runs(self) -> list[tuple[torch.Tensor, int, int, torch.Tensor | None]]:
+        """Its parts as kernel_parts lists them: each part's packed blocks and its rows of the bias."""
+        bias = None if self.bias is None else self.bias.detach().float()
+        runs, start = [], 0
         for part in self.parts:
             rows = part.out_features
-            cpu_kernels.linear(x, part.packed, part.format, None if bias is None else bias[start:start + rows], rows,
-                               out[..., start:start + rows])
+            runs.append((part.packed, part.format, rows, None if bias is None else bias[start:start + rows]))
+            start += rows
+        return runs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, start = x.new_empty(*x.shape[:-1], self.out_features), 0
+        for packed, fmt, rows, bias in self.runs():
+            cpu_kernels.linear(x, packed, fmt, bias, rows, out[..., start:start + rows])
             start += rows
         return out
 
@@ -159,16 +174,6 @@ def kernel_parts(layer: nn.Module) -> list[tuple[torch.Tensor, int, int, torch.T
     """How cpu_kernels.linear computes a layer: its output columns in order as runs of (packed
     weight, format, columns, float32 bias or None), one run a part of a QuantizedParts; None where
     the layer is not computed by the kernels."""
-    if isinstance(layer, QuantizedParts):
-        bias = None if layer.bias is None else layer.bias.detach().float()
-        runs, start = [], 0
-        for part in layer.parts:
-            rows = part.out_features
-            runs.append((part.packed, part.format, rows, None if bias is None else bias[start:start + rows]))
-            start += rows
-        return runs
-    if isinstance(layer, QuantizedLinear):
-        return [(layer.packed, layer.format, layer.out_features, None if layer.bias is None else layer.bias.detach().float())]
-    if isinstance(layer, PackedLinear) and layer.kernel:
-        return [(layer.packed, layer.format, layer.out_features, layer.bias)]
+    if isinstance(layer, (QuantizedParts, QuantizedLinear)) or isinstance(layer, PackedLinear) and layer.kernel:
+        return layer.runs()
     return None
