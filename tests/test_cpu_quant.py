@@ -227,6 +227,31 @@ def test_kquant_products_follow_the_int8_scheme(qtype, n_in, n_out):
     assert_products_equal_emulation(blocks, qtype, n_in, n_out, kquant_reference)
 
 
+# each format's quantized bytes in its GGUF block [start, end), set to all ones: every weight its
+# format's largest (Q4_0, Q4_1, Q4_K 15, Q5_0 31, Q6_K 63; Q8_0 -1, and 127 below)
+QUANT_BYTES = {"Q8_0": (2, 34), "Q4_1": (4, 20), "Q4_0": (2, 18), "Q5_0": (2, 22), "Q4_K": (16, 144), "Q6_K": (0, 192)}
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_the_largest_integer_sums_are_exact(qtype):
+    """Every weight at its format's largest and every input at +-127 of one sign: the integer sums
+    at their bound (the kernels add a few runs' products in 16 bits where the level allows,
+    cpu_vec.h's SUM16_RUNS) still equal the emulation bit for bit."""
+    n_in, n_out = 512, 32
+    blocks, _ = quantized(qtype, n_out, n_in, seed=11)
+    start, end = QUANT_BYTES[qtype]
+    raw = blocks.view(n_out, -1, BLOCK_BYTES.get(qtype) or (144 if qtype == "Q4_K" else 210))
+    raw[..., start:end] = 0xFF
+    if qtype == "Q8_0":
+        raw[n_out // 2:, :, start:end] = 0x7F
+    packed, fmt = cpu_kernels.pack_quantized(blocks, qtype), cpu_kernels.QUANT_FORMATS[qtype]
+    x = torch.ones(3, n_in)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    emulation = kquant_reference if qtype in KQUANT_HALVES else reference
+    assert torch.equal(cpu_kernels.linear(x, packed, fmt, None, n_out), emulation(x, blocks, qtype))
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_each_row_computes_alike_in_any_call(qtype):
     """A row's product is the same bits alone, first, last or in the middle of 1..16 rows."""

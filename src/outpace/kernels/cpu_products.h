@@ -336,14 +336,39 @@ static inline __attribute__((always_inline)) void q4_k_scales(const uint8_t *b, 
     *low = vf_mul(neg_dmin, m);
 }
 
+/* A tile's W_Q4_K scales and negated minima, as tile_kquant computes them, into [K / 32][2][TILE_COLS]
+ * (block b's scales of the tile's columns, then its minima): once a tile for a call whose rows take
+ * several row tiles, which then read them instead of unpacking each (with SUM16, 64-row Q4_K
+ * products 1.17-1.19x faster on an AMD EPYC) */
+static void q4_k_tile_scales(const char *w, long K, int vecs, float *into) {
+    long groups = K / 256, block_bytes = groups * Q4_K_GROUP_BYTES;
+    for (int v = 0; v < vecs; v++) {
+        int c = v * VL % 16;
+        for (long g = 0; g < groups; g++) {
+            const char *at = w + v * VL / 16 * block_bytes + g * Q4_K_GROUP_BYTES;
+            VF d = vf_load_half((const uint16_t *)at + c);
+            VF neg_dmin = vf_mul(vf_load_half((const uint16_t *)at + 16 + c), vf_set1(-1.0f));
+            for (int j = 0; j < 8; j++) {
+                VF scale, low;
+                q4_k_scales((const uint8_t *)at + 64 + c, j, d, neg_dmin, &scale, &low);
+                float *block = into + (8 * g + j) * 2 * TILE_COLS + v * VL;
+                vf_store(block, scale);
+                vf_store(block + TILE_COLS, low);
+            }
+        }
+    }
+}
+
 /* W_Q4_K or W_Q6_K weights over rows quantized to int8: per block of 32 inputs (Q4_K's sub-block,
  * Q6_K's two sub-blocks of 16), the runs of 4 inputs' weights are loaded (nibbles split, Q6_K's
  * fourth run joined from the top bits of its quad's three), each row's 4 inputs broadcast as one
- * int32 and their products summed in int32 lanes (vi_dot_u8: the values are unsigned, at most
- * 63); then each block joins the float32 sums as the top of this file says. */
+ * int32 and their products summed in int32 lanes (vi_dot_u8's products: the values are unsigned,
+ * at most 63; in 16-bit sums over SUM16_RUNS runs, then widened); then each block joins the
+ * float32 sums as the top of this file says. */
 static inline __attribute__((always_inline)) void tile_kquant(QuantRows xq, long K, const char *w, int format,
-                                                              long rows, int vecs, const float *bias, long n_valid,
-                                                              void *out, int wide_out, long N) {
+                                                              const float *scales, long rows, int vecs,
+                                                              const float *bias, long n_valid, void *out,
+                                                              int wide_out, long N) {
     long groups = K / 256, blocks = K / 32, group_bytes = kquant_group_bytes(format), block_bytes = groups * group_bytes;
     VF acc[TILE_ROWS][TILE_VECS];
 #pragma GCC unroll 16
@@ -376,6 +401,7 @@ static inline __attribute__((always_inline)) void tile_kquant(QuantRows xq, long
 #pragma GCC unroll 16
                     for (int v = 0; v < TILE_VECS; v++) isum[m][v] = vi_zero();
                 }
+                _Static_assert(SUM16_RUNS(15) >= 8, "a 16-bit sum takes a Q4_K sub-block's 8 runs");
                 for (int t = 0; t < 8; t++) {
                     VI q[TILE_VECS];
 #pragma GCC unroll 16
@@ -389,14 +415,25 @@ static inline __attribute__((always_inline)) void tile_kquant(QuantRows xq, long
                         memcpy(&x4, in + m * K + 4 * t, sizeof x4);
 #pragma GCC unroll 16
                         for (int v = 0; v < TILE_VECS; v++) {
-                            if (v < vecs) isum[m][v] = vi_dot_u8(isum[m][v], q[v], x4);
+                            if (v < vecs) isum[m][v] = vi_sum16_u8(isum[m][v], q[v], x4);
                         }
                     }
+                }
+#pragma GCC unroll 16
+                for (int m = 0; m < TILE_ROWS; m++) {
+#pragma GCC unroll 16
+                    for (int v = 0; v < TILE_VECS; v++) isum[m][v] = vi_add_sum16(vi_zero(), isum[m][v]);
                 }
                 VF scale[TILE_VECS], low[TILE_VECS];
 #pragma GCC unroll 16
                 for (int v = 0; v < TILE_VECS; v++) {
-                    if (v < vecs) q4_k_scales((const uint8_t *)at[v] + 64 + c[v], j, d[v], neg_dmin[v], &scale[v], &low[v]);
+                    if (v >= vecs) continue;
+                    if (scales) {
+                        scale[v] = vf_load(scales + 2 * b * TILE_COLS + v * VL);
+                        low[v] = vf_load(scales + (2 * b + 1) * TILE_COLS + v * VL);
+                    } else {
+                        q4_k_scales((const uint8_t *)at[v] + 64 + c[v], j, d[v], neg_dmin[v], &scale[v], &low[v]);
+                    }
                 }
 #pragma GCC unroll 16
                 for (int m = 0; m < TILE_ROWS; m++) {
@@ -430,6 +467,13 @@ static inline __attribute__((always_inline)) void tile_kquant(QuantRows xq, long
                     q[2][v] = vi_byte_bits(r2, 0, 63);
                     q[3][v] = vi_or(vi_or(vi_byte_bits(r0, 6, 3), vi_byte_bits(r1, 4, 12)), vi_byte_bits(r2, 2, 48));
                 }
+                int per_sum = SUM16_RUNS(63);       /* runs a 16-bit sum takes */
+                VI s16[TILE_ROWS][TILE_VECS];
+#pragma GCC unroll 16
+                for (int m = 0; m < TILE_ROWS; m++) {
+#pragma GCC unroll 16
+                    for (int v = 0; v < TILE_VECS; v++) s16[m][v] = vi_zero();
+                }
 #pragma GCC unroll 4
                 for (int t = 0; t < 4; t++) {
 #pragma GCC unroll 16
@@ -439,7 +483,16 @@ static inline __attribute__((always_inline)) void tile_kquant(QuantRows xq, long
                         memcpy(&x4, in + m * K + 16 * half + 4 * t, sizeof x4);
 #pragma GCC unroll 16
                         for (int v = 0; v < TILE_VECS; v++) {
-                            if (v < vecs) isum[m][v] = vi_dot_u8(isum[m][v], q[t][v], x4);
+                            if (v < vecs) s16[m][v] = vi_sum16_u8(s16[m][v], q[t][v], x4);
+                        }
+                    }
+                    if ((t + 1) % per_sum && t < 3) continue;
+#pragma GCC unroll 16
+                    for (int m = 0; m < TILE_ROWS; m++) {
+#pragma GCC unroll 16
+                        for (int v = 0; v < TILE_VECS; v++) {
+                            isum[m][v] = vi_add_sum16(isum[m][v], s16[m][v]);
+                            s16[m][v] = vi_zero();
                         }
                     }
                 }
@@ -535,13 +588,13 @@ static void tiles_int8(QuantRows xq, long K, const char *w, int format, long row
     }
 }
 
-#define KQUANT(R, V) if (format == W_Q4_K) tile_kquant(xq, K, w, W_Q4_K, R, V, bias, n_valid, out, wide_out, N); \
-                     else tile_kquant(xq, K, w, W_Q6_K, R, V, bias, n_valid, out, wide_out, N);
+#define KQUANT(R, V) if (format == W_Q4_K) tile_kquant(xq, K, w, W_Q4_K, scales, R, V, bias, n_valid, out, wide_out, N); \
+                     else tile_kquant(xq, K, w, W_Q6_K, NULL, R, V, bias, n_valid, out, wide_out, N);
 #define KQUANT_CASE(R) case R: if (R > QUANT_ROWS) break; \
                        if (TILE_COLS == 16 || vecs == TILE_VECS) { KQUANT(R, TILE_VECS) } else { KQUANT(R, vecs) } break;
 
-static void tiles_kquant(QuantRows xq, long K, const char *w, int format, long rows, int vecs, const float *bias,
-                         long n_valid, void *out, int wide_out, long N) {
+static void tiles_kquant(QuantRows xq, long K, const char *w, int format, const float *scales, long rows, int vecs,
+                         const float *bias, long n_valid, void *out, int wide_out, long N) {
     switch (rows) {
         KQUANT_CASE(1) KQUANT_CASE(2) KQUANT_CASE(3) KQUANT_CASE(4) KQUANT_CASE(5) KQUANT_CASE(6)
     }
@@ -608,12 +661,17 @@ int linear(const void *x, int wide_io, long M, long K, const void *w, int format
         for (long i = 0; i < M * K; i++) widened[i] = bf16_to_f32(((const bf16 *)x)[i]);
         x_f32 = scratch = widened;
     }
-#pragma omp parallel for schedule(static) if (tiles > 1)
+#pragma omp parallel if (tiles > 1)
+    {
+    /* a thread's Q4_K tile scales (NULL: the tiles unpack their own) where rows take several row tiles */
+    float *scales = format == W_Q4_K && parts > 1 ? malloc(sizeof(float) * (size_t)(K / 32 * 2 * TILE_COLS)) : NULL;
+#pragma omp for schedule(static)
     for (long t = 0; t < tiles; t++) {
         long col = t * TILE_COLS;
         int vecs = (int)((padded - col < TILE_COLS ? padded - col : TILE_COLS) / VL);
         const char *w_t = (const char *)w + col * column_bytes;
         const float *bias_t = bias ? bias + col : NULL;
+        if (scales) q4_k_tile_scales(w_t, K, vecs, scales);
         for (long m0 = 0; m0 < M; m0 += per_part) {
             long rows = M - m0 < per_part ? M - m0 : per_part;
             void *out_t = (char *)out + (m0 * out_stride + col) * out_size;
@@ -627,12 +685,15 @@ int linear(const void *x, int wide_io, long M, long K, const void *w, int format
                 long b = m0 * K / 32;
                 QuantRows part = {xq.q + m0 * K, xq.d + b, xq.sum + b, xq.d_sum + b, xq.half_sum + b};
                 if (quant) tiles_int8(part, K, w_t, format, rows, vecs, bias_t, N - col, out_t, wide_io, out_stride);
-                else tiles_kquant(part, K, w_t, format, rows, vecs, bias_t, N - col, out_t, wide_io, out_stride);
+                else tiles_kquant(part, K, w_t, format, scales, rows, vecs, bias_t, N - col, out_t, wide_io,
+                                  out_stride);
             } else {
                 tiles_dense(x_f32 + m0 * K, K, w_t, format == W_F32, rows, vecs, bias_t, N - col, out_t, wide_io,
                             out_stride);
             }
         }
+    }
+    free(scales);
     }
     free(scratch);
     return 0;
