@@ -17,7 +17,8 @@
  *
  * VI holds VL int32 lanes, one a column, for the int8 products; as loaded, lane l is the 4 bytes
  * p[4l..4l+4) (byte j: input j of a run of 4), the column's weights:
- *   vi_zero(), vi_set1(x), vi_sub(a, b), vi_mul(a, b) (low 32 bits), vf_of_vi(v) (exact below 2^24)
+ *   vi_zero(), vi_set1(x), vi_add(a, b), vi_sub(a, b), vi_mul(a, b) (low 32 bits), vf_of_vi(v)
+ *                                  (exact below 2^24)
  *   vi_load(p)                     p[0..4 VL) as above
  *   vi_widen_i8(p)                 VL int8 values p[0..VL), lane l = p[l]
  *   vi_low_nibbles(v), vi_high_nibbles(v)   each byte's low / high 4 bits, as a byte
