@@ -1,4 +1,6 @@
 """The draft controller: drafts when it pays, stops when it does not, and probes again later."""
+import pytest
+
 from outpace.speculative.controller import PROBE_DRAFTS, DraftController
 
 FLAT = {1: [1.0] * 9}
@@ -334,3 +336,42 @@ def test_a_drafter_priced_out_by_the_priors_is_measured_first():
             probes += 1
         assert PROBE_DRAFTS <= probes < 2 * PROBE_DRAFTS if not accepted else probes == 100
         assert (c.num_draft([1000], 1) > 0) == drafts_after
+
+
+def test_a_row_drafts_only_where_drafting_repays_its_setup():
+    """A row that must first pay seconds of setup (a draft model reading the tokens it skipped)
+    drafts where its remaining tokens' savings repay them, and not elsewhere; the batch's length
+    stands for the others. Untimed, setups are not weighed."""
+    c = DraftController(8, {2: [1.0 + 0.2 * k for k in range(9)]})
+    for _ in range(10):
+        for s in (0, 1):
+            c.observe(s, 8, 8, 8)
+    k = c.num_draft([0, 1], 2)
+    assert k > 0
+    # a plain step of 2 rows costs 1 s: a token saves under half a second
+    assert c.row_lengths([0, 1], 2, [0.0, 1.0], [100, 100]) == [k, k]
+    assert c.row_lengths([0, 1], 2, [0.0, 100.0], [100, 100]) == [k, 0]
+    assert c.row_lengths([0, 1], 2, [0.0, 1.0], [1, 1]) == [k, 0]
+    assert 0.0 < c.saving[2] < 0.5
+    assert c.pays_setup(1.0, 100, 2) and not c.pays_setup(100.0, 100, 2)
+    untimed = DraftController(8)
+    assert untimed.row_lengths([0, 1], 1, [0.0, 1e9], [1, 1]) == [8, 8] and untimed.pays_setup(1e9, 1, 1)
+
+
+def test_a_row_that_does_not_pay_to_draft_pays_no_setup():
+    """Where drafting loses (every draft rejected), a row's saving is nothing, so any setup is
+    refused, a probe's included: a probe is for a row that is ready to draft."""
+    c = DraftController(8, STEEP)
+    for _ in range(20):
+        c.observe(0, 8, 8, 0)
+    assert c.row_lengths([0], 1, [1e-6], [1000]) == [0] and c.saving[1] == 0.0
+    assert not c.pays_setup(1e-6, 1000, 1)
+
+
+def test_remaining_tokens_follow_finished_sequences():
+    c = DraftController(8, FLAT)
+    assert c.remaining(0, 500) == 500
+    for s in range(20):
+        c.end(s, 40)
+    assert c.remaining(0, 500) == pytest.approx(40) and c.remaining(30, 500) == pytest.approx(10)
+    assert c.remaining(100, 500) == pytest.approx(10) and c.remaining(0, 16) == 16

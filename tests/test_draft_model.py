@@ -19,7 +19,6 @@ from outpace import LLM, SamplingParams, SpecConfig
 from outpace.engine.llm_engine import LLMEngine
 from outpace.errors import IncompatibleModelsError, InvalidParameterError
 from outpace.runner.cuda_graphs import CudaGraphRunner
-from outpace.speculative.draft_model import DraftModelDrafter
 from tiny import make_tiny
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [100, 200, 300, 100, 200], [7] * 30, [42],
@@ -115,15 +114,15 @@ def test_a_plain_request_costs_the_draft_model_nothing(folders, plain):
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain and calls
 
 
-def test_prompts_wait_for_the_catch_up_while_the_model_is_not_asked(folders, plain, monkeypatch):
-    """While no step asks the model for drafts its prompt chunks are not cached (no forward), and
-    a row that later drafts catches up on its whole prompt in propose: the target as its own draft,
-    every draft accepted, shows that cache equals the chunked one."""
-    monkeypatch.setattr(DraftModelDrafter, "verified", lambda self, result: setattr(self, "drafting", False))
+def test_deferred_prompts_wait_for_the_catch_up(folders, plain):
+    """Where the controller does not expect a sequence to repay its prompt's setup, its prompt
+    chunks are not cached (no forward), and a row that later drafts catches up on its whole prompt
+    in propose: the target as its own draft, every draft accepted, shows that cache equals the
+    chunked one."""
     spec = SpecConfig(method="draft", draft_model=str(folders[0]), num_draft_tokens=4, draft_vocab=0)
     llm = LLM(str(folders[0]), spec=spec, **OPTIONS)
+    llm.engine.controller.pays_setup = lambda seconds, room, batch_size: False
     drafter = llm.engine.drafter
-    drafter.drafting = False
     forward, prefills = drafter.runner.forward, []
 
     def counting(rows, logits="all", *args, **kwargs):
@@ -134,6 +133,46 @@ def test_prompts_wait_for_the_catch_up_while_the_model_is_not_asked(folders, pla
     assert [o.token_ids for o in out] == plain and not prefills
     drafted = sum(o.spec["num_draft_tokens"] for o in out)
     assert drafted > 0 and sum(o.spec["num_accepted_tokens"] for o in out) == drafted
+
+
+def test_a_catch_up_that_would_not_be_repaid_is_not_paid(folders, plain):
+    """A timed controller weighs the catch-up a row must pay before its first draft (its prompt,
+    deferred here) against what drafting saves over the tokens the row has left: priced at an
+    hour, it is never paid, probes included, and the draft model drafts nothing (the prompts it
+    cached before the controller's first decision aside)."""
+    spec = SpecConfig(method="draft", draft_model=str(folders[0]), num_draft_tokens=4, draft_vocab=0)
+    llm = LLM(str(folders[0]), spec=spec, **{**OPTIONS, "calibrate": True})
+    engine = llm.engine
+    assert engine.controller.is_timed
+    engine.drafter.setup_seconds = lambda seq_ids: [3600.0] * len(seq_ids)
+    forward, calls = engine.drafter.runner.forward, []
+
+    def counting(rows, logits="all", *args, **kwargs):
+        calls.extend([rows] if logits != "none" else [])
+        return forward(rows, logits, *args, **kwargs)
+    engine.drafter.runner.forward = counting
+    out = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in out] == plain
+    assert not calls and sum(o.spec["num_draft_tokens"] for o in out) == 0
+    # priced at nothing, the same rows draft (the probes at least)
+    engine.drafter.setup_seconds = lambda seq_ids: [0.0] * len(seq_ids)
+    out = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in out] == plain and calls and sum(o.spec["num_draft_tokens"] for o in out) > 0
+
+
+def test_the_catch_up_is_priced_by_the_tokens_the_model_lacks(folders):
+    """setup_seconds: nothing for the one or two tokens a drafting step leaves, the measured
+    curve for more (the whole prompt before it is cached), growing with them."""
+    spec = SpecConfig(method="draft", draft_model=str(folders[0]), num_draft_tokens=4, draft_vocab=0)
+    drafter = LLM(str(folders[0]), spec=spec, **OPTIONS).engine.drafter
+    assert [n for n, _ in drafter.catch_up] == [1, 8, 32, 128]
+    drafter.catch_up = [(1, 0.0), (8, 0.7), (32, 3.1), (128, 12.7)]
+    drafter.begin(0, [5] * 2)
+    drafter.begin(1, [5] * 20)
+    drafter.begin(2, [5] * 200)
+    assert drafter.setup_seconds([0, 1, 2]) == pytest.approx([0.0, 1.9, 19.9])
+    drafter.valid[1] = 19
+    assert drafter.setup_seconds([1]) == [0.0]
 
 
 def test_another_draft_model_keeps_greedy_output(folders, plain):

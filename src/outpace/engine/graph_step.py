@@ -117,15 +117,16 @@ class GraphStep(EagerStep):
         if (scheduler.waiting and scheduler.free_slots) or len(scheduler.running) != len(seqs):
             return None
         ahead = shape[1]                                # the most tokens the step being read adds to a row
-        speculating = [s.seq_id for s in seqs if s.speculate]
-        drafts = bool(speculating) and self.extension is not None
-        k = self.controller.num_draft(speculating, len(seqs)) if speculating else 0
-        if speculating and not drafts and (k or self.drafter.uses_room):
+        speculating = any(s.speculate for s in seqs)
+        drafts = speculating and self.extension is not None
+        lengths = self.lengths(seqs)
+        if speculating and not drafts and (any(lengths) or self.drafter.uses_room):
             # a drafter outside the graph drafts the next step (a chain's lookup, free, drafts
             # whatever the controller's length): it is proposed, not launched
             return None
         # a launched step cannot take a buffer row: only rows that have one draft
-        budget = [min(k, self.budget_for(s, ahead)) if drafts and self.extension.has_row(s.seq_id) else 0 for s in seqs]
+        budget = [min(k, self.budget_for(s, ahead)) if drafts and self.extension.has_row(s.seq_id) else 0
+                  for s, k in zip(seqs, lengths)]
         rows = [Row(s.slot, [0], len(s.token_ids) - 1 + ahead) for s in seqs]     # starts, at the most
         if max(r.start for r in rows) + 1 + max(budget) > self.max_model_len:
             return None

@@ -253,9 +253,17 @@ class LLMEngine:
             return
         if len(mine) < len(chunks):
             chunks, hidden = [chunks[i] for i in mine], None if hidden is None else hidden[mine]
+        # a sequence's first chunk: whether its drafting is expected to repay the drafter's setup
+        # for its prompt at the present load, the sequences running (the later chunks follow it:
+        # the drafter caches a chunk only after the one before it)
+        setup = self.drafter.setup_seconds([c.seq.seq_id for c in chunks])
+        load = len(self.scheduler.running)
+        defer = None if setup is None else [
+            c.start == 0 and not self.controller.pays_setup(seconds, c.seq.params.max_tokens, load)
+            for c, seconds in zip(chunks, setup)]
         self.drafter.prefilled(Prefilled([c.seq.seq_id for c in chunks], [c.seq.slot for c in chunks],
                                          [c.start for c in chunks], [c.seq.token_ids[c.start:c.end] for c in chunks],
-                                         hidden))
+                                         hidden, defer))
 
     def observe_step(self, plan: StepPlan, result: StepResult, paid_tokens: int, elapsed: float) -> None:
         """What the step cost, for the controller's fit (an uncalibrated controller learns nothing
@@ -294,6 +302,6 @@ class LLMEngine:
         seq.finish_time = time.perf_counter()
         self.scheduler.finish(seq)
         self.drafter.end(seq.seq_id)
-        self.controller.end(seq.seq_id)
+        self.controller.end(seq.seq_id, seq.num_output_tokens if seq.finish_reason != "abort" else 0)
         self.stats.add(seq.stats)
         self.sequences.pop(seq.seq_id, None)

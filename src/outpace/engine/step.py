@@ -106,12 +106,25 @@ class EagerStep:
         t0 = time.perf_counter()
         room = budget = [self.budget_for(s) for s in seqs]
         if not self.drafter.priced_after_drafting:
-            # drafts the host never sees: the controller's length is given up front
-            k = self.controller.num_draft([s.seq_id for s in seqs if s.speculate], len(seqs))
-            budget = [min(r, k) for r in room]
+            # drafts the host never sees: the controller's lengths are given up front
+            budget = [min(r, k) for r, k in zip(room, self.lengths(seqs))]
         proposal = self._draft(seqs, budget, room)
         self._charge(seqs, "draft_s", time.perf_counter() - t0)
         return proposal
+
+    def lengths(self, seqs: list[Sequence]) -> list[int]:
+        """The controller's draft length for each row, decided before drafting (a drafter that
+        pays per drafted token): 0 for a plain row and for one whose setup (the drafter's
+        setup_seconds) drafting would not repay over the tokens the row has left."""
+        spec = [s for s in seqs if s.speculate]
+        if not spec:
+            return [0] * len(seqs)
+        ids = [s.seq_id for s in spec]
+        setup = self.drafter.setup_seconds(ids)
+        remaining = None if setup is None else [
+            self.controller.remaining(s.num_output_tokens, s.params.max_tokens - s.num_output_tokens) for s in spec]
+        lengths = iter(self.controller.row_lengths(ids, len(seqs), setup, remaining))
+        return [next(lengths) if s.speculate else 0 for s in seqs]
 
     def _draft(self, seqs: list[Sequence], budget: list[int], room: list[int]) -> Proposal:
         """The drafter drafts within budget (a drafter that uses the room: its free rows within

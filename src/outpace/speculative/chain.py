@@ -72,5 +72,11 @@ class DrafterChain(Drafter):
         for d in self.drafters:
             d.end(seq_id)
 
+    def setup_seconds(self, seq_ids):
+        """What the drafters that have a setup charge together (a row the lookup drafts for pays
+        none this step, but would pay it the first time the model drafts for it)."""
+        setups = [s for s in (d.setup_seconds(seq_ids) for d in self.drafters) if s is not None]
+        return [sum(parts) for parts in zip(*setups)] if setups else None
+
     def cost_per_token(self, batch_size):
         return max(d.cost_per_token(batch_size) for d in self.drafters)

@@ -21,6 +21,15 @@ MIN_RETURN times a plain step's tokens per second for the time they add, and no 
 step, so speculation that does not pay does not run. Until PROBE_DRAFTS drafts were verified, a
 step that would not draft drafts one token: a drafter that the priors price out (a draft model,
 whose drafted tokens cost far more than n-gram lookup's) would otherwise never be measured.
+
+Some drafting costs a row something once, before its first drafted token: a draft model reads
+every token of the row it has not read yet (its prompt, where it did not cache it, and the tokens
+of steps it did not draft in). Such a setup is paid only where it is repaid: where drafting at the
+chosen length saves, per token of the row, the difference between a plain step's seconds per
+token and a drafting step's, over the tokens the row is expected to have left (its room in
+max_tokens, at most what finished sequences went on for), MIN_RETURN times the setup's seconds.
+A row that would not repay it drafts nothing and its setup keeps growing, so under a load where
+drafting does not pay, the draft model costs nothing after its probes.
 """
 from __future__ import annotations
 
@@ -51,6 +60,7 @@ SEQ_DECAY = 0.9           # per verify step, on a sequence's own evidence
 TOKEN_COST_DECAY = 0.9    # per step, on the host seconds per yielded token
 FIT_DECAY = 0.97          # per step, on the measured steps behind the cost fit
 POOL_DECAY = 0.995        # per draft, on every sequence's pooled evidence
+OUTPUT_DECAY = 0.95       # per finished sequence, on the mean output length
 
 
 @dataclass
@@ -128,6 +138,10 @@ class DraftController:
         # verified drafts of every sequence, pooled and by the drafter's match length, per position
         self.pool = [Reached() for _ in range(num_draft_tokens)]
         self.by_match: dict[int, list[Reached]] = {}
+        # batch bucket -> seconds a row's token saves by drafting, a mean row's at that load's last
+        # decision: what a new sequence's prompt setup is weighed against
+        self.saving: dict[int, float] = {}
+        self.outputs = [0.0, 0.0]   # finished sequences' output lengths, decayed: [sum, count]
 
     @property
     def is_timed(self) -> bool:
@@ -247,6 +261,58 @@ class DraftController:
         columns = (sum(row[k - 1] for row in gains if len(row) >= k) for k in range(1, longest + 1))
         best = self._best_prefix(batch_size, (batch_size * (1 + k) for k in itertools.count(1)), columns, paid)
         return 1 if best == 0 and longest and self.probing else best
+
+    def row_lengths(self, seq_ids: list[int], batch_size: int, setup: list[float] | None = None,
+                    remaining: list[int] | None = None) -> list[int]:
+        """num_draft's length for each speculating row of a batch of batch_size rows (drafts not
+        known yet), but 0 for a row whose setup (setup[i] seconds before it can draft) drafting
+        would not repay over its remaining[i] tokens (the top); the length is then chosen again
+        for the rows that draft. Also updates `saving`, which pays_setup reads."""
+        k = self.num_draft(seq_ids, batch_size)
+        savings = self._savings(seq_ids, batch_size, k)
+        if savings and self.buckets:
+            self.saving[self._bucket(batch_size)] = sum(savings) / len(savings)
+        if not k or setup is None or not self.is_timed:
+            return [k] * len(seq_ids)
+        keep = [s <= 0 or v * r >= MIN_RETURN * s for s, v, r in zip(setup, savings, remaining)]
+        if all(keep):
+            return [k] * len(seq_ids)
+        kept = [i for i, ok in zip(seq_ids, keep) if ok]
+        k = self.num_draft(kept, batch_size) if kept else 0
+        return [k if ok else 0 for ok in keep]
+
+    def _savings(self, seq_ids: list[int], batch_size: int, k: int) -> list[float]:
+        """Per row, the seconds each of its tokens saves when the batch drafts k tokens a row
+        rather than none: a plain step's seconds over its batch_size tokens, less a drafting
+        step's over batch_size times the row's expected tokens (the step's cost shared evenly
+        by its rows); never below 0."""
+        if not k or not self.buckets:
+            return [0.0] * len(seq_ids)
+        cost, token_cost = self._costs(batch_size), self.token_cost
+        gains = [sum(row[:k]) for row in self._gains(seq_ids, None)]
+        plain = cost(batch_size) / batch_size + token_cost
+        drafting = cost(batch_size * (1 + k)) / batch_size
+        return [max(0.0, plain - drafting / (1 + g) - token_cost) for g in gains]
+
+    def pays_setup(self, seconds: float, room: int, batch_size: int) -> bool:
+        """Whether a new sequence's setup of `seconds` (a draft model reading its prompt) is
+        repaid over the tokens it is expected to output (room: its max_tokens) at the saving per
+        token of the last decision at its batch's size (the sequences running with it). True
+        where no decision was made at that size yet, or untimed."""
+        saving = self.saving.get(self._bucket(batch_size)) if self.buckets else None
+        if saving is None or seconds <= 0:
+            return True
+        return saving * self.remaining(0, room) >= MIN_RETURN * seconds
+
+    def remaining(self, num_output: int, room: int) -> float:
+        """Tokens a sequence that has output num_output tokens is expected to output yet: its room
+        in max_tokens, at most the mean finished sequence's output beyond num_output (a quarter
+        of that mean at least: a sequence past the mean is not about to end)."""
+        total, count = self.outputs
+        if not count:
+            return room
+        mean = total / count
+        return min(room, max(mean - num_output, mean / 4))
 
     @property
     def probing(self) -> bool:
@@ -368,8 +434,12 @@ class DraftController:
             d = TOKEN_COST_DECAY
             self.token_cost = d * self.token_cost + (1 - d) * seconds / num_tokens
 
-    def end(self, seq_id: int) -> None:
+    def end(self, seq_id: int, num_output: int = 0) -> None:
+        """The sequence finished with num_output tokens (0: cancelled, or unknown)."""
         self.rates.pop(seq_id, None)
+        if num_output:
+            total, count = self.outputs
+            self.outputs = [total * OUTPUT_DECAY + num_output, count * OUTPUT_DECAY + 1.0]
 
 
 def _interpolate(points: list[tuple[float, float]], x: float) -> float:

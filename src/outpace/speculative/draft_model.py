@@ -20,9 +20,11 @@ writes entries past `valid` for the drafted tokens fed back; after verification 
 the accepted tokens stay valid, the rest are stale and are overwritten by the next catch-up (the
 target's rollback rule, by length). Prompt chunks are
 cached in the same chunks as the target's (prefilled), so the first draft needs no long catch-up,
-while the model drafts: after a step that asked it for no draft (the controller found that it
-does not pay at that load, as at 16 rows on a 2-core CPU) the chunks are left to the catch-up of
-the rows that draft later, so a load where the model never drafts pays nothing for it. With a
+unless the controller does not expect the sequence to draft (its prompt's cost would not be
+repaid at the present load, Prefilled.defer): then they are left to a catch-up, which the
+controller prices like the one after steps the row did not draft in (setup_seconds, measured at
+start as what a forward of one row of n tokens costs beyond one of a single token), so a load
+where the model does not pay costs nothing for it after the controller's probes. With a
 window (draft_window N), the model reads only each prompt's last N tokens, as a sequence of its
 own from position 0 of its slot: its share of a long prompt's prefill is N tokens at most, and it
 drafts from that much context (a lookup ahead of it, ngram_first, still matches the whole prompt).
@@ -48,7 +50,7 @@ from outpace.runner.model_runner import Row
 from outpace.runner.staging import to_device
 from outpace.sampling.sampler import SamplingState, inverse_cdf, logits_to_probs
 from outpace.speculative.compat import check_vocab_compatible
-from outpace.speculative.drafter import DraftBatch, DraftContext, Drafter, Drafts, Prefilled, Verified
+from outpace.speculative.drafter import DraftBatch, DraftContext, Drafter, Drafts, Prefilled
 from outpace.weights.hub import resolve_model
 from outpace.weights.loader import load_model
 from outpace.weights.tokenizer import Tokenizer
@@ -71,8 +73,7 @@ class DraftModelDrafter(Drafter):
         self.valid: dict[int, int] = {}             # seq_id -> cached prefix of tokens (the invariant above)
         self.fed: dict[int, list[int]] = {}         # seq_id -> drafted tokens written past valid
         self.per_token: dict[int, float] = {}       # batch bucket -> seconds per drafted token
-        self.drafting = True                        # whether the last verified step asked for drafts
-        self.asked = False                          # whether this step has asked
+        self.catch_up: list[tuple[int, float]] = []  # (n, seconds a row of n tokens adds to a forward)
 
     def bind(self, context: DraftContext) -> None:
         folder = resolve_model(self.source)
@@ -89,25 +90,52 @@ class DraftModelDrafter(Drafter):
         self.runner = context.make_runner(self.model)
         # whether propose feeds drafted tokens on the device and reads them once (see the top)
         self.drafts_on_device = self.runner.device.type == "cuda"
-        self._measure(context.num_slots)
+        self._measure(context.num_slots, context.max_len)
 
-    def _measure(self, num_slots: int) -> None:
-        """Seconds per drafted token by batch bucket: one forward of b rows of one token, over b.
-        Writes scratch keys past position 0 of the slots it uses; prefills overwrite them."""
+    def _measure(self, num_slots: int, max_len: int) -> None:
+        """Seconds per drafted token by batch bucket: one forward of b rows of one token, over b;
+        and what a catch-up of n tokens adds: one row of n tokens against one of a single token
+        (beyond the graphs' rows on a GPU, n runs eagerly). Writes scratch keys into the slots
+        it uses; prefills overwrite them."""
         for b in batch_buckets(num_slots):
-            rows = [Row(slot, [0], 1) for slot in range(b)]
-            best = float("inf")
-            for _ in range(3):
-                t0 = time.perf_counter()
-                self.runner.forward(rows)
-                if self.runner.device.type == "cuda":
-                    torch.cuda.synchronize(self.runner.device)
-                best = min(best, time.perf_counter() - t0)
-            self.per_token[b] = best / b
+            self.per_token[b] = self._time([Row(slot, [0], 1) for slot in range(b)], 3) / b
+        single = self._time([Row(0, [0], 0)], 3)
+        self.catch_up = [(1, 0.0)] + [(n, max(self._time([Row(0, [0] * n, 0)], 2) - single, 0.0))
+                                      for n in (8, 32, 128) if n < max_len]
+
+    def _time(self, rows: list[Row], repeats: int) -> float:
+        """The fastest of `repeats` forwards of these rows, in seconds."""
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self.runner.forward(rows)
+            if self.runner.device.type == "cuda":
+                torch.cuda.synchronize(self.runner.device)
+            best = min(best, time.perf_counter() - t0)
+        return best
 
     def cost_per_token(self, batch_size: int) -> float:
         bucket = min((b for b in self.per_token if b >= batch_size), default=max(self.per_token))
         return self.per_token[bucket]
+
+    def setup_seconds(self, seq_ids: Sequence[int]) -> list[float]:
+        """A row's first draft forward reads the tokens its cache lacks: one (the target's token
+        of the last step) or two (a whole draft accepted) after a drafting step, every token since
+        after steps without drafts, the prompt where it was deferred. Up to two are part of every
+        drafting step (cost_per_token); more are priced by the catch-up curve, linear between its
+        points and past the last."""
+        points = self.catch_up
+        if len(points) < 2:         # a context too short to measure one
+            return [0.0] * len(seq_ids)
+        seconds = []
+        for seq_id in seq_ids:
+            n = len(self.tokens[seq_id]) - min(self.valid[seq_id], len(self.tokens[seq_id]) - 1)
+            if n <= 2:
+                seconds.append(0.0)
+                continue
+            (x0, y0), (x1, y1) = next(((a, b) for a, b in zip(points, points[1:]) if n <= b[0]), points[-2:])
+            seconds.append(max(0.0, y0 + (n - x0) * (y1 - y0) / (x1 - x0)))
+        return seconds
 
     # ---- sequences ----------------------------------------------------------------------------
     def begin(self, seq_id: int, token_ids: Sequence[int]) -> None:
@@ -118,12 +146,14 @@ class DraftModelDrafter(Drafter):
         self.valid[seq_id], self.fed[seq_id] = 0, []
 
     def prefilled(self, chunks: Prefilled) -> None:
-        """The target's prompt chunks, cached in this model's slots too (one forward) while it
-        drafts (the top)."""
-        if not self.drafting:
-            return
+        """The target's prompt chunks, cached in this model's slots too (one forward), but for the
+        deferred ones (the top)."""
         rows, cached = [], []
-        for seq_id, slot, tokens, start in zip(chunks.seq_ids, chunks.slots, chunks.token_ids, chunks.starts):
+        defer = chunks.defer or [False] * len(chunks.seq_ids)
+        for seq_id, slot, tokens, start, later in zip(chunks.seq_ids, chunks.slots, chunks.token_ids, chunks.starts,
+                                                      defer):
+            if later:
+                continue
             # the chunk's part inside the window, at the draft's own positions
             skip = max(0, self.offset[seq_id] - start)
             start = start + skip - self.offset[seq_id]
@@ -134,9 +164,6 @@ class DraftModelDrafter(Drafter):
             self.runner.forward(rows, logits="none")
         for seq_id, end in cached:
             self.valid[seq_id] = end
-
-    def verified(self, result: Verified) -> None:
-        self.drafting, self.asked = self.asked, False
 
     def accept(self, seq_id: int, token_ids: Sequence[int]) -> None:
         """Drafted entries past `valid` stay valid as far as they equal the accepted tokens."""
@@ -159,7 +186,6 @@ class DraftModelDrafter(Drafter):
         """Up to budget[i] tokens for each row: the first forward catches rows up and drafts one
         token each; every further forward feeds each drafting row its last drafted token."""
         active = [i for i, k in enumerate(batch.budget) if k > 0]
-        self.asked = self.asked or bool(active)
         if self.window:         # the rows' positions in the draft model's own sequences
             batch = replace(batch, positions=[p - self.offset[s] for s, p in zip(batch.seq_ids, batch.positions)])
         rows = []

@@ -126,13 +126,17 @@ class Prefilled:
     """Prompt chunks the target cached in one forward: chunk i holds positions starts[i] ..
     starts[i] + lengths[i] - 1 of sequence seq_ids[i] (KV slot slots[i]), token_ids[i] its
     tokens. hidden [C, S, len(hidden_layers), H]: the target's hidden states of the asked layers
-    at those positions (chunk i's first lengths[i] entries), None when nobody asked."""
+    at those positions (chunk i's first lengths[i] entries), None when nobody asked.
+    defer[i]: the controller does not expect chunk i's sequence to draft soon (its setup would not
+    pay, DraftController.pays_setup), so a drafter with a cache of its own may leave the chunk to
+    its catch-up; None: no chunk is deferred."""
 
     seq_ids: list[int]
     slots: list[int]
     starts: list[int]
     token_ids: list[list[int]]
     hidden: torch.Tensor | None = None
+    defer: list[bool] | None = None
 
     @property
     def lengths(self) -> list[int]:
@@ -210,6 +214,12 @@ class Drafter:
 
     def end(self, seq_id: int) -> None:
         """The sequence finished or was cancelled: drop its state."""
+
+    def setup_seconds(self, seq_ids: Sequence[int]) -> list[float] | None:
+        """Per sequence, the seconds drafting for it costs before its first drafted token (a draft
+        model reading the tokens it has not read yet); the controller drafts for a row only where
+        drafting repays that. None: drafting costs no setup."""
+        return None
 
     def cost_per_token(self, batch_size: int) -> float:
         """Seconds one drafted token costs in a step of batch_size rows, beyond the verify
