@@ -81,6 +81,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over N GPUs (or CPU processes)")
     p.add_argument("--draft-model", help="speculate with this draft model instead of n-gram lookup")
     p.add_argument("--ngram-first", action="store_true", help="with --draft-model: n-gram lookup first, the draft model where no tail matches")
@@ -94,7 +95,7 @@ def main() -> None:
     c = args.concurrency
     texts = first_turns(args.dataset)
     start = 7 * (STANDARD_LEVELS.index(c) if c in STANDARD_LEVELS else 0)
-    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=c, spec=spec,
+    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=c, spec=spec, device=args.device,
                                     tensor_parallel_size=args.tensor_parallel_size))
     tok = engine.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": texts[(start + i) % len(texts)]}]),

@@ -236,15 +236,30 @@ class DraftController:
         says (match_factor). available[i], when the drafts are already known, is how many tokens
         row i has (a row without a draft gains nothing); otherwise a row's gain is weighted by its
         hit rate."""
-        gains = []
+        gains, prior = [], None
         for i, s in enumerate(seq_ids):
+            # the rates read inline (acceptance, follow_rate, hit_rate): this runs for every row of
+            # every step, so at 32 rows it is a visible share of a fast device's step
+            r = self.rates.get(s)
+            if r is None:
+                r = prior = prior or self._prior()
+            rate = min(r.first_accepted / r.first_trials, 0.99) * (
+                1.0 if available is not None or not r.asks else r.hits / r.asks)
+            follow = r.later_accepted / r.later_trials
+            n = self.num_draft_tokens if available is None else min(self.num_draft_tokens, available[i])
             match = matches[i] if matches else 0
-            rate = min(self.acceptance(s), 0.99) * (1.0 if available is not None else self.hit_rate(s))
+            if match not in self.by_match:       # match_factor 1 at every position: a geometric row
+                reach, row, follow = min(rate, 0.99), [], min(follow, 0.99)
+                for _ in range(n):
+                    row.append(reach)
+                    reach *= follow
+                gains.append(row)
+                continue
             reach, row = 1.0, []
-            for j in range(1, 1 + (self.num_draft_tokens if available is None else min(self.num_draft_tokens, available[i]))):
+            for j in range(1, 1 + n):
                 reach *= min(rate * self.match_factor(match, j), 0.99)
                 row.append(reach)
-                rate = self.follow_rate(s)
+                rate = follow
             gains.append(row)
         return gains
 
@@ -258,7 +273,10 @@ class DraftController:
         1 + k tokens."""
         gains = self._gains(seq_ids, available, matches)
         longest = max(map(len, gains), default=0)
-        columns = (sum(row[k - 1] for row in gains if len(row) >= k) for k in range(1, longest + 1))
+        columns = [0.0] * longest           # by draft position, the rows' gains summed
+        for row in gains:
+            for k, g in enumerate(row):
+                columns[k] += g
         best = self._best_prefix(batch_size, (batch_size * (1 + k) for k in itertools.count(1)), columns, paid)
         return 1 if best == 0 and longest and self.probing else best
 
