@@ -12,7 +12,8 @@ P_i(>= j) tokens (accepted prefix plus the target's own). A step's cost is its f
 at start-up (for b rows of 1 + k tokens where rows are padded to the longest; for b rows holding
 e drafted tokens in all where rows are packed), plus what the step spends around the forward
 (the host's work, longer contexts, and for drafting steps drafting and acceptance math), fitted
-on the steps as they run as one line in the step's drafted tokens, plus the host's work per
+on the steps as they run as one line in the step's drafted tokens (its intercept the recent
+plain steps' mean where there are some), plus the host's work per
 token it yields (detokenising, stop checks), also measured. Where rows are packed a step costs
 the tokens it holds, and the controller takes the most promising drafted tokens of any rows;
 where they are padded it drafts one k for the batch (cut to what each row has). Either
@@ -59,6 +60,7 @@ PRIOR_LATER = (1.4, 2.0)
 SEQ_DECAY = 0.9           # per verify step, on a sequence's own evidence
 TOKEN_COST_DECAY = 0.9    # per step, on the host seconds per yielded token
 FIT_DECAY = 0.97          # per step, on the measured steps behind the cost fit
+PLAIN_ANCHOR = 3.0        # decayed plain steps that pin the fit's intercept (LineFit.line)
 POOL_DECAY = 0.995        # per draft, on every sequence's pooled evidence
 OUTPUT_DECAY = 0.95       # per finished sequence, on the mean output length
 
@@ -92,20 +94,30 @@ class Reached:
 @dataclass
 class LineFit:
     """A decayed least-squares line y = alpha + beta * x through the measured steps: running sums
-    of weight, x, x^2, y and x * y."""
+    of weight, x, x^2, y and x * y, and of the weight and y of the points at x = 0 (plain steps)."""
 
     weight: float = 0.0
     x: float = 0.0
     xx: float = 0.0
     y: float = 0.0
     xy: float = 0.0
+    weight0: float = 0.0
+    y0: float = 0.0
 
     def add(self, x: float, y: float, decay: float) -> None:
         self.weight, self.x, self.xx = self.weight * decay + 1.0, self.x * decay + x, self.xx * decay + x * x
         self.y, self.xy = self.y * decay + y, self.xy * decay + x * y
+        self.weight0, self.y0 = self.weight0 * decay + (x == 0), self.y0 * decay + (y if x == 0 else 0.0)
 
     def line(self, slope_prior: float) -> tuple[float, float]:
-        """(alpha, beta), the slope shrunk toward 0 by slope_prior (in units of x^2)."""
+        """(alpha, beta), the slope shrunk toward 0 by slope_prior (in units of x^2). Where recent
+        plain steps weigh PLAIN_ANCHOR at least, alpha is their mean and the slope is fitted
+        through it: a shrunk slope with a free intercept would move drafting's cost into alpha,
+        which plain steps are charged too, and make drafting look cheaper against them. Without
+        them (nearly every step drafts) both are fitted."""
+        if self.weight0 >= PLAIN_ANCHOR:
+            alpha = self.y0 / self.weight0
+            return alpha, (self.xy - alpha * self.x) / (self.xx + slope_prior)
         beta = (self.xy - self.x * self.y / self.weight) / (self.xx - self.x * self.x / self.weight + slope_prior)
         return (self.y - beta * self.x) / self.weight, beta
 
@@ -431,7 +443,8 @@ class DraftController:
         took is kept, not refunded through the fit (free rows would then look cheaper than
         nothing). One fit rather than separate means of plain and drafting steps: where nearly
         every step drafts, a plain steps' mean goes stale and the drafting one absorbs its error, so
-        drafted tokens look cheaper than they are. One slow step (a first call, a collection pause)
+        drafted tokens look cheaper than they are; its intercept is the plain steps' mean only
+        while recent plain steps weigh enough (LineFit.line). One slow step (a first call, a collection pause)
         counts as at most a few forwards."""
         if not self.buckets:
             return
