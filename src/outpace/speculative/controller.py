@@ -293,7 +293,7 @@ class DraftController:
         return 1 if best == 0 and longest and self.probing else best
 
     def row_lengths(self, seq_ids: list[int], batch_size: int, setup: list[float] | None = None,
-                    remaining: list[int] | None = None) -> list[int]:
+                    remaining: list[float] | None = None) -> list[int]:
         """num_draft's length for each speculating row of a batch of batch_size rows (drafts not
         known yet), but 0 for a row whose setup (setup[i] seconds before it can draft) drafting
         would not repay over its remaining[i] tokens (the top); the length is then chosen again

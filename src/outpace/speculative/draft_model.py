@@ -99,7 +99,7 @@ class DraftModelDrafter(Drafter):
         it uses; prefills overwrite them."""
         for b in batch_buckets(num_slots):
             self.per_token[b] = self._time([Row(slot, [0], 1) for slot in range(b)], 3) / b
-        single = self._time([Row(0, [0], 0)], 3)
+        single = self.per_token[1]          # one row of one token (bucket 1 is always measured)
         self.catch_up = [(1, 0.0)] + [(n, max(self._time([Row(0, [0] * n, 0)], 2) - single, 0.0))
                                       for n in (8, 32, 128) if n < max_len]
 
