@@ -61,7 +61,7 @@ def measure(label: str, model: str, dtype: str, args, prompts: list[str]) -> dic
     hf_source = gguf_file(model) or Path(model)
     extra = {"cuda_graphs": False} if args.no_cuda_graphs else {}
     llm = LLM(model, spec="none", dtype=dtype, device=args.device, max_num_seqs=1, max_model_len=args.max_model_len,
-              **extra)
+              weights=args.weights, **extra)
     tok = llm.tokenizer
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
            for p in prompts]
@@ -84,7 +84,7 @@ def measure(label: str, model: str, dtype: str, args, prompts: list[str]) -> dic
     summary = {name: summarize(r) for name, r in runs.items()}
     result = {
         "model": label, "dtype": str(llm.engine.dtype).removeprefix("torch."), "device": llm.engine.device,
-        "outpace_options": extra,
+        "outpace_options": extra, "outpace_weights": args.weights,
         "engines": summary,
         "decode_ratio": summary["outpace"]["decode_tokens_per_s"] / summary["transformers"]["decode_tokens_per_s"],
         "end_to_end_ratio": summary["outpace"]["tokens_per_s"] / summary["transformers"]["tokens_per_s"],
@@ -120,6 +120,9 @@ def main() -> None:
     p.add_argument("--no-default", action="store_true", help="with --random-8b: skip --model")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--weights", default="auto",
+                   help="outpace's weights: auto (a GGUF stays quantized on the CPU), quantized, bf16 or fp32 "
+                        "(fp32 with --dtypes float32: the same weights as transformers')")
     p.add_argument("--dataset", type=Path, default=DATASET, help="Spec-Bench JSONL for the prompts")
     p.add_argument("--num-prompts", type=int, default=3, help="prompts (one per category, default 3)")
     p.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt, EOS ignored (default 256)")

@@ -17,6 +17,10 @@ instance reads one prompt of --prompt-tokens tokens (the dataset's questions, ru
 one token, best of 3; tokens/s = prompt tokens / time to the first new token.
 
     python benchmarks/spec_peers.py --limit-per-category 10 --max-tokens 256
+
+--peer-modes plain runs the peers' plain decoding only (outpace still runs both), for a bar set
+against their plain decoding: llama.cpp's prompt lookup is its slowest mode on the CPU, and a whole
+Spec-Bench pass of it takes longer than the rest of the run together.
 """
 from __future__ import annotations
 
@@ -62,17 +66,17 @@ def build_engines(args, llm: LLM) -> dict[str, dict]:
     gguf = gguf_file(args.model)
     if "transformers" in args.engines:
         hf = load_transformers(gguf or args.model, llm.engine.dtype, llm.engine.device)
-        engines["transformers"] = {"spec": TransformersEngine(hf, eos, args.hf_lookup_tokens),
-                                   "plain": TransformersEngine(hf, eos)}
+        pair = {"spec": TransformersEngine(hf, eos, args.hf_lookup_tokens), "plain": TransformersEngine(hf, eos)}
+        engines["transformers"] = {m: pair[m] for m in args.peer_modes}
     if "llamacpp" in args.engines:
         if gguf is None:
             print("llama.cpp skipped: it needs a .gguf model", file=sys.stderr)
         else:
             threads = args.threads or os.cpu_count() or 1
-            spec = load_llamacpp(gguf, args.max_model_len, threads, args.llamacpp_draft_tokens)
-            plain = load_llamacpp(gguf, args.max_model_len, threads) if spec is not None else None
-            if spec is not None:
-                engines["llama.cpp"] = {"spec": LlamaCppEngine(spec, eos), "plain": LlamaCppEngine(plain, eos)}
+            draft_tokens = {"spec": args.llamacpp_draft_tokens, "plain": 0}
+            loaded = {m: load_llamacpp(gguf, args.max_model_len, threads, draft_tokens[m]) for m in args.peer_modes}
+            if None not in loaded.values():
+                engines["llama.cpp"] = {m: LlamaCppEngine(llama, eos) for m, llama in loaded.items()}
     return engines
 
 
@@ -87,7 +91,8 @@ def prompt_processing(engines: dict[str, dict], tokenizer, records, num_tokens: 
     best = dict.fromkeys(engines, float("inf"))
     for _ in range(rounds):
         for name, pair in engines.items():
-            best[name] = min(best[name], pair["plain"].generate(ids, 1, ignore_eos=True).prefill_s)
+            engine = pair.get("plain") or pair["spec"]
+            best[name] = min(best[name], engine.generate(ids, 1, ignore_eos=True).prefill_s)
     return {name: num_tokens / seconds for name, seconds in best.items()}
 
 
@@ -106,24 +111,33 @@ def figures(runs: list[dict]) -> dict:
 
 
 def summarize(questions: list[dict], engines: list[str]) -> dict:
-    """Per engine: figures of each mode, speedup over its own plain runs, identical share."""
+    """Per engine: figures of each mode it ran, and with both modes the speedup over its own plain
+    runs and the share of questions whose outputs are identical."""
     out = {}
     for name in engines:
-        modes = {m: figures([t for q in questions for t in q["runs"][name][m]]) for m in MODES}
+        ran = [m for m in MODES if m in questions[0]["runs"][name]]
+        modes = {m: figures([t for q in questions for t in q["runs"][name][m]]) for m in ran}
+        both = len(ran) == len(MODES)
         same = [q["identical"][name] for q in questions]
         out[name] = {**modes, "speedup": modes["spec"]["tokens_per_s"] / modes["plain"]["tokens_per_s"]
-                     if modes["plain"]["tokens_per_s"] else None,
-                     "identical_share": sum(same) / len(same) if same else None}
+                     if both and modes["plain"]["tokens_per_s"] else None,
+                     "identical_share": sum(same) / len(same) if both else None}
     return out
+
+
+def _cell(figures: dict | None, key: str) -> str:
+    return f"{figures[key]:.1f}" if figures else "-"
 
 
 def table(summary: dict) -> str:
     lines = ["| engine | spec tok/s | plain tok/s | speedup | spec decode tok/s | plain decode tok/s | identical |",
              "|---|---|---|---|---|---|---|"]
     for name, s in summary.items():
-        lines.append(f"| {name} | {s['spec']['tokens_per_s']:.1f} | {s['plain']['tokens_per_s']:.1f} "
-                     f"| {s['speedup']:.2f}x | {s['spec']['decode_tokens_per_s']:.1f} "
-                     f"| {s['plain']['decode_tokens_per_s']:.1f} | {s['identical_share']:.0%} |")
+        spec, plain = s.get("spec"), s.get("plain")
+        speedup = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-"
+        identical = f"{s['identical_share']:.0%}" if s["identical_share"] is not None else "-"
+        lines.append(f"| {name} | {_cell(spec, 'tokens_per_s')} | {_cell(plain, 'tokens_per_s')} | {speedup} "
+                     f"| {_cell(spec, 'decode_tokens_per_s')} | {_cell(plain, 'decode_tokens_per_s')} | {identical} |")
     return "\n".join(lines)
 
 
@@ -132,7 +146,7 @@ def category_table(by_category: dict[str, dict]) -> str:
     lines = ["| category | " + " | ".join(f"{e} spec / plain tok/s" for e in engines) + " |",
              "|---|" + "---|" * len(engines)]
     for category, summary in by_category.items():
-        cells = [f"{summary[e]['spec']['tokens_per_s']:.1f} / {summary[e]['plain']['tokens_per_s']:.1f}"
+        cells = [f"{_cell(summary[e].get('spec'), 'tokens_per_s')} / {_cell(summary[e].get('plain'), 'tokens_per_s')}"
                  for e in engines]
         lines.append(f"| {category} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -156,6 +170,8 @@ def main() -> None:
                    help="transformers' prompt_lookup_num_tokens (default 10, its documented example)")
     p.add_argument("--llamacpp-draft-tokens", type=int, default=10,
                    help="LlamaPromptLookupDecoding num_pred_tokens (default 10, its default)")
+    p.add_argument("--peer-modes", nargs="+", choices=MODES, default=list(MODES),
+                   help="the peers' modes: spec (their prompt lookup) and plain (default both; outpace runs both)")
     p.add_argument("--prompt-tokens", type=int, default=512,
                    help="the prompt-processing prompt's length (0: skip that measurement)")
     p.add_argument("--prompt-rounds", type=int, default=3, help="prompt-processing rounds, the best kept (default 3)")
@@ -182,9 +198,9 @@ def main() -> None:
     for i, record in enumerate(tqdm(records, desc="spec_peers", unit="question")):
         order = MODES if i % 2 == 0 else MODES[::-1]
         runs = {name: {m: converse(pair[m], tokenizer, record.turns, args.max_tokens, args.ignore_eos)
-                       for m in order} for name, pair in engines.items()}
+                       for m in order if m in pair} for name, pair in engines.items()}
         identical = {name: all(a["token_ids"] == b["token_ids"] for a, b in zip(r["spec"], r["plain"]))
-                     for name, r in runs.items()}
+                     if len(r) == len(MODES) else None for name, r in runs.items()}
         questions.append({"question_id": record.question_id, "category": record.category,
                           "first": order[0], "identical": identical, "runs": runs})
 
@@ -197,10 +213,12 @@ def main() -> None:
     ours = overall["outpace"]["spec"]["tokens_per_s"]
     ratios = {}
     for n in names[1:]:                                 # the issue's bars: outpace against each peer
-        ratios[f"outpace_spec_over_{n}_spec"] = ours / overall[n]["spec"]["tokens_per_s"]
-        ratios[f"outpace_spec_over_{n}_plain"] = ours / overall[n]["plain"]["tokens_per_s"]
-        ratios[f"outpace_plain_decode_over_{n}_plain_decode"] = (overall["outpace"]["plain"]["decode_tokens_per_s"]
-                                                                 / overall[n]["plain"]["decode_tokens_per_s"])
+        if "spec" in overall[n]:
+            ratios[f"outpace_spec_over_{n}_spec"] = ours / overall[n]["spec"]["tokens_per_s"]
+        if "plain" in overall[n]:
+            ratios[f"outpace_spec_over_{n}_plain"] = ours / overall[n]["plain"]["tokens_per_s"]
+            ratios[f"outpace_plain_decode_over_{n}_plain_decode"] = (
+                overall["outpace"]["plain"]["decode_tokens_per_s"] / overall[n]["plain"]["decode_tokens_per_s"])
         if prompt_tps:
             ratios[f"outpace_prompt_over_{n}_prompt"] = prompt_tps["outpace"] / prompt_tps[n]
     report = {
@@ -208,7 +226,7 @@ def main() -> None:
                      "dtype": str(llm.engine.dtype).removeprefix("torch."), "device": llm.engine.device,
                      "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos,
                      "outpace_spec": vars(spec), "hf_prompt_lookup_num_tokens": args.hf_lookup_tokens,
-                     "llamacpp_num_pred_tokens": args.llamacpp_draft_tokens, "dataset": str(args.dataset),
+                     "llamacpp_num_pred_tokens": args.llamacpp_draft_tokens, "peer_modes": args.peer_modes, "dataset": str(args.dataset),
                      "categories": args.category, "limit_per_category": args.limit_per_category,
                      "num_questions": len(records)},
         "environment": {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
