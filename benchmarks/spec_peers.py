@@ -12,7 +12,8 @@ template); a multi-turn question is a conversation with each engine's own earlie
 each engine, the speculative and plain runs alternate which goes first from question to question.
 Reported per engine: tokens/s (generated tokens / (prefill + decode time)), decode tokens/s,
 speedup over its own plain decoding, and the share of questions whose speculative output equals
-its own plain output token for token. Before the questions, prompt processing: each engine's plain
+its own plain output token for token; across engines, how far each peer's first answer (plain where
+it ran) agrees with outpace's plain one. Before the questions, prompt processing: each engine's plain
 instance reads one prompt of --prompt-tokens tokens (the dataset's questions, run together) and makes
 one token, best of 3; tokens/s = prompt tokens / time to the first new token.
 
@@ -125,6 +126,22 @@ def summarize(questions: list[dict], engines: list[str]) -> dict:
     return out
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def agreement(questions: list[dict], peer: str) -> dict:
+    """How a peer's first answers compare with outpace's plain ones (the later turns continue each
+    engine's own conversation, so only the first turn has the same prompt in both): the share equal
+    token for token, and the mean length of their common prefix in tokens."""
+    pairs = []
+    for q in questions:
+        mode = "plain" if "plain" in q["runs"][peer] else "spec"
+        pairs.append((q["runs"]["outpace"]["plain"][0]["token_ids"], q["runs"][peer][mode][0]["token_ids"]))
+    return {"equal_share": sum(a == b for a, b in pairs) / len(pairs),
+            "mean_common_prefix": sum(common_prefix(a, b) for a, b in pairs) / len(pairs)}
+
+
 def _cell(figures: dict | None, key: str) -> str:
     return f"{figures[key]:.1f}" if figures else "-"
 
@@ -210,6 +227,7 @@ def main() -> None:
     for q in questions:
         categories.setdefault(q["category"], []).append(q)
     by_category = {c: summarize(qs, names) for c, qs in categories.items()}
+    agrees = {n: agreement(questions, n) for n in names[1:]}
     ours = overall["outpace"]["spec"]["tokens_per_s"]
     ratios = {}
     for n in names[1:]:                                 # the issue's bars: outpace against each peer
@@ -233,7 +251,8 @@ def main() -> None:
                         "platform": platform.platform(), "cpu": cpu_isa.cpu_description(),
                         "cpu_level": cpu_isa.chosen().name, "wall_s": time.perf_counter() - started,
                         **({"llama_cpp": llamacpp_build()} if "llama.cpp" in engines else {})},
-        "prompt_tokens_per_s": prompt_tps, "overall": overall, "ratios": ratios, "categories": by_category,
+        "prompt_tokens_per_s": prompt_tps, "overall": overall, "ratios": ratios,
+        "first_answers_against_outpace_plain": agrees, "categories": by_category,
         "questions": questions,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -247,6 +266,9 @@ def main() -> None:
     print()
     for key, value in ratios.items():
         print(f"{key}: {value:.2f}x")
+    for n, a in agrees.items():
+        print(f"{n}'s first answers: {a['equal_share']:.0%} equal to outpace's plain ones, "
+              f"common prefix {a['mean_common_prefix']:.1f} tokens on average")
     print(f"\nwritten: {args.out}")
 
 
