@@ -21,11 +21,13 @@ from outpace.kernels import cpu_kernels, fused
 from outpace.kernels.fused import add_rms_norm, linear, rms_norm, rope, rope_store, silu_mul
 
 
-# Forwards of prompt chunks on CUDA attend through kernels that need no plan per shape. cuDNN's
-# attention, which PyTorch prefers there, builds one for every new (queries, keys) shape: about
-# 55 ms each on an H100 for the default model, against 15-18 ms for the whole forward of a
-# 300-token chunk, and prompt chunks rarely repeat a shape. Flash (causal) and memory-efficient
-# (masked) attention do not; they need the key/value heads repeated up to the query heads.
+# Forwards whose shapes rarely repeat on CUDA (prompt chunks, and every eager forward: a draft
+# model's catch-up, token trees, steps past the graphs) attend through kernels that need no plan
+# per shape. cuDNN's attention, which PyTorch prefers there, builds one for every new (queries,
+# keys) shape: about 55 ms each on an H100 for the default model, against 15-18 ms for the whole
+# forward of a 300-token chunk; 0.6-1.1 s for a new two-row catch-up of Qwen2.5-Coder-0.5B on an
+# H200, against 21 ms once planned. Flash (causal) and memory-efficient (masked) attention do
+# not; they need the key/value heads repeated up to the query heads.
 PROMPT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -37,6 +39,10 @@ def planless_attention(q, keys, values, mask, causal: bool = False) -> torch.Ten
         keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)
     with sdpa_kernel(PROMPT_BACKENDS):
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal)
+
+
+def _planless(batch: "ForwardBatch") -> bool:
+    return batch.planless or not batch.logits
 
 
 @dataclass
@@ -103,6 +109,7 @@ class ForwardBatch:
     slot_start: int | None = None  # slots are slot_start .. slot_start+B-1: read the cache as a view
     write_start: int | None = None  # B == 1: the row's first position, so writes are slice copies
     logits: bool = True            # False: a prompt chunk, whose logits nobody reads
+    planless: bool = False         # a shape that rarely repeats: CUDA attention through PROMPT_BACKENDS
     packed: Packed | None = None   # rows packed into their real tokens (PACKED, CPU_KERNEL, CPU_ROWS)
     # rows' offsets in the slot range slot_start.. that attention reads as one view; the range's
     # other slots are idle rows whose outputs are dropped (mask then has one row per slot of it)
@@ -186,7 +193,7 @@ class Attention(nn.Module):
         B, S = batch.positions.shape
         q = self._rotate_and_store(qk, v, cos, sin, batch, k_cache, v_cache)
         keys, values = self._caches(batch, k_cache, v_cache)
-        out = self._attend(q, keys, values, batch.mask, batch.causal, batch.span_rows, prompt=not batch.logits)
+        out = self._attend(q, keys, values, batch.mask, batch.causal, batch.span_rows, planless=_planless(batch))
         return out.transpose(1, 2).reshape(B, S, -1)
 
     def _graph(self, qkv, qk, v, cos, sin, batch: ForwardBatch, k_cache, v_cache):
@@ -251,7 +258,7 @@ class Attention(nn.Module):
         for c in pk.chunks:
             chunk_q = q[offset:offset + c.n].transpose(0, 1)[None]                 # [1, H, n, D]
             out = self._attend(chunk_q, k_cache[c.slot:c.slot + 1, :, :c.end], v_cache[c.slot:c.slot + 1, :, :c.end],
-                               c.mask, c.mask is None, None)
+                               c.mask, c.mask is None, None, planless=True)
             outs.append(out[0].transpose(0, 1))
             offset += c.n
         return torch.cat(outs)
@@ -269,36 +276,36 @@ class Attention(nn.Module):
     def _packed_rows(self, q, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
         """Attention of the packed rows' queries q [T, H, D] (written to the cache already)."""
         B, S = batch.positions.shape
-        pk, prompt = batch.packed, not batch.logits
+        pk, planless = batch.packed, _planless(batch)
         keys, values = self._caches(batch, k_cache, v_cache)
         if pk.long_rows is None:        # little padding: attention runs over the rows padded to S
             padded = q.new_zeros(B * S, *q.shape[1:]).index_copy_(0, pk.index, q).view(B, S, *q.shape[1:])
-            out = self._attend(padded.transpose(1, 2), keys, values, batch.mask, False, batch.span_rows, prompt)
+            out = self._attend(padded.transpose(1, 2), keys, values, batch.mask, False, batch.span_rows, planless)
             return out.transpose(1, 2).reshape(B * S, *q.shape[1:]).index_select(0, pk.index)
         # much padding: attention's cost follows its queries, so every row's first query attends as
         # in a decode step, and the longer rows' later ones, padded among themselves, over a gather
         # of their own caches
         out = torch.empty_like(q)
         out[pk.first] = self._attend(q[pk.first, :, None], keys, values, batch.mask[:, :, :1], False,
-                                     batch.span_rows, prompt)[:, :, 0]
+                                     batch.span_rows, planless)[:, :, 0]
         rows = pk.long_rows
         later = q.new_zeros(len(rows) * (S - 1), *q.shape[1:])
         later[pk.later_at] = q[pk.later]
         mask_rows = rows if batch.span_rows is None else batch.span_rows[rows]
         later = self._attend(later.view(len(rows), S - 1, *q.shape[1:]).transpose(1, 2),
                              *self._gather(k_cache, v_cache, batch.kv_len, batch.slots[rows]),
-                             batch.mask[mask_rows, :, 1:], False, None, prompt)
+                             batch.mask[mask_rows, :, 1:], False, None, planless)
         out[pk.later] = later.transpose(1, 2).reshape(-1, *q.shape[1:])[pk.later_at]
         return out
 
     @staticmethod
-    def _attend(q, keys, values, mask, causal: bool, span_rows, prompt: bool = False) -> torch.Tensor:
+    def _attend(q, keys, values, mask, causal: bool, span_rows, planless: bool = False) -> torch.Tensor:
         """q [B, H, S, D] over keys/values [B or span, KVH, L, D]; span_rows: q's rows in the span.
-        prompt: a forward of prompt chunks only (on CUDA: PROMPT_BACKENDS)."""
+        planless: a shape that rarely repeats (on CUDA: PROMPT_BACKENDS)."""
         keys, values = keys.to(q.dtype), values.to(q.dtype)    # a float32 prompt chunk reads bf16 caches
         if span_rows is not None:
             q = q.new_zeros((keys.shape[0], *q.shape[1:])).index_copy_(0, span_rows, q)
-        if prompt and q.is_cuda:
+        if planless and q.is_cuda:
             out = planless_attention(q, keys, values, mask, causal)
         else:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)

@@ -146,6 +146,7 @@ class ModelRunner:
             slot_start=slots[0] if is_contiguous else lowest if span_rows is not None else None,
             write_start=rows[0].start if B == 1 else None,
             logits=logits != "none",
+            planless=self.device.type == "cuda",     # eager on a GPU: shapes that rarely repeat
             packed=self._packing(lengths, S, positions, slots, chunks, split=kind is AttentionKind.PACKED) if packed else None,
             span_rows=span_rows,
             causal=causal,
@@ -202,6 +203,7 @@ class ModelRunner:
             write_start=rows[0].start if B == 1 else None,
             slot_start=slots[0] if B == 1 else None,
             rope_positions=starts[:, None] + torch.tensor(depth, device=self.device),
+            planless=self.device.type == "cuda",
             cpu_pointwise=cpu_kernels.pointwise_fits(self.dtype, self.device),
         )
         out, hidden = self.model(batch, self.cache, hidden_layers=hidden_layers)

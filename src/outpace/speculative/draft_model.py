@@ -90,18 +90,20 @@ class DraftModelDrafter(Drafter):
         self.runner = context.make_runner(self.model)
         # whether propose feeds drafted tokens on the device and reads them once (see the top)
         self.drafts_on_device = self.runner.device.type == "cuda"
-        self._measure(context.num_slots, context.max_len)
+        self._measure(context.num_slots, context.max_len, context.max_step_tokens)
 
-    def _measure(self, num_slots: int, max_len: int) -> None:
+    def _measure(self, num_slots: int, max_len: int, width: int) -> None:
         """Seconds per drafted token by batch bucket: one forward of b rows of one token, over b;
-        and what a catch-up of n tokens adds: one row of n tokens against one of a single token
-        (beyond the graphs' rows on a GPU, n runs eagerly). Writes scratch keys into the slots
-        it uses; prefills overwrite them."""
+        and what a catch-up of n tokens adds: one row of n tokens against one of a single token.
+        A GPU replays graphs of rows up to `width` tokens (a verify row's) and runs longer rows
+        eagerly, at about the same cost for any length (launches, not arithmetic): the curve has
+        points on both sides of that step. Writes scratch keys into the slots it uses; prefills
+        overwrite them."""
         for b in batch_buckets(num_slots):
             self.per_token[b] = self._time([Row(slot, [0], 1) for slot in range(b)], 3) / b
         single = self.per_token[1]          # one row of one token (bucket 1 is always measured)
         self.catch_up = [(1, 0.0)] + [(n, max(self._time([Row(0, [0] * n, 0)], 2) - single, 0.0))
-                                      for n in (8, 32, 128) if n < max_len]
+                                      for n in sorted({width, width + 1, 32, 128}) if 1 < n < max_len]
 
     def _time(self, rows: list[Row], repeats: int) -> float:
         """The fastest of `repeats` forwards of these rows, in seconds."""
