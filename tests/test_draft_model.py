@@ -345,3 +345,25 @@ def test_a_draft_whose_ids_mean_other_tokens_is_refused(folders):
 def test_draft_needs_a_model():
     with pytest.raises(InvalidParameterError, match="method 'draft' needs draft_model"):
         SpecConfig(method="draft")
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_host_work_is_a_step_cost_where_steps_are_launched_ahead(folders, overlap):
+    """Where steps are launched ahead (GraphStep), a step that is not leaves the device idle while
+    the host accepts its tokens, so that time is the step's own cost; elsewhere every step pays it
+    alike, a cost per token (observe_tokens). The host's work is made 0.2 s a step here."""
+    import time
+    llm = LLM(str(folders[0]), spec=SpecConfig(num_draft_tokens=4), **dict(OPTIONS, calibrate=True))
+    engine = llm.engine
+    engine.steps.overlap = overlap          # the CPU's EagerStep never launches ahead: as if it could
+    steps, tokens = [], []
+    engine.controller.observe_step = lambda rows, n, seconds, paid=0: steps.append(seconds)
+    engine.controller.observe_tokens = lambda n, seconds: tokens.append(seconds)
+    accept = engine.accept
+    engine.accept = lambda *args: (time.sleep(0.2), accept(*args))[1]
+    llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert steps and tokens
+    if overlap:
+        assert min(steps) >= 0.2 and max(tokens) == 0.0
+    else:
+        assert max(steps) < 0.2 and min(t for t in tokens if t) >= 0.2 / 5

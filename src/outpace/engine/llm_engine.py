@@ -226,13 +226,11 @@ class LLMEngine:
         result = self.steps.verify(plan, proposal, joined)
         if joined:
             self._prefilled(plan, None, time.perf_counter() - t0)
-        self.observe_step(plan, result, proposal.paid_tokens, time.perf_counter() - t0)
         t1 = time.perf_counter()
+        launched_next = self.steps.launched is not None
         self.accept(plan.decode, proposal, result)
         done = self.postprocess(plan.decode)
-        if self.controller.is_timed:
-            self.controller.observe_tokens(sum(result.counts), 0.0 if result.period is not None
-                                           else time.perf_counter() - t1)
+        self.observe_step(plan, result, proposal.paid_tokens, t1 - t0, time.perf_counter() - t1, launched_next)
         return done
 
     def prefill(self, plan: StepPlan) -> None:
@@ -265,17 +263,26 @@ class LLMEngine:
                                          [c.start for c in chunks], [c.seq.token_ids[c.start:c.end] for c in chunks],
                                          hidden, defer))
 
-    def observe_step(self, plan: StepPlan, result: StepResult, paid_tokens: int, elapsed: float) -> None:
+    def observe_step(self, plan: StepPlan, result: StepResult, paid_tokens: int, elapsed: float, host: float,
+                     launched_next: bool) -> None:
         """What the step cost, for the controller's fit (an uncalibrated controller learns nothing
-        from times), paid_tokens of its drafts priced by the drafter. A launched step is timed by
-        the period between two reads; a step that also cached prompt chunks says nothing about
-        decode cost, nor one that launched its successor (its time holds that launch)."""
+        from times), paid_tokens of its drafts priced by the drafter: `elapsed` seconds to its
+        tokens, then `host` seconds accepting them. A launched step is timed by the period between
+        two reads, host work and all; a step that also cached prompt chunks says nothing about
+        decode cost, nor one that launched its successor (its time holds that launch).
+        Where steps are launched ahead, a step that is not (one drafted outside the graph, or the
+        one before it) leaves the device idle while the host accepts its tokens, which a launched
+        step hides: that host work is its own cost. Elsewhere the host's work is a cost per token
+        that every step pays alike (observe_tokens)."""
         if not self.controller.is_timed:
             return
+        overlap = self.steps.overlap
         if result.period is not None:
             self.controller.observe_step(result.step_rows, result.step_tokens, result.period, paid_tokens)
-        elif not plan.prefill and self.steps.launched is None:
-            self.controller.observe_step(result.step_rows, result.step_tokens, elapsed, paid_tokens)
+        elif not plan.prefill and not launched_next:
+            self.controller.observe_step(result.step_rows, result.step_tokens, elapsed + (host if overlap else 0.0),
+                                         paid_tokens)
+        self.controller.observe_tokens(sum(result.counts), 0.0 if result.period is not None or overlap else host)
 
     def accept(self, seqs: list[Sequence], proposal: Proposal, result: StepResult) -> None:
         """Append each row's verified tokens (up to a stop) and tell the controller and drafter."""

@@ -82,6 +82,8 @@ class Launched:
 
 
 class EagerStep:
+    overlap = False         # whether a step may be launched before the host reads the one before (GraphStep)
+
     def __init__(self, runner: ModelRunner, drafter: Drafter, controller: DraftController, max_model_len: int,
                  num_draft_tokens: int):
         self.runner, self.drafter, self.controller = runner, drafter, controller
