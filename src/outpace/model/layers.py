@@ -41,10 +41,6 @@ def planless_attention(q, keys, values, mask, causal: bool = False) -> torch.Ten
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal)
 
 
-def _planless(batch: "ForwardBatch") -> bool:
-    return batch.planless or not batch.logits
-
-
 @dataclass
 class PromptChunk:
     """A prompt chunk cached in a decode forward: its tokens follow the rows' and attend apart."""
@@ -109,7 +105,7 @@ class ForwardBatch:
     slot_start: int | None = None  # slots are slot_start .. slot_start+B-1: read the cache as a view
     write_start: int | None = None  # B == 1: the row's first position, so writes are slice copies
     logits: bool = True            # False: a prompt chunk, whose logits nobody reads
-    planless: bool = False         # a shape that rarely repeats: CUDA attention through PROMPT_BACKENDS
+    planless: bool = False         # shapes that rarely repeat (eager, or a prompt chunk): CUDA attention through PROMPT_BACKENDS
     packed: Packed | None = None   # rows packed into their real tokens (PACKED, CPU_KERNEL, CPU_ROWS)
     # rows' offsets in the slot range slot_start.. that attention reads as one view; the range's
     # other slots are idle rows whose outputs are dropped (mask then has one row per slot of it)
@@ -193,7 +189,7 @@ class Attention(nn.Module):
         B, S = batch.positions.shape
         q = self._rotate_and_store(qk, v, cos, sin, batch, k_cache, v_cache)
         keys, values = self._caches(batch, k_cache, v_cache)
-        out = self._attend(q, keys, values, batch.mask, batch.causal, batch.span_rows, planless=_planless(batch))
+        out = self._attend(q, keys, values, batch.mask, batch.causal, batch.span_rows, planless=batch.planless)
         return out.transpose(1, 2).reshape(B, S, -1)
 
     def _graph(self, qkv, qk, v, cos, sin, batch: ForwardBatch, k_cache, v_cache):
@@ -258,7 +254,7 @@ class Attention(nn.Module):
         for c in pk.chunks:
             chunk_q = q[offset:offset + c.n].transpose(0, 1)[None]                 # [1, H, n, D]
             out = self._attend(chunk_q, k_cache[c.slot:c.slot + 1, :, :c.end], v_cache[c.slot:c.slot + 1, :, :c.end],
-                               c.mask, c.mask is None, None, planless=True)
+                               c.mask, c.mask is None, None, planless=batch.planless)
             outs.append(out[0].transpose(0, 1))
             offset += c.n
         return torch.cat(outs)
@@ -276,7 +272,7 @@ class Attention(nn.Module):
     def _packed_rows(self, q, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
         """Attention of the packed rows' queries q [T, H, D] (written to the cache already)."""
         B, S = batch.positions.shape
-        pk, planless = batch.packed, _planless(batch)
+        pk, planless = batch.packed, batch.planless
         keys, values = self._caches(batch, k_cache, v_cache)
         if pk.long_rows is None:        # little padding: attention runs over the rows padded to S
             padded = q.new_zeros(B * S, *q.shape[1:]).index_copy_(0, pk.index, q).view(B, S, *q.shape[1:])

@@ -168,7 +168,7 @@ class CudaGraphRunner(ModelRunner):
         positions = self.positions[:n].view(1, n)
         torch.add(start[:, None], self._arange[:n], out=positions)
         batch = ForwardBatch(input_ids=self.chunk_inputs[2:2 + n].view(1, n), positions=positions, slots=slot,
-                             kv_len=L, mask=self._bias(positions, L), logits=False)
+                             kv_len=L, mask=self._bias(positions, L), logits=False, planless=True)
         _, hidden = self.model(batch, self.cache, self.hidden_layers)                   # [n, layers, H]
         if hidden is not None:
             self.hidden[:n].copy_(hidden)
