@@ -212,10 +212,10 @@ class DraftController:
 
     def _forward(self, bucket: int, batch_size: int, tokens: int) -> float:
         if not self.packed:
-            return _interpolate(self.curves[bucket], tokens / batch_size)
+            return interpolate(self.curves[bucket], tokens / batch_size)
         table = self.tables.setdefault(bucket, [])      # by drafted tokens, filled as asked
         while len(table) <= tokens - batch_size:
-            table.append(_interpolate(self.curves[bucket], len(table)))
+            table.append(interpolate(self.curves[bucket], len(table)))
         return table[tokens - batch_size]
 
     def _drafting(self, batch_size: int, tokens: int) -> int:
@@ -473,11 +473,15 @@ class DraftController:
             self.outputs = [total * OUTPUT_DECAY + num_output, count * OUTPUT_DECAY + 1.0]
 
 
-def _interpolate(points: list[tuple[float, float]], x: float) -> float:
-    """Piecewise-linear y(x) through points sorted by x, held at the ends."""
+def interpolate(points: list[tuple[float, float]], x: float, extend: bool = False) -> float:
+    """Piecewise-linear y(x) through points sorted by x, held at the ends; extend: past the last
+    point, the last segment's line goes on."""
     if x <= points[0][0]:
         return points[0][1]
     for (x0, y0), (x1, y1) in zip(points, points[1:]):
         if x <= x1:
             return y0 + (x - x0) / (x1 - x0) * (y1 - y0)
+    if extend and len(points) > 1:
+        (x0, y0), (x1, y1) = points[-2:]
+        return y0 + (x - x0) / (x1 - x0) * (y1 - y0)
     return points[-1][1]

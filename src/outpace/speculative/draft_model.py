@@ -50,6 +50,7 @@ from outpace.runner.model_runner import Row
 from outpace.runner.staging import to_device
 from outpace.sampling.sampler import SamplingState, inverse_cdf, logits_to_probs
 from outpace.speculative.compat import check_vocab_compatible
+from outpace.speculative.controller import interpolate
 from outpace.speculative.drafter import DraftBatch, DraftContext, Drafter, Drafts, Prefilled
 from outpace.weights.hub import resolve_model
 from outpace.weights.loader import load_model
@@ -132,11 +133,7 @@ class DraftModelDrafter(Drafter):
         seconds = []
         for seq_id in seq_ids:
             n = len(self.tokens[seq_id]) - min(self.valid[seq_id], len(self.tokens[seq_id]) - 1)
-            if n <= 2:
-                seconds.append(0.0)
-                continue
-            (x0, y0), (x1, y1) = next(((a, b) for a, b in zip(points, points[1:]) if n <= b[0]), points[-2:])
-            seconds.append(max(0.0, y0 + (n - x0) * (y1 - y0) / (x1 - x0)))
+            seconds.append(0.0 if n <= 2 else max(0.0, interpolate(points, n, extend=True)))
         return seconds
 
     # ---- sequences ----------------------------------------------------------------------------
