@@ -11,6 +11,7 @@ the device, rows cut after one host read) runs here too, forced (`drafts_on_devi
 draft what the CPU's per-position loop drafts, and record the entries it fed past each cut.
 """
 import json
+import time
 
 import pytest
 import torch
@@ -352,7 +353,6 @@ def test_host_work_is_a_step_cost_where_steps_are_launched_ahead(folders, overla
     """Where steps are launched ahead (GraphStep), a step that is not leaves the device idle while
     the host accepts its tokens, so that time is the step's own cost; elsewhere every step pays it
     alike, a cost per token (observe_tokens). The host's work is made 0.2 s a step here."""
-    import time
     llm = LLM(str(folders[0]), spec=SpecConfig(num_draft_tokens=4), **dict(OPTIONS, calibrate=True))
     engine = llm.engine
     engine.steps.overlap = overlap          # the CPU's EagerStep never launches ahead: as if it could

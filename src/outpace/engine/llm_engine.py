@@ -280,8 +280,8 @@ class LLMEngine:
         if result.period is not None:
             self.controller.observe_step(result.step_rows, result.step_tokens, result.period, paid_tokens)
         elif not plan.prefill and not launched_next:
-            self.controller.observe_step(result.step_rows, result.step_tokens, elapsed + (host if overlap else 0.0),
-                                         paid_tokens)
+            seconds = elapsed + (host if overlap else 0.0)
+            self.controller.observe_step(result.step_rows, result.step_tokens, seconds, paid_tokens)
         self.controller.observe_tokens(sum(result.counts), 0.0 if result.period is not None or overlap else host)
 
     def accept(self, seqs: list[Sequence], proposal: Proposal, result: StepResult) -> None:

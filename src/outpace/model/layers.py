@@ -105,7 +105,7 @@ class ForwardBatch:
     slot_start: int | None = None  # slots are slot_start .. slot_start+B-1: read the cache as a view
     write_start: int | None = None  # B == 1: the row's first position, so writes are slice copies
     logits: bool = True            # False: a prompt chunk, whose logits nobody reads
-    planless: bool = False         # shapes that rarely repeat (eager, or a prompt chunk): CUDA attention through PROMPT_BACKENDS
+    planless: bool = False         # rare shapes (eager, a prompt chunk): CUDA attention through PROMPT_BACKENDS
     packed: Packed | None = None   # rows packed into their real tokens (PACKED, CPU_KERNEL, CPU_ROWS)
     # rows' offsets in the slot range slot_start.. that attention reads as one view; the range's
     # other slots are idle rows whose outputs are dropped (mask then has one row per slot of it)

@@ -146,7 +146,7 @@ class ModelRunner:
             slot_start=slots[0] if is_contiguous else lowest if span_rows is not None else None,
             write_start=rows[0].start if B == 1 else None,
             logits=logits != "none",
-            planless=self.device.type == "cuda",     # eager on a GPU: shapes that rarely repeat
+            planless=self.device.type == "cuda",     # eager on a GPU: rare shapes
             packed=self._packing(lengths, S, positions, slots, chunks, split=kind is AttentionKind.PACKED) if packed else None,
             span_rows=span_rows,
             causal=causal,

@@ -478,10 +478,8 @@ def interpolate(points: list[tuple[float, float]], x: float, extend: bool = Fals
     point, the last segment's line goes on."""
     if x <= points[0][0]:
         return points[0][1]
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if x <= x1:
+    last = len(points) - 2                  # the last segment's index
+    for i, ((x0, y0), (x1, y1)) in enumerate(zip(points, points[1:])):
+        if x <= x1 or (extend and i == last):
             return y0 + (x - x0) / (x1 - x0) * (y1 - y0)
-    if extend and len(points) > 1:
-        (x0, y0), (x1, y1) = points[-2:]
-        return y0 + (x - x0) / (x1 - x0) * (y1 - y0)
     return points[-1][1]
