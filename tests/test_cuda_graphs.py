@@ -333,9 +333,9 @@ def test_overlapped_steps_end_and_join_like_plain_steps(tiny_folder, method):
                                                                   {b: [1e-3] * 6 for b in (1, 2, 3)})
     asked, num_draft = {"calls": 0}, engine.controller.num_draft
 
-    def late_drafts(*args):     # no drafting over the first steps: it starts in launched steps
+    def late_drafts(*args, **kwargs):     # no drafting over the first steps: it starts in launched steps
         asked["calls"] += 1
-        return 0 if asked["calls"] <= 6 else num_draft(*args)
+        return 0 if asked["calls"] <= 6 else num_draft(*args, **kwargs)
     engine.controller.num_draft = late_drafts
     seqs = [engine.add_request(prompts[0], params[0]), engine.add_request(prompts[1], params[1])]
     for _ in range(3):

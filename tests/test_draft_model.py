@@ -17,9 +17,13 @@ import pytest
 import torch
 
 from outpace import LLM, SamplingParams, SpecConfig
+from outpace.engine.graph_step import GraphStep
 from outpace.engine.llm_engine import LLMEngine
 from outpace.errors import IncompatibleModelsError, InvalidParameterError
 from outpace.runner.cuda_graphs import CudaGraphRunner
+from outpace.speculative.chain import DrafterChain
+from outpace.speculative.controller import PROBE_DRAFTS
+from outpace.speculative.ngram_device import DeviceNgramDrafter
 from tiny import make_tiny
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [100, 200, 300, 100, 200], [7] * 30, [42],
@@ -231,6 +235,54 @@ def test_ngram_rows_are_not_priced_as_the_draft_model(folders, plain):
     out = llm.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in out] == plain
     assert kept and max(kept) > 1           # the model's up-front length is 1 (probing) or 0
+
+
+def test_a_chains_lookup_drafts_in_the_graph_where_the_model_would_not(folders, plain):
+    """On the GPU's path (its static-shape runner and step, built here on the CPU), a chain whose
+    lookup has a device twin drafts inside the graph step, launched ahead too, wherever the draft
+    model would draft for no row; the steps that probe the model run the chain on the host. A
+    model too dear to pay for (10 s a token) is only probed. Output stays plain's, and the twin's
+    buffer rows hold their sequences' tokens. The verify forward is priced flat and the fit is
+    off, so that a noisy machine's timings decide nothing here."""
+    spec = SpecConfig(method="draft", draft_model=str(folders[1]), num_draft_tokens=4, ngram_first=True)
+    llm = LLM(str(folders[0]), spec=spec, **dict(OPTIONS, calibrate=True))
+    engine = llm.engine
+    ngram, model = engine.drafter.drafters
+    model.cost_per_token = lambda batch_size: 10.0
+    chain = engine.drafter = DrafterChain([ngram, model], DeviceNgramDrafter(spec, 3, 256, "cpu"))
+    engine.runner = CudaGraphRunner(engine.model, 3, 256, 16, num_draft_tokens=4, progress=False,
+                                    extension=chain.graph_step(3, 5))
+    engine.steps = steps = GraphStep(engine.runner, chain, engine.controller, 256, 4, scheduler=engine.scheduler,
+                                     overlap=True)
+    controller = engine.controller
+    controller.curves = {b: [(x, 1e-3) for x, _ in curve] for b, curve in controller.curves.items()}
+    controller.observe_step = controller.observe_tokens = lambda *args: None
+    counts = {"in graph": 0, "launched": 0, "on the host": 0, "model": 0}
+    propose, resume, model_propose = steps.propose, steps.resume, model.propose
+
+    def counted_propose(plan):
+        proposal = propose(plan)
+        where = "launched" if plan.launched is not None else "in graph" if proposal.in_graph else "on the host"
+        counts[where] += sum(proposal.budget)          # tokens the step may draft there
+        return proposal
+
+    def counted_model(batch):
+        drafts = model_propose(batch)
+        counts["model"] += sum(drafts.num_draft_host)
+        return drafts
+    steps.propose, model.propose = counted_propose, counted_model
+    seqs = [engine.add_request(p, PARAMS) for p in PROMPTS]
+    while engine.has_unfinished():
+        engine.step()
+        for seq in seqs:
+            row = chain.lookup.rows.get(seq.seq_id)
+            if row is not None and not seq.is_finished and engine.steps.launched is None:
+                assert chain.lookup.tokens[row, :len(seq.token_ids)].tolist() == seq.token_ids
+    assert [s.output_ids for s in seqs] == plain
+    assert counts["in graph"] > 0 and counts["launched"] > 0 and counts["on the host"] > 0
+    assert 0 < counts["model"] <= PROBE_DRAFTS + len(PROMPTS)      # probes only
+    assert sum(s.stats.num_accepted_tokens for s in seqs) > 0
+    assert not chain.lookup.rows and not model.tokens
 
 
 def test_ngram_ahead_of_a_draft_model_matches_three_tokens_unless_told():

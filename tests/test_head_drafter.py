@@ -143,9 +143,9 @@ def test_a_head_on_graph_steps_reads_their_hidden_states(folders, plain):
     engine.runner.forward = recorded_forward
     asked, num_draft = {"calls": 0}, engine.controller.num_draft
 
-    def some_plain(*args):                      # stretches of four asks answered with no draft
+    def some_plain(*args, **kwargs):            # stretches of four asks answered with no draft
         asked["calls"] += 1
-        return 0 if asked["calls"] // 4 % 2 else num_draft(*args)
+        return 0 if asked["calls"] // 4 % 2 else num_draft(*args, **kwargs)
     engine.controller.num_draft = some_plain
     recorded = Recorded(llm, drafter)
     launched, launch = [], engine.steps._launch_next

@@ -9,7 +9,9 @@ Beyond EagerStep it does two things captured graphs make possible:
     first step's result), so the GPU never idles while the host reads and accepts a step. A
     step is launched ahead without drafts: where a drafter outside the graph (a head, a draft
     model, a chain whose lookup drafts first) would draft the next step, none is launched; a
-    head catches up on a plain step's hidden states before its successor overwrites them.
+    head catches up on a plain step's hidden states before its successor overwrites them. A
+    chain whose lookup has a device twin (DrafterChain.lookup) drafts in the graph, launched
+    ahead or not, wherever its paying drafter would draft for no row.
 A launched step holds the same rows as the step before it; the next engine step reads it
 (resume) instead of scheduling. Rows whose sequence ended meanwhile are dropped, tokens and all.
 """
@@ -44,11 +46,19 @@ class GraphStep(EagerStep):
 
     def _draft(self, seqs: list[Sequence], budget: list[int], room: list[int]) -> Proposal:
         """The graph drafts and verifies itself where the rows are greedy and a captured shape
-        holds them; elsewhere the drafter drafts on the device (EagerStep)."""
+        holds them; elsewhere the drafter drafts on the device (EagerStep). A chain whose lookup
+        has a graph step (DrafterChain.lookup) drafts in the graph only where its paying drafter
+        drafts for no row (budget, the paying drafter's lengths, all 0), at the lookup's own
+        lengths; otherwise the chain drafts on the host."""
         if self.extension is not None and all(s.params.is_greedy for s in seqs):
+            in_graph = budget
+            if self.drafter.uses_room:
+                if any(budget):
+                    return super()._draft(seqs, budget, room)
+                in_graph = [min(r, k) for r, k in zip(room, self.lengths(seqs, paid=False))]
             rows = [Row(s.slot, [0], len(s.token_ids) - 1) for s in seqs]
-            if self.runner.shape_for(rows, max(budget)) is not None:
-                return Proposal(budget, in_graph=True)
+            if self.runner.shape_for(rows, max(in_graph)) is not None:
+                return Proposal(in_graph, in_graph=True)
         return super()._draft(seqs, budget, room)
 
     # ---- verify -------------------------------------------------------------------------------
@@ -120,9 +130,15 @@ class GraphStep(EagerStep):
         speculating = any(s.speculate for s in seqs)
         drafts = speculating and self.extension is not None
         lengths = self.lengths(seqs)
-        if speculating and not drafts and (any(lengths) or self.drafter.uses_room):
-            # a drafter outside the graph drafts the next step (a chain's lookup, free, drafts
-            # whatever the controller's length): it is proposed, not launched
+        if speculating and self.drafter.uses_room:
+            # a chain: where its paying drafter drafts the next step, or its lookup has no graph
+            # step (its free rows draft whatever the controller's length), that step is proposed,
+            # not launched; otherwise the lookup drafts in the graph at its own lengths
+            if not drafts or any(lengths):
+                return None
+            lengths = self.lengths(seqs, paid=False)
+        elif speculating and not drafts and any(lengths):
+            # a drafter outside the graph drafts the next step: it is proposed, not launched
             return None
         # a launched step cannot take a buffer row: only rows that have one draft
         budget = [min(k, self.budget_for(s, ahead)) if drafts and self.extension.has_row(s.seq_id) else 0

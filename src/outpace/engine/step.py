@@ -41,7 +41,9 @@ class Proposal:
     @property
     def paid_tokens(self) -> int:
         """Drafted tokens the step verifies whose drafting the drafter prices (all but a chain's
-        free lookup rows)."""
+        free lookup rows; none where the graph drafted: a lookup)."""
+        if self.in_graph:
+            return 0
         free = self.drafts.free if self.drafts is not None and self.drafts.free else [False] * len(self.budget)
         return sum(n for n, f in zip(self.budget, free) if not f)
 
@@ -114,18 +116,19 @@ class EagerStep:
         self._charge(seqs, "draft_s", time.perf_counter() - t0)
         return proposal
 
-    def lengths(self, seqs: list[Sequence]) -> list[int]:
+    def lengths(self, seqs: list[Sequence], paid: bool = True) -> list[int]:
         """The controller's draft length for each row, decided before drafting (a drafter that
         pays per drafted token): 0 for a plain row and for one whose setup (the drafter's
-        setup_seconds) drafting would not repay over the tokens the row has left."""
+        setup_seconds) drafting would not repay over the tokens the row has left. paid False:
+        drafts that cost the drafter nothing and need no setup (a chain's lookup in the graph)."""
         spec = [s for s in seqs if s.speculate]
         if not spec:
             return [0] * len(seqs)
         ids = [s.seq_id for s in spec]
-        setup = self.drafter.setup_seconds(ids)
+        setup = self.drafter.setup_seconds(ids) if paid else None
         remaining = None if setup is None else [
             self.controller.remaining(s.num_output_tokens, s.params.max_tokens - s.num_output_tokens) for s in spec]
-        lengths = iter(self.controller.row_lengths(ids, len(seqs), setup, remaining))
+        lengths = iter(self.controller.row_lengths(ids, len(seqs), setup, remaining, paid))
         return [next(lengths) if s.speculate else 0 for s in seqs]
 
     def _draft(self, seqs: list[Sequence], budget: list[int], room: list[int]) -> Proposal:

@@ -9,6 +9,12 @@ Where a paying drafter follows a free one, the controller's length (the step's b
 paying one; the free one drafts up to each row's room, and its rows are marked free for the
 controller to cut after drafting, at no drafting cost (priced as the paying drafter, a lookup's
 draft would be held to the length a draft model can pay for).
+
+On a GPU the lookup also has a device twin (`lookup`, DeviceNgramDrafter: the same drafts, token
+for token), which hears every sequence's life too. Its graph step is the chain's: where the paying
+drafter would draft for no row, the runner's captured step drafts the lookup's rows and verifies
+them itself, and the step after it may be launched ahead (GraphStep), as with n-gram alone; a
+step in which the paying drafter drafts runs the chain on the host.
 """
 from __future__ import annotations
 
@@ -20,8 +26,10 @@ from outpace.speculative.drafter import DraftBatch, Drafter, Drafts
 class DrafterChain(Drafter):
     name = "chain"
 
-    def __init__(self, drafters: Sequence[Drafter]):
+    def __init__(self, drafters: Sequence[Drafter], lookup: Drafter | None = None):
         self.drafters = list(drafters)
+        self.lookup = lookup
+        self.members = self.drafters + ([lookup] if lookup is not None else [])    # who hears every sequence
         # a paying drafter in the chain: the controller's budget comes first
         self.priced_after_drafting = all(d.priced_after_drafting for d in self.drafters)
         self.uses_room = not self.priced_after_drafting and any(d.priced_after_drafting for d in self.drafters)
@@ -33,11 +41,11 @@ class DrafterChain(Drafter):
         return tuple(sorted({i for d in self.drafters for i in d.hidden_layers}))
 
     def bind(self, context):
-        for d in self.drafters:
+        for d in self.members:
             d.bind(context)
 
     def begin(self, seq_id, token_ids):
-        for d in self.drafters:
+        for d in self.members:
             d.begin(seq_id, token_ids)
 
     def propose(self, batch: DraftBatch) -> Drafts:
@@ -57,19 +65,19 @@ class DrafterChain(Drafter):
         return Drafts.from_lists(rows, match, free=free if self.uses_room else None)
 
     def prefilled(self, chunks):
-        for d in self.drafters:
+        for d in self.members:
             d.prefilled(chunks)
 
     def verified(self, result):
-        for d in self.drafters:
+        for d in self.members:
             d.verified(result)
 
     def accept(self, seq_id, token_ids):
-        for d in self.drafters:
+        for d in self.members:
             d.accept(seq_id, token_ids)
 
     def end(self, seq_id):
-        for d in self.drafters:
+        for d in self.members:
             d.end(seq_id)
 
     def setup_seconds(self, seq_ids):
@@ -80,3 +88,7 @@ class DrafterChain(Drafter):
 
     def cost_per_token(self, batch_size):
         return max(d.cost_per_token(batch_size) for d in self.drafters)
+
+    def graph_step(self, max_rows, max_tokens):
+        """The lookup's device twin's part of the runner's graph step, where there is one."""
+        return None if self.lookup is None else self.lookup.graph_step(max_rows, max_tokens)

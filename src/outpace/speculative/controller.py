@@ -293,12 +293,15 @@ class DraftController:
         return 1 if best == 0 and longest and self.probing else best
 
     def row_lengths(self, seq_ids: list[int], batch_size: int, setup: list[float] | None = None,
-                    remaining: list[float] | None = None) -> list[int]:
+                    remaining: list[float] | None = None, paid: bool = True) -> list[int]:
         """num_draft's length for each speculating row of a batch of batch_size rows (drafts not
         known yet), but 0 for a row whose setup (setup[i] seconds before it can draft) drafting
         would not repay over its remaining[i] tokens (the top); the length is then chosen again
-        for the rows that draft. Also updates `saving`, which pays_setup reads."""
-        k = self.num_draft(seq_ids, batch_size)
+        for the rows that draft. Where paid, also updates `saving`, which pays_setup reads; paid
+        False: drafts at no drafting cost (num_draft), which say nothing of a setup's return."""
+        k = self.num_draft(seq_ids, batch_size, paid=paid)
+        if not paid:
+            return [k] * len(seq_ids)
         savings = self._savings(seq_ids, batch_size, k)
         if savings and self.buckets:
             self.saving[self._bucket(batch_size)] = sum(savings) / len(savings)

@@ -21,7 +21,12 @@ def make_drafter(spec: SpecConfig, model: str, device: str, max_seqs: int, max_l
         return NgramDrafter(spec)
     if spec.method == "draft":
         model = DraftModelDrafter(spec.draft_model, spec.p_min, spec.draft_vocab, spec.draft_window)
-        return DrafterChain([NgramDrafter(spec), model]) if spec.ngram_first else model
+        if not spec.ngram_first:
+            return model
+        # on a GPU the lookup's device twin drafts inside the graph step where the model drafts nowhere
+        lookup = (DeviceNgramDrafter(spec, max_seqs, max_len, device, use_graph=cuda_graphs)
+                  if device.startswith("cuda") else None)
+        return DrafterChain([NgramDrafter(spec), model], lookup)
     if spec.method in HEADS:
         folder = spec.draft_head or str(shipped_head(model))
         head = HeadDrafter(HEADS[spec.method](folder), spec.tree_width)
