@@ -23,7 +23,7 @@ from outpace.errors import IncompatibleModelsError, InvalidParameterError
 from outpace.runner.cuda_graphs import CudaGraphRunner
 from outpace.speculative.chain import DrafterChain
 from outpace.speculative.controller import PROBE_DRAFTS
-from outpace.speculative.ngram_device import DeviceNgramDrafter
+from outpace.speculative.factory import lookup_twin
 from tiny import make_tiny
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [100, 200, 300, 100, 200], [7] * 30, [42],
@@ -240,8 +240,9 @@ def test_ngram_rows_are_not_priced_as_the_draft_model(folders, plain):
 def test_a_chains_lookup_drafts_in_the_graph_where_the_model_would_not(folders, plain):
     """On the GPU's path (its static-shape runner and step, built here on the CPU), a chain whose
     lookup has a device twin drafts inside the graph step, launched ahead too, wherever the draft
-    model would draft for no row; the steps that probe the model run the chain on the host. A
-    model too dear to pay for (10 s a token) is only probed. Output stays plain's, and the twin's
+    model would draft for no row, from 1-token matches up as n-gram alone does; the steps that
+    probe the model run the chain on the host. A model too dear to pay for (10 s a token) is only
+    probed. Output stays plain's, and the twin's
     buffer rows hold their sequences' tokens. The verify forward is priced flat and the fit is
     off, so that a noisy machine's timings decide nothing here."""
     spec = SpecConfig(method="draft", draft_model=str(folders[1]), num_draft_tokens=4, ngram_first=True)
@@ -249,7 +250,8 @@ def test_a_chains_lookup_drafts_in_the_graph_where_the_model_would_not(folders, 
     engine = llm.engine
     ngram, model = engine.drafter.drafters
     model.cost_per_token = lambda batch_size: 10.0
-    chain = engine.drafter = DrafterChain([ngram, model], DeviceNgramDrafter(spec, 3, 256, "cpu"))
+    chain = engine.drafter = DrafterChain([ngram, model], lookup_twin(spec, 3, 256, "cpu", use_graph=False))
+    assert (chain.lookup.min_ngram, ngram.min_ngram) == (1, 3)
     engine.runner = CudaGraphRunner(engine.model, 3, 256, 16, num_draft_tokens=4, progress=False,
                                     extension=chain.graph_step(3, 5))
     engine.steps = steps = GraphStep(engine.runner, chain, engine.controller, 256, 4, scheduler=engine.scheduler,

@@ -1,6 +1,8 @@
 """Build the drafter a SpecConfig names: adding a drafter is its file plus one line here."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from outpace.config import SpecConfig
 from outpace.speculative.chain import DrafterChain
 from outpace.speculative.draft_model import DraftModelDrafter
@@ -23,12 +25,17 @@ def make_drafter(spec: SpecConfig, model: str, device: str, max_seqs: int, max_l
         model = DraftModelDrafter(spec.draft_model, spec.p_min, spec.draft_vocab, spec.draft_window)
         if not spec.ngram_first:
             return model
-        # on a GPU the lookup's device twin drafts inside the graph step where the model drafts nowhere
-        lookup = (DeviceNgramDrafter(spec, max_seqs, max_len, device, use_graph=cuda_graphs)
-                  if device.startswith("cuda") else None)
+        lookup = lookup_twin(spec, max_seqs, max_len, device, cuda_graphs) if device.startswith("cuda") else None
         return DrafterChain([NgramDrafter(spec), model], lookup)
     if spec.method in HEADS:
         folder = spec.draft_head or str(shipped_head(model))
         head = HeadDrafter(HEADS[spec.method](folder), spec.tree_width)
         return DrafterChain([NgramDrafter(spec), head]) if spec.ngram_first else head
     return Drafter()
+
+
+def lookup_twin(spec: SpecConfig, max_seqs: int, max_len: int, device: str, use_graph: bool) -> DeviceNgramDrafter:
+    """A chain's lookup on the device (DrafterChain.lookup), which drafts inside the graph step
+    where the draft model drafts nowhere, as n-gram lookup alone does: from a 1-token match up
+    (the host lookup ahead of the model keeps the chain's min_ngram)."""
+    return DeviceNgramDrafter(replace(spec, min_ngram=1), max_seqs, max_len, device, use_graph=use_graph)
