@@ -16,6 +16,8 @@ from outpace.engine.graph_step import GraphStep
 from outpace.model.draft_head import attend
 from outpace.runner.cuda_graphs import CudaGraphRunner
 from outpace.runner.model_runner import ModelRunner, Row
+from outpace.speculative.chain import DrafterChain
+from outpace.speculative.factory import lookup_twin
 from outpace.speculative.head_graphs import HeadGraphs
 from heads import target_config, write_eagle3_head
 from tiny import make_tiny
@@ -156,6 +158,47 @@ def test_a_head_on_graph_steps_reads_their_hidden_states(folders, plain):
     assert sum(x is not None for x in launched) > 5
     assert len(recorded.calls) > 20
     _assert_drafts_from_scratch(llm, drafter, recorded.calls[::2])
+
+
+def test_a_chains_lookup_in_the_graph_keeps_the_heads_cache(folders):
+    """The GPU path with n-gram first: where the controller gives the head no row, the lookup's
+    device twin drafts and verifies inside the graph step (launched ahead too), and the head
+    catches up on every position that step verified (accepted lookup drafts and all) from the
+    graph's hidden states; where the head drafts, the chain drafts on the host. The head's drafts
+    stay its run from scratch (each of them: a head that missed a position drafts otherwise
+    afterwards), and the output plain's."""
+    llm = _llm(folders, ngram_first=True)
+    engine = llm.engine
+    spec = engine.config.spec
+    chain = engine.drafter = DrafterChain(engine.drafter.drafters, lookup_twin(spec, 3, 256, "cpu", use_graph=False))
+    head = chain.drafters[1]
+    engine.runner = CudaGraphRunner(engine.model, 3, 256, 8, num_draft_tokens=4, progress=False,
+                                    hidden_layers=chain.hidden_layers, extension=chain.graph_step(3, 5))
+    engine.steps = steps = GraphStep(engine.runner, chain, engine.controller, 256, 4, scheduler=engine.scheduler,
+                                     overlap=True)
+    asked, num_draft = {"calls": 0}, engine.controller.num_draft
+
+    def some_plain(*args, paid=True, **kwargs):     # stretches of two asks in which the head drafts nothing
+        asked["calls"] += paid
+        return 0 if paid and asked["calls"] // 2 % 2 else num_draft(*args, paid=paid, **kwargs)
+    engine.controller.num_draft = some_plain
+    in_graph, verify = [0], steps.verify
+
+    def counted(plan, proposal, chunks):      # tokens accepted in steps the graph verified itself
+        result = verify(plan, proposal, chunks)
+        if proposal.in_graph:
+            in_graph[0] += sum(result.counts) - len(result.counts)
+        return result
+    steps.verify = counted
+    recorded = Recorded(llm, head)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    out = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in LLM(str(folders[0]), spec="none", **OPTIONS).generate(
+        PROMPTS, params)]
+    assert in_graph[0] > 0
+    assert len(recorded.calls) > 10
+    _assert_drafts_from_scratch(llm, head, recorded.calls)
+    assert not chain.lookup.rows and sorted(engine.scheduler.free_slots) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("tree_width", [1, 3])

@@ -91,15 +91,17 @@ class GraphStep(EagerStep):
             return self._read_back(seqs, [0] * len(seqs), self.runner.last_shape, t0)
         return super()._plain_greedy(seqs, logits, hidden, t0)
 
-    def _catch_up(self, seqs: list[Sequence], shape: tuple[int, int, int], result) -> None:
-        """A plain graph step's outcome (result: step_result's rows) for a drafter that reads
-        hidden states, its rows' tokens and hidden states taken from the graph rows, queued before
-        a launched step overwrites them in the runner's buffer."""
+    def _catch_up(self, seqs: list[Sequence], budget: list[int], shape: tuple[int, int, int], result) -> None:
+        """A graph step's outcome (result: step_result's rows [tokens out, tokens drafted, target
+        tokens]) for a drafter that reads hidden states, its rows' tokens and hidden states taken
+        from the graph rows, queued before a launched step overwrites them in the runner's buffer.
+        A drafted step's rows hold the target's token at every position, which at an accepted
+        one is the draft's."""
         index = to_device([s.slot for s in seqs], result.device)
-        tokens = result.index_select(0, index)[:, 2:3]
-        hidden = self.runner.step_hidden(shape).index_select(0, index)[:, :1]
-        self.drafter.verified(Verified(self._draft_batch(seqs, [0] * len(seqs)), tokens,
-                                       torch.ones_like(tokens[:, 0]), hidden))
+        rows = result.index_select(0, index)
+        tokens = rows[:, 2:2 + shape[1]]
+        hidden = self.runner.step_hidden(shape).index_select(0, index)
+        self.drafter.verified_in_graph(Verified(self._draft_batch(seqs, budget), tokens, rows[:, 0], hidden))
 
     def _read_back(self, seqs: list[Sequence], budget: list[int], shape: tuple[int, int, int], t0: float,
                    may_launch: bool = True) -> StepResult:
@@ -110,7 +112,7 @@ class GraphStep(EagerStep):
         result = runner.step_result(shape)
         runner.start_read(result)
         if self.drafter.hidden_layers and any(s.speculate for s in seqs):
-            self._catch_up(seqs, shape, result)
+            self._catch_up(seqs, budget, shape, result)
         if may_launch and self.overlap:
             self.launched = self._launch_next(seqs, shape, result)
         host = runner.read_back()                       # the step's one host synchronisation

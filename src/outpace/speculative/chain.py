@@ -72,6 +72,11 @@ class DrafterChain(Drafter):
         for d in self.members:
             d.verified(result)
 
+    def verified_in_graph(self, result):
+        """The chain's drafters alone: the graph step appended the lookup twin's tokens itself."""
+        for d in self.drafters:
+            d.verified(result)
+
     def accept(self, seq_id, token_ids):
         for d in self.members:
             d.accept(seq_id, token_ids)

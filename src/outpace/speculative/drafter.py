@@ -208,6 +208,12 @@ class Drafter:
         """After verification, before the step's host synchronisation: the step's outcome on the
         device (for drafters whose state lives there). Host drafters wait for accept."""
 
+    def verified_in_graph(self, result: Verified) -> None:
+        """verified, for a step that the runner's captured graph verified itself (its graph
+        step's state, a device lookup's tokens, already holds the outcome): what drafters
+        keeping other device state (a head's cache) need of it."""
+        self.verified(result)
+
     def accept(self, seq_id: int, token_ids: Sequence[int]) -> None:
         """Tokens appended to a sequence after verification (accepted drafts plus the target's
         token), on the host, tokens past a stop already dropped."""

@@ -30,12 +30,15 @@ def make_drafter(spec: SpecConfig, model: str, device: str, max_seqs: int, max_l
     if spec.method in HEADS:
         folder = spec.draft_head or str(shipped_head(model))
         head = HeadDrafter(HEADS[spec.method](folder), spec.tree_width)
-        return DrafterChain([NgramDrafter(spec), head]) if spec.ngram_first else head
+        if not spec.ngram_first:
+            return head
+        lookup = lookup_twin(spec, max_seqs, max_len, device, cuda_graphs) if device.startswith("cuda") else None
+        return DrafterChain([NgramDrafter(spec), head], lookup)
     return Drafter()
 
 
 def lookup_twin(spec: SpecConfig, max_seqs: int, max_len: int, device: str, use_graph: bool) -> DeviceNgramDrafter:
     """A chain's lookup on the device (DrafterChain.lookup), which drafts inside the graph step
-    where the draft model drafts nowhere, as n-gram lookup alone does: from a 1-token match up
+    where the paying drafter (a draft model, a head) drafts nowhere, as n-gram lookup alone does: from a 1-token match up
     (the host lookup ahead of the model keeps the chain's min_ngram)."""
     return DeviceNgramDrafter(replace(spec, min_ngram=1), max_seqs, max_len, device, use_graph=use_graph)
