@@ -234,15 +234,17 @@ def test_the_heads_own_graph_bodies_keep_its_drafts(folders, plain, tree_width):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_the_heads_cuda_graphs_keep_greedy_output(folders):
+@pytest.mark.parametrize("ngram_first", [False, True])
+def test_the_heads_cuda_graphs_keep_greedy_output(folders, ngram_first):
     """On a GPU the head replays its own graphs (catch-up and chains) beside the target's: greedy
     output equals plain greedy output of the same engine setup, batched, with rollback (float64:
-    no near-ties between the target's decode and verify steps)."""
+    no near-ties between the target's decode and verify steps); with n-gram first, its lookup's
+    device twin drafting in the target's graphs too."""
     options = OPTIONS | dict(device="cuda")
     plain = [o.token_ids for o in LLM(str(folders[0]), spec="none", **options).generate(PROMPTS, PARAMS)]
-    llm = LLM(str(folders[0]), spec=SpecConfig(method="eagle3", draft_head=str(folders[1]), num_draft_tokens=4),
-              **options)
-    drafter = llm.engine.drafter
+    llm = LLM(str(folders[0]), spec=SpecConfig(method="eagle3", draft_head=str(folders[1]), num_draft_tokens=4,
+                                               ngram_first=ngram_first), **options)
+    drafter = llm.engine.drafter.drafters[1] if ngram_first else llm.engine.drafter
     assert drafter.graphs is not None and drafter.graphs.graphs
     calls, catch_up = [], drafter.graphs.catch_up
     drafter.graphs.catch_up = lambda result: calls.append(catch_up(result)) or calls[-1]
