@@ -10,11 +10,11 @@ paying one; the free one drafts up to each row's room, and its rows are marked f
 controller to cut after drafting, at no drafting cost (priced as the paying drafter, a lookup's
 draft would be held to the length a draft model can pay for).
 
-On a GPU the lookup also has a device twin (`lookup`, DeviceNgramDrafter: the same drafts, token
-for token), which hears every sequence's life too. Its graph step is the chain's: where the paying
-drafter would draft for no row, the runner's captured step drafts the lookup's rows and verifies
-them itself, and the step after it may be launched ahead (GraphStep), as with n-gram alone; a
-step in which the paying drafter drafts runs the chain on the host.
+On a GPU the lookup also has a device twin (`lookup`, DeviceNgramDrafter, factory.lookup_twin),
+which hears every sequence's life too. Its graph step is the chain's: where the paying drafter
+would draft for no row, the runner's captured step drafts the twin's rows (as n-gram alone would)
+and verifies them itself, and the step after it may be launched ahead (GraphStep); a step in which
+the paying drafter drafts runs the chain on the host.
 """
 from __future__ import annotations
 
