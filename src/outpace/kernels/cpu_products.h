@@ -79,6 +79,10 @@ static inline long group_bytes_of(int format) {
 _Static_assert(16 % VL == 0 && TILE_VECS * VL % 16 == 0, "a tile holds whole blocks of 16 columns");
 _Static_assert(TILE_ROWS <= 12, "tiles_dense's cases reach 12 rows");
 _Static_assert(QUANT_ROWS <= 6 && QUANT_ROWS <= TILE_ROWS, "tiles_int8's and tiles_kquant's cases reach 6 rows");
+#ifndef Q6_K_ROWS
+#define Q6_K_ROWS QUANT_ROWS
+#endif
+_Static_assert(Q6_K_ROWS <= QUANT_ROWS, "tiles_kquant's cases reach QUANT_ROWS rows");
 #define TILE_COLS (TILE_VECS * VL)
 #define Q4_K_GROUP_BYTES 2304
 #define Q6_K_GROUP_BYTES 3360
@@ -633,7 +637,7 @@ int linear(const void *x, int wide_io, long M, long K, const void *w, int format
     int kquant = format == W_Q4_K || format == W_Q6_K;
     if ((format != W_F32 && format != W_BF16 && !quant && !kquant) || K % (kquant ? 256 : quant ? 32 : 2)) return -2;
     long tiles = (N + TILE_COLS - 1) / TILE_COLS, padded = (N + 15) / 16 * 16;
-    long most_rows = quant || kquant ? QUANT_ROWS : TILE_ROWS;
+    long most_rows = format == W_Q6_K ? Q6_K_ROWS : quant || kquant ? QUANT_ROWS : TILE_ROWS;
     long parts = (M + most_rows - 1) / most_rows, per_part = (M + parts - 1) / parts;
     long column_bytes = format == W_F32 ? 4 * K : format == W_BF16 ? 2 * K      /* a block's bytes / 16 */
                         : kquant ? K / 256 * kquant_group_bytes(format) / 16 : K / 32 * group_bytes_of(format) / 16;

@@ -44,7 +44,8 @@
  *
  * TILE_VECS registers of sums a row and TILE_ROWS rows make a product tile: as many as the
  * level's registers hold beside the weights' registers and the inputs' broadcasts; QUANT_ROWS
- * rows make an int8 tile (its integer block sums beside its float sums).
+ * rows make an int8 tile (its integer block sums beside its float sums), Q6_K_ROWS (QUANT_ROWS
+ * where a level does not set it) a Q6_K one.
  * PREFETCH_BYTES: how far ahead of its reads a tile prefetches a column block's weights, where a
  * column block's weights (16 columns' over all inputs, one stream of reads) are fewer bytes than
  * PREFETCH_STREAMS_UNDER: a short stream ends before the CPU's own prefetcher has followed it, and
@@ -156,8 +157,11 @@ static inline void vf_widen_pairs(const bf16 *p, VF *even, VF *odd) {
     *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
 }
 static inline VF vf_fmadd(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
-#define QUANT_ROWS 4        /* 8 float sums + 8 integer sums of 16 registers: the float ones spill, touched once
-                             * a block; 2 rows made 9-16 rows about 1.4x slower */
+#define QUANT_ROWS 5        /* 10 float sums + 10 integer sums of 16 registers: the float ones spill, touched once
+                             * a block. A verify row with 4 drafts is then one tile: 5-row Q4_K, Q8_0 and Q4_1
+                             * products 1.1-1.4x faster than as 3 + 2 rows on an AMD EPYC (Zen 3), 64 rows alike;
+                             * 2 rows made 9-16 rows about 1.4x slower */
+#define Q6_K_ROWS 4         /* Q6_K's weights take 8 registers: 5 rows made its 64-row products 0.89-0.98x */
 #define DOT_S8_OFFSET 0
 typedef __m256i VI;
 static inline VI vi_zero(void) { return _mm256_setzero_si256(); }
