@@ -23,22 +23,23 @@ def make_drafter(spec: SpecConfig, model: str, device: str, max_seqs: int, max_l
         return NgramDrafter(spec)
     if spec.method == "draft":
         model = DraftModelDrafter(spec.draft_model, spec.p_min, spec.draft_vocab, spec.draft_window)
-        if not spec.ngram_first:
-            return model
-        lookup = lookup_twin(spec, max_seqs, max_len, device, cuda_graphs) if device.startswith("cuda") else None
-        return DrafterChain([NgramDrafter(spec), model], lookup)
+        return _after_lookup(model, spec, device, max_seqs, max_len, cuda_graphs) if spec.ngram_first else model
     if spec.method in HEADS:
         folder = spec.draft_head or str(shipped_head(model))
         head = HeadDrafter(HEADS[spec.method](folder), spec.tree_width)
-        if not spec.ngram_first:
-            return head
-        lookup = lookup_twin(spec, max_seqs, max_len, device, cuda_graphs) if device.startswith("cuda") else None
-        return DrafterChain([NgramDrafter(spec), head], lookup)
+        return _after_lookup(head, spec, device, max_seqs, max_len, cuda_graphs) if spec.ngram_first else head
     return Drafter()
+
+
+def _after_lookup(drafter: Drafter, spec: SpecConfig, device: str, max_seqs: int, max_len: int,
+                  cuda_graphs: bool) -> DrafterChain:
+    """n-gram lookup first, then `drafter`; on a GPU with the lookup's device twin (lookup_twin)."""
+    lookup = lookup_twin(spec, max_seqs, max_len, device, cuda_graphs) if device.startswith("cuda") else None
+    return DrafterChain([NgramDrafter(spec), drafter], lookup)
 
 
 def lookup_twin(spec: SpecConfig, max_seqs: int, max_len: int, device: str, use_graph: bool) -> DeviceNgramDrafter:
     """A chain's lookup on the device (DrafterChain.lookup), which drafts inside the graph step
-    where the paying drafter (a draft model, a head) drafts nowhere, as n-gram lookup alone does: from a 1-token match up
-    (the host lookup ahead of the model keeps the chain's min_ngram)."""
+    where the paying drafter (a draft model, a head) drafts nowhere, as n-gram lookup alone does:
+    from a 1-token match up (the host lookup ahead of the model keeps the chain's min_ngram)."""
     return DeviceNgramDrafter(replace(spec, min_ngram=1), max_seqs, max_len, device, use_graph=use_graph)
