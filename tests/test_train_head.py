@@ -84,3 +84,31 @@ def test_a_fixed_seed_gives_the_same_head_paused_or_not(trained):
     assert resumed["acceptance"] == summary["acceptance"]
     with pytest.raises(InvalidParameterError, match="other settings"):
         train_head(TrainConfig(**{**paused, "lr": 1e-3}))
+
+
+def test_the_target_writes_its_own_prompts(tmp_path, default_model_dir):
+    """--self-prompts: the default model, opened at a user turn of its chat template, writes
+    distinct finished prompts; the same seed gives the same ones, and a rerun reads them back from
+    the output folder rather than sampling again. The trainer's Recorder, paused, keeps none of
+    those sequences (generate_shards pairs the sequences it holds with a shard's prompts)."""
+    from outpace.train.head_data import Recorder
+    from outpace.train.self_prompts import self_prompts, user_turn_prefix
+    recorder = Recorder()
+    llm = LLM(str(default_model_dir), spec="none", drafter=recorder, device="cpu", max_num_seqs=8, calibrate=False,
+              max_model_len=256)
+    recorder.is_recording = False
+    prefix = llm.tokenizer.decode(user_turn_prefix(llm.tokenizer), skip_special_tokens=False)
+    assert prefix.endswith("<|im_start|>user\n")
+    first = self_prompts(llm, 6, seed=1, path=tmp_path / "a.jsonl")
+    assert len(first) == len(set(first)) == 6 and all(p and p == p.strip() for p in first)
+    assert all("<|im_end|>" not in p for p in first)
+    assert self_prompts(llm, 6, seed=1, path=tmp_path / "b.jsonl") == first
+    assert self_prompts(llm, 6, seed=2, path=tmp_path / "c.jsonl") != first
+    (tmp_path / "a.jsonl").write_text((tmp_path / "a.jsonl").read_text().replace(first[0], "kept from the file"))
+    assert self_prompts(llm, 6, seed=1, path=tmp_path / "a.jsonl")[0] == "kept from the file"
+    assert recorder.parts == {}
+
+
+def test_no_prompts_is_refused():
+    with pytest.raises(InvalidParameterError, match="no prompts"):
+        TrainConfig(model="smollm2-135m", prompts=None, out="x")

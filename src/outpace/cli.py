@@ -265,7 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
     t = sub.add_parser("train-head", help="train an EAGLE-3 head for a model on its own answers (self-distillation)")
     t.add_argument("--model", default="smollm2-135m", help=f"the target: a known name ({KNOWN_MODELS}) or a folder")
-    t.add_argument("--prompts", required=True, help="JSONL of {\"prompt\": ...} lines (.gz allowed); never Spec-Bench")
+    t.add_argument("--prompts", default=None, help="JSONL of {\"prompt\": ...} lines (.gz allowed); never Spec-Bench")
+    t.add_argument("--self-prompts", type=int, default=0,
+                   help="prompts the target first writes itself (sampled user turns of its chat template), added "
+                        "to --prompts' (default 0)")
     t.add_argument("--out", required=True, help="folder for data, checkpoints and the head (a rerun resumes it)")
     t.add_argument("--num-prompts", type=int, default=4000, help="prompts answered for training (default 4000)")
     t.add_argument("--held-out", type=int, default=64, help="prompts held back to measure acceptance (default 64)")

@@ -10,6 +10,7 @@ from tqdm import tqdm
 from outpace.config import EngineConfig, SamplingParams, SpecConfig
 from outpace.engine.llm_engine import LLMEngine
 from outpace.engine.sequence import Sequence
+from outpace.errors import InvalidParameterError
 from outpace.speculative.drafter import Drafter
 
 
@@ -68,10 +69,11 @@ class LLM:
         self.close()
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
-                 sampling_params: SamplingParams | None = None, *, use_tqdm: bool = False,
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *, use_tqdm: bool = False,
                  on_tokens=None, speculate: bool = True) -> list[RequestOutput]:
-        """prompts: text, token ids, or a list of either. on_tokens(seq) is called after each step
-        that gave a sequence new tokens (streaming). speculate=False decodes plainly (a baseline)."""
+        """prompts: text, token ids, or a list of either. sampling_params: one for every prompt, or a
+        list of one per prompt. on_tokens(seq) is called after each step that gave a sequence new
+        tokens (streaming). speculate=False decodes plainly (a baseline)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -90,7 +92,12 @@ class LLM:
     def _run(self, prompts, ids, params, use_tqdm, on_tokens, speculate) -> list[RequestOutput]:
         engine = self.engine
         started = time.perf_counter()
-        seqs = [engine.add_request(i, params, speculate) for i in ids]
+        if isinstance(params, SamplingParams):
+            params = [params] * len(ids)
+        elif len(params) != len(ids):
+            raise InvalidParameterError(f"got {len(params)} SamplingParams for {len(ids)} prompts: give one, or one "
+                                        "per prompt")
+        seqs = [engine.add_request(i, p, speculate) for i, p in zip(ids, params)]
         bar = tqdm(total=len(seqs), desc="generating", disable=not use_tqdm)
         try:
             while engine.has_unfinished():

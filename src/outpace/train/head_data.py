@@ -41,12 +41,14 @@ class Recorded:
 class Recorder(Drafter):
     """Drafts nothing; keeps the target's hidden states at each position it is fed (of plain
     requests: the trainer's answers decode plainly): the layers an EAGLE-3 head reads and the last
-    one, learnt at bind, before the engine builds the CUDA graphs that write them."""
+    one, learnt at bind, before the engine builds the CUDA graphs that write them. Sequences begun
+    while `is_recording` is False (the target writing its own prompts) are not kept."""
 
     prefills_plain = True
 
     def __init__(self):
         self.parts: dict[int, list[tuple[int, torch.Tensor]]] = {}      # seq_id -> (first position, [n, layers, H])
+        self.is_recording = True
 
     def bind(self, context: DraftContext) -> None:
         L = context.target.cfg.num_layers
@@ -54,17 +56,22 @@ class Recorder(Drafter):
         self.hidden_layers = tuple(sorted(set(self.head_layers) | {L - 1}))
 
     def begin(self, seq_id, token_ids):
-        self.parts[seq_id] = []
+        if self.is_recording:
+            self.parts[seq_id] = []
 
     def prefilled(self, chunks: Prefilled) -> None:
         for i, (seq_id, start, n) in enumerate(zip(chunks.seq_ids, chunks.starts, chunks.lengths)):
-            self.parts[seq_id].append((start, chunks.hidden[i, :n].cpu()))
+            if seq_id in self.parts:
+                self.parts[seq_id].append((start, chunks.hidden[i, :n].cpu()))
 
     def verified(self, result: Verified) -> None:
         # plain steps (no drafts): the hidden state of each row's last token
+        rows = [i for i, seq_id in enumerate(result.batch.seq_ids) if seq_id in self.parts]
+        if not rows:
+            return
         hidden = result.hidden[:, :1].cpu()
-        for i, (seq_id, last) in enumerate(zip(result.batch.seq_ids, result.batch.positions)):
-            self.parts[seq_id].append((last, hidden[i]))
+        for i in rows:
+            self.parts[result.batch.seq_ids[i]].append((result.batch.positions[i], hidden[i]))
 
     def take(self, seq_id: int) -> torch.Tensor:
         """The sequence's hidden states in position order [positions, layers, H], forgotten here."""

@@ -1,8 +1,10 @@
 """train_head: an EAGLE-3 head for a target, trained by self-distillation (`outpace train-head`).
 
 Steps, each resumable in the output folder:
-  1. The prompts are shuffled with the seed; the first `held_out` are held back (acceptance is
-     measured on them while training, never trained on), the next `num_prompts` train.
+  1. With `self_prompts` > 0 the target first writes that many prompts itself (self_prompts.py,
+     kept in self_prompts.jsonl), added to the file's. The prompts are shuffled with the seed;
+     the first `held_out` are held back (acceptance is measured on them while training, never
+     trained on), the next `num_prompts` train.
   2. The target answers both sets (head_data.py: greedy, its chat template, batched through the
      engine), recording its hidden states at the head's three layers and its last layer (whose
      final norm and LM head give the target's distributions); data/ holds the shards.
@@ -41,20 +43,22 @@ from outpace.model.draft_head import HeadConfig
 from outpace.model.eagle3 import Eagle3Head, save_eagle3_head
 from outpace.train.draft_vocab import answer_counts, coverage, draft_vocab
 from outpace.train.head_data import Recorded, Recorder, generate_shards, load_shards, read_prompts
+from outpace.train.self_prompts import self_prompts
 from outpace.train.unroll import Batch, unrolled_loss
 
 GRAD_CLIP = 0.5
 MIN_LR_FRACTION = 0.1
 # settings a resumed run must share with the checkpoint it continues
-SAME_RUN = ("model", "num_prompts", "held_out", "max_tokens", "max_prompt_tokens", "draft_vocab", "ttt_steps",
-            "epochs", "batch_size", "lr", "warmup_steps", "seed")
+SAME_RUN = ("model", "self_prompts", "num_prompts", "held_out", "max_tokens", "max_prompt_tokens", "draft_vocab",
+            "ttt_steps", "epochs", "batch_size", "lr", "warmup_steps", "seed")
 
 
 @dataclass
 class TrainConfig:
     model: str
-    prompts: str
+    prompts: str | None             # a JSONL file of prompts, or None for the target's own alone
     out: str
+    self_prompts: int = 0           # prompts the target writes itself, added to the file's
     num_prompts: int = 4000         # prompts answered for training
     held_out: int = 64              # prompts answered for measuring acceptance, never trained on
     max_tokens: int = 256           # answer tokens at most
@@ -85,6 +89,10 @@ class TrainConfig:
                      "epochs", "batch_size", "eval_every", "checkpoint_every", "max_num_seqs", "shard_size"):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.self_prompts < 0:
+            raise InvalidParameterError(f"self-prompts must be >= 0, got {self.self_prompts}")
+        if self.prompts is None and self.self_prompts == 0:
+            raise InvalidParameterError("no prompts to answer: give --prompts FILE, --self-prompts N, or both")
         if self.max_steps is not None and self.max_steps < 0:
             raise InvalidParameterError(f"max-steps must be >= 0, got {self.max_steps}")
         if not 0 < self.lr < 1:
@@ -100,13 +108,7 @@ def train_head(config: TrainConfig) -> dict:
     device = resolve_device(config.device)
     torch.manual_seed(config.seed)
     checkpoint = _load_checkpoint(out, config)
-    prompts = read_prompts(Path(config.prompts))
-    order = list(range(len(prompts)))
-    random.Random(config.seed).shuffle(order)
-    held = [prompts[i] for i in order[:config.held_out]]
-    train = [prompts[i] for i in order[config.held_out:config.held_out + config.num_prompts]]
-    if not train:
-        raise InvalidParameterError(f"{config.prompts} has {len(prompts)} prompts, all held out: lower --held-out")
+    prompts = read_prompts(Path(config.prompts)) if config.prompts is not None else []
 
     # ---- the target's answers -------------------------------------------------------------------
     t0 = time.perf_counter()
@@ -118,6 +120,16 @@ def train_head(config: TrainConfig) -> dict:
     L = target.cfg.num_layers
     recorder = llm.engine.drafter
     layers = recorder.head_layers
+    if config.self_prompts:
+        recorder.is_recording = False
+        prompts = prompts + self_prompts(llm, config.self_prompts, config.seed, out / "self_prompts.jsonl")
+        recorder.is_recording = True
+    order = list(range(len(prompts)))
+    random.Random(config.seed).shuffle(order)
+    held = [prompts[i] for i in order[:config.held_out]]
+    train = [prompts[i] for i in order[config.held_out:config.held_out + config.num_prompts]]
+    if not train:
+        raise InvalidParameterError(f"{len(prompts)} prompts, all held out: lower --held-out or give more prompts")
     for name, part in (("heldout", held), ("train", train)):
         generate_shards(llm, recorder, part, out / "data", name, config.max_tokens, config.max_prompt_tokens,
                         config.shard_size)
@@ -282,7 +294,8 @@ def _load_checkpoint(out: Path, config: TrainConfig) -> dict | None:
         return None
     state = torch.load(path, weights_only=True)
     ours = dataclasses.asdict(config)
-    differ = [k for k in SAME_RUN if state["config"].get(k) != ours[k]]
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    differ = [k for k in SAME_RUN if state["config"].get(k, defaults[k]) != ours[k]]
     if differ:
         raise InvalidParameterError(f"{out} holds a run with other settings ({', '.join(differ)}): "
                                     f"give another --out, or the same settings to resume it")
