@@ -112,3 +112,32 @@ def test_the_target_writes_its_own_prompts(tmp_path, default_model_dir):
 def test_no_prompts_is_refused():
     with pytest.raises(InvalidParameterError, match="no prompts"):
         TrainConfig(model="smollm2-135m", prompts=None, out="x")
+
+
+def test_the_recorder_keeps_every_position_on_the_gpus_path(trained, tmp_path):
+    """On the GPU's path (its static-shape runner and graph step, built here on the CPU, steps
+    launched ahead), plain requests' decode steps reach the Recorder too: a graph step once called
+    the drafter only where a row speculated, and the trainer's answers, all plain, lost every
+    decoded position's hidden state. The shards match the eager path's."""
+    from outpace.engine.graph_step import GraphStep
+    from outpace.runner.cuda_graphs import CudaGraphRunner
+    from outpace.train.head_data import Recorder, generate_shards
+    root, config, _ = trained
+    held, _ = load_shards(root / "a" / "data", "heldout")
+    prompts = [f"Question {i}: what is {i} plus {3 * i + 1}?" for i in range(5)]
+    for name in ("eager", "graphs"):
+        recorder = Recorder()
+        llm = LLM(str(root / "target"), spec="none", drafter=recorder, dtype="float32", device="cpu", max_num_seqs=4,
+                  calibrate=False, max_model_len=128)
+        engine = llm.engine
+        if name == "graphs":
+            engine.runner = CudaGraphRunner(engine.model, 4, 128, 16, progress=False,
+                                            hidden_layers=recorder.hidden_layers)
+            engine.steps = GraphStep(engine.runner, recorder, engine.controller, 128, 0, scheduler=engine.scheduler,
+                                     overlap=True)
+        generate_shards(llm, recorder, prompts, tmp_path / name, "train", 12, 512, 16)
+    eager, _ = load_shards(tmp_path / "eager", "train")
+    graphs, _ = load_shards(tmp_path / "graphs", "train")
+    assert [s.tokens.tolist() for s in graphs] == [s.tokens.tolist() for s in eager]
+    for a, b in zip(graphs, eager):
+        torch.testing.assert_close(a.hidden, b.hidden, rtol=1e-4, atol=1e-4)

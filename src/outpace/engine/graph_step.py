@@ -111,7 +111,7 @@ class GraphStep(EagerStep):
         runner = self.runner
         result = runner.step_result(shape)
         runner.start_read(result)
-        if self.drafter.hidden_layers and any(s.speculate for s in seqs):
+        if self.drafter.hidden_layers and (self.drafter.hears_plain or any(s.speculate for s in seqs)):
             self._catch_up(seqs, budget, shape, result)
         if may_launch and self.overlap:
             self.launched = self._launch_next(seqs, shape, result)

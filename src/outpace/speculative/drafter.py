@@ -179,7 +179,7 @@ class Drafter:
         it up to batch.room at no cost (a chain whose lookup drafts first) and marks them in
         Drafts.free; the step lets the controller cut those after drafting. Only with
         priced_after_drafting False.
-      prefills_plain: whether `prefilled` also hears of plain requests' chunks (speculate=False:
+      hears_plain: whether `prefilled` and `verified` also hear of plain requests (speculate=False:
         a drafter that records the target's states of every request, as the head trainer's); by
         default a plain request costs a drafter with a cache of its own nothing.
     """
@@ -188,7 +188,7 @@ class Drafter:
     hidden_layers: tuple[int, ...] = ()
     priced_after_drafting = True
     uses_room = False
-    prefills_plain = False
+    hears_plain = False
 
     def bind(self, context: DraftContext) -> None:
         """Called once before the first request: allocate device state here."""

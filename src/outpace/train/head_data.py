@@ -44,7 +44,7 @@ class Recorder(Drafter):
     one, learnt at bind, before the engine builds the CUDA graphs that write them. Sequences begun
     while `is_recording` is False (the target writing its own prompts) are not kept."""
 
-    prefills_plain = True
+    hears_plain = True
 
     def __init__(self):
         self.parts: dict[int, list[tuple[int, torch.Tensor]]] = {}      # seq_id -> (first position, [n, layers, H])
