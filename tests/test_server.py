@@ -226,9 +226,22 @@ def test_disconnect_frees_the_slot_and_the_queue(server):
         stream.close()
     server.wait_health(timeout=10, num_running=0, num_waiting=0)
 
-    with pytest.raises(httpx.ReadTimeout):                # a non-streamed request whose client gives up
-        httpx.post(server.url + "/v1/completions", timeout=1.5, json={
-            "model": MODEL, "prompt": "Once", "max_tokens": MAX_MODEL_LEN - 32, "ignore_eos": True})
+    # a non-streamed request whose client gives up: steps slowed to 0.1 s, so that its 224 tokens
+    # (at most 9 a step) take 2.5 s at least, past the client's 1.5 s on any machine
+    engine = server.engine
+    real_step = engine.step
+
+    def slow_step():
+        time.sleep(0.1)
+        return real_step()
+
+    engine.step = slow_step
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", timeout=1.5, json={
+                "model": MODEL, "prompt": "Once", "max_tokens": MAX_MODEL_LEN - 32, "ignore_eos": True})
+    finally:
+        del engine.step
     server.wait_health(timeout=10, num_running=0, num_waiting=0)
     assert server.metric("requests_total", status="abort") == aborted + NUM_SLOTS + 2
     # and the server still serves
