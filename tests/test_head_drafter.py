@@ -124,6 +124,39 @@ def _assert_drafts_from_scratch(llm, drafter, calls):
         assert drafted == want
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "gpu-path"])
+def test_a_plain_request_costs_the_head_nothing(folders, plain, graphs):
+    """speculate=False (the benchmarks' plain baseline in the same engine), alone and batched with
+    speculating requests: the head catches up on no plain row (its catch-up on every plain step
+    once made the CPU's plain baseline 30% slower than plain decoding without a head), and the
+    speculating rows' drafts are still the head run from scratch."""
+    llm = _llm(folders)
+    engine, drafter = llm.engine, llm.engine.drafter
+    if graphs:
+        engine.runner = CudaGraphRunner(engine.model, 3, 256, 8, num_draft_tokens=4, progress=False,
+                                        hidden_layers=drafter.hidden_layers)
+        engine.steps = GraphStep(engine.runner, drafter, engine.controller, 256, 4, scheduler=engine.scheduler,
+                                 overlap=True)
+    caught_up, catch_up = [], drafter._catch_up
+
+    def counted(hidden, tokens, slots, *args):
+        caught_up.append(list(slots))
+        return catch_up(hidden, tokens, slots, *args)
+    drafter._catch_up = counted
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS, speculate=False)] == plain and not caught_up
+    recorded = Recorded(llm, drafter)
+    seqs = [engine.add_request(p, PARAMS, speculate=i % 2 == 0) for i, p in enumerate(PROMPTS)]
+    plain_slots = []
+    while engine.has_unfinished():
+        plain_slots.append({s.slot for s in seqs if not s.speculate and s.slot is not None and not s.is_finished})
+        caught_up.clear()
+        engine.step()
+        assert not plain_slots[-1] & {slot for call in caught_up for slot in call}
+    assert [s.output_ids for s in seqs] == plain and any(plain_slots)
+    assert len(recorded.calls) > 10
+    _assert_drafts_from_scratch(llm, drafter, recorded.calls[::2])
+
+
 def test_a_head_on_graph_steps_reads_their_hidden_states(folders, plain):
     """The GPU path (CudaGraphRunner's static steps, run eagerly here, with GraphStep): the
     target's hidden states come from the graph step's buffer, and the head's drafts are still

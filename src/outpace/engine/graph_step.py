@@ -23,7 +23,7 @@ import torch
 
 from outpace.engine.scheduler import PrefillChunk, Scheduler, StepPlan
 from outpace.engine.sequence import Sequence
-from outpace.engine.step import EagerStep, Launched, Proposal, StepResult
+from outpace.engine.step import EagerStep, Launched, Proposal, StepResult, speculating_rows
 from outpace.runner.cuda_graphs import CudaGraphRunner
 from outpace.runner.model_runner import Row
 from outpace.runner.staging import to_device
@@ -97,6 +97,8 @@ class GraphStep(EagerStep):
         from the graph rows, queued before a launched step overwrites them in the runner's buffer.
         A drafted step's rows hold the target's token at every position, which at an accepted
         one is the draft's."""
+        heard = speculating_rows(seqs, self.drafter)
+        seqs, budget = [seqs[i] for i in heard], [budget[i] for i in heard]
         index = to_device([s.slot for s in seqs], result.device)
         rows = result.index_select(0, index)
         tokens = rows[:, 2:2 + shape[1]]
@@ -111,7 +113,7 @@ class GraphStep(EagerStep):
         runner = self.runner
         result = runner.step_result(shape)
         runner.start_read(result)
-        if self.drafter.hidden_layers and (self.drafter.hears_plain or any(s.speculate for s in seqs)):
+        if self.drafter.hidden_layers and speculating_rows(seqs, self.drafter):
             self._catch_up(seqs, budget, shape, result)
         if may_launch and self.overlap:
             self.launched = self._launch_next(seqs, shape, result)

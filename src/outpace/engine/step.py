@@ -204,7 +204,7 @@ class EagerStep:
             out, num_out = verify_sampling(logits, draft_tokens, num_draft, state)
         # a recurrent model's state becomes the one after each row's last accepted token
         self.runner.cache.commit([s.slot for s in seqs], num_out - 1)
-        self.drafter.verified(Verified(self._draft_batch(seqs, proposal.budget), out, num_out, hidden))
+        self._tell_verified(seqs, proposal.budget, out, num_out, hidden)
         # the one host synchronisation of the step: accepted tokens return to the scheduler
         host = torch.cat([num_out[:, None], num_draft[:, None], out], dim=1).tolist()
         return self._result(seqs, host, proposal.budget, t0)
@@ -247,7 +247,7 @@ class EagerStep:
         if hidden is not None:      # the accepted positions' hidden states in path order
             order = torch.cat([torch.zeros_like(path[:, :1]), path], dim=1)
             hidden = hidden.gather(1, order.view(*order.shape, *[1] * (hidden.dim() - 2)).expand_as(hidden))
-        self.drafter.verified(Verified(self._draft_batch(seqs, proposal.budget), out, num_out, hidden))
+        self._tell_verified(seqs, proposal.budget, out, num_out, hidden)
         host = torch.cat([num_out[:, None], num_draft[:, None], out], dim=1).tolist()   # the step's one sync
         return self._result(seqs, host, proposal.budget, t0)
 
@@ -256,10 +256,24 @@ class EagerStep:
         """A step without drafts whose rows are all greedy (logits [B, 1, V], or their argmax
         [B, 1]): each row's argmax is its one token, nothing to check."""
         tokens = greedy_tokens(logits)
-        batch = self._draft_batch(seqs, [0] * len(seqs))
-        self.drafter.verified(Verified(batch, tokens, torch.ones_like(tokens[:, 0]), hidden))
+        self._tell_verified(seqs, [0] * len(seqs), tokens, torch.ones_like(tokens[:, 0]), hidden)
         host = tokens.tolist()                          # the step's one host synchronisation
         return self._result(seqs, [[1, 0, t] for (t,) in host], [0] * len(seqs), t0)
+
+    def _tell_verified(self, seqs: list[Sequence], budget: list[int], out: torch.Tensor, num_out: torch.Tensor,
+                       hidden: torch.Tensor | None) -> None:
+        """drafter.verified with the step's outcome (out [B, S], num_out [B], hidden [B, S, ...])
+        for the rows that speculate, or for all where the drafter hears plain requests: a plain
+        request (a baseline in the same engine) costs a head's catch-up nothing."""
+        rows = speculating_rows(seqs, self.drafter)
+        if not rows:
+            return
+        if len(rows) < len(seqs):
+            index = torch.tensor(rows, device=out.device)
+            seqs, budget = [seqs[i] for i in rows], [budget[i] for i in rows]
+            out, num_out = out.index_select(0, index), num_out.index_select(0, index)
+            hidden = hidden.index_select(0, index) if hidden is not None else None
+        self.drafter.verified(Verified(self._draft_batch(seqs, budget), out, num_out, hidden))
 
     def _result(self, seqs: list[Sequence], host: list[list[int]], budget: list[int], t0: float,
                 period: float | None = None) -> StepResult:
@@ -287,6 +301,12 @@ class EagerStep:
 
     def drop_launched(self) -> None:
         """Nobody will read the launched step (all its sequences ended)."""
+
+
+def speculating_rows(seqs: list[Sequence], drafter: Drafter) -> list[int]:
+    """The rows a drafter hears of after verification: those that speculate, or every row where
+    it hears plain requests too (Drafter.hears_plain)."""
+    return list(range(len(seqs))) if drafter.hears_plain else [i for i, s in enumerate(seqs) if s.speculate]
 
 
 def chunk_rows(chunks: list[PrefillChunk]) -> list[Row]:
