@@ -157,6 +157,41 @@ def test_a_plain_request_costs_the_head_nothing(folders, plain, graphs):
     _assert_drafts_from_scratch(llm, drafter, recorded.calls[::2])
 
 
+def test_the_head_catches_up_only_when_it_drafts(folders, plain):
+    """Verified pairs wait until their row drafts (a catch-up on every step cost the CPU's head
+    about an eighth of a step whether it drafted or not): rows left undrafted for longer than the
+    pending buffer holds catch up as it fills, every prompt drafts (one of a single token too),
+    and each draft is still the head run from scratch. Steps that draft nothing for anyone run
+    no head forward."""
+    llm = _llm(folders)
+    engine, drafter = llm.engine, llm.engine.drafter
+    asked, num_draft = {"calls": 0}, engine.controller.num_draft
+
+    def long_plain_stretches(*args, **kwargs):     # 40 asks without a draft, then 8 with
+        asked["calls"] += 1
+        return num_draft(*args, **kwargs) if asked["calls"] % 48 >= 40 else 0
+    engine.controller.num_draft = long_plain_stretches
+    forwards, catch_up = [], drafter._catch_up
+    drafter._catch_up = lambda *args: forwards.append(1) or catch_up(*args)
+    recorded = Recorded(llm, drafter)
+    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(folders[0]), spec="none", **OPTIONS).generate(PROMPTS, params)]
+    steps = []                                      # per decode step: (it drafted, head forwards)
+    seqs = [engine.add_request(p, params) for p in PROMPTS]
+    while engine.has_unfinished():
+        forwards.clear()
+        calls = len(recorded.calls)
+        plan_prefills = bool(engine.scheduler.waiting)
+        engine.step()
+        if not plan_prefills:
+            steps.append((len(recorded.calls) > calls, len(forwards)))
+    assert [s.output_ids for s in seqs] == want
+    assert all(any(tokens[:len(p)] == p for tokens, _, _ in recorded.calls) for p in PROMPTS)
+    undrafted = [n for drafted, n in steps if not drafted]
+    assert len(undrafted) > 40 and sum(n > 0 for n in undrafted) < len(undrafted) / 4
+    _assert_drafts_from_scratch(llm, drafter, recorded.calls[::3])
+
+
 def test_a_head_on_graph_steps_reads_their_hidden_states(folders, plain):
     """The GPU path (CudaGraphRunner's static steps, run eagerly here, with GraphStep): the
     target's hidden states come from the graph step's buffer, and the head's drafts are still

@@ -4,16 +4,20 @@ Pair p of a sequence is (the target's feature at position p, token p + 1) and it
 token p + 2 (model/draft_head.py). The head keeps its own KV cache in the target's slots, one entry
 per pair at the pair's position, and per slot its output at the last pair it caught up on.
 
-Cache invariant, per sequence whose last token is at position n: entries [0, n) hold the pairs of
-the target's own features and tokens, and the slot's stored output is that of pair n - 1 (whose
-logits give the first draft). Prompt chunks are caught up as the target caches them (prefilled:
-pairs start .. start + n - 1, the tokens after them read from the prompt); each verify step
-catches up its rows on the device (verified): pair n + j is (the target's hidden state at
-n + j, the j-th appended token) for every verified position j, the row's S positions in one
-forward; those past the accepted ones are junk past the new last position n' and are overwritten
-before anything reads them, and the stored output becomes pair n' - 1's (gathered at the number
-of tokens appended, no host synchronisation). Drafting writes entries at n and past it, which the
-next catch-up overwrites as well: rollback is by length, as in the target's cache.
+Cache invariant, per sequence: entries [0, caught) hold the pairs of the target's own features
+and tokens, and the slot's stored output is that of pair caught - 1; pairs caught .. n - 1 (n the
+position of its last token) wait in a pending buffer of the slot. Prompt chunks are caught up as
+the target caches them (prefilled: pairs start .. start + n - 1, the tokens after them read from
+the prompt). A verify step's pairs (verified: pair n + j is the target's hidden state at n + j and
+the j-th appended token, for each of the row's S verified positions) join the pending buffer at
+offset n - caught, on the device; those past the accepted ones are junk past the new last
+position n', overwritten by the next step's before anything reads them. A row catches up on its
+pending pairs in one forward when it drafts (or when its buffer would overflow), and its stored
+output becomes pair n - 1's, whose logits give the first draft: steps that do not draft cost the
+head nothing but the copy. Drafting writes entries at n and past it, which the next catch-up
+overwrites: rollback is by length, as in the target's cache. Where the target replays CUDA graphs
+the catch-up runs at every verify step instead, in graphs of its own (head_graphs.py), and the
+pending buffer is unused (caught == n whenever a row drafts).
 
 Drafting (propose) is one forward per depth over all drafting rows. The first depth's candidates
 are the top `tree_width` tokens of the stored output's logits; each further depth feeds the
@@ -46,6 +50,8 @@ from outpace.runner.calibrate import batch_buckets
 from outpace.speculative.drafter import DraftBatch, DraftContext, Drafter, Drafts, Prefilled, Verified
 from outpace.speculative.head_graphs import HeadGraphs
 
+# verify steps' pairs a row may hold pending beyond one step's before it catches up undrafted
+PENDING_STEPS = 32
 # (context, cache length) -> the head, loaded and checked against the target
 HeadLoader = Callable[[DraftContext, int], DraftHead]
 
@@ -58,7 +64,8 @@ class HeadDrafter(Drafter):
         self.load = load
         self.tree_width = tree_width
         self.prompts: dict[int, list[int]] = {}
-        self.ready: dict[int, bool] = {}            # seq_id -> the slot's stored output is pair n - 1's
+        self.ready: dict[int, bool] = {}            # seq_id -> its prompt is caught up
+        self.caught: dict[int, int] = {}            # seq_id -> pairs before this position are in the head's cache
         self.per_token: dict[int, float] = {}       # batch bucket -> seconds per drafted token
 
     def bind(self, context: DraftContext) -> None:
@@ -81,6 +88,12 @@ class HeadDrafter(Drafter):
         if context.graphs:
             self.graphs = HeadGraphs(self, context.num_slots, context.max_len, context.max_step_tokens,
                                      context.max_step_tokens - 1, chains=self.tree_width == 1)
+        else:       # verified pairs wait here until their row drafts (or the buffer fills)
+            self.max_pending = context.max_step_tokens + PENDING_STEPS
+            self.pending_hidden = torch.zeros(context.num_slots, self.max_pending, len(self.hidden_layers),
+                                              cfg.target_hidden_size, dtype=context.dtype, device=self.device)
+            self.pending_tokens = torch.zeros(context.num_slots, self.max_pending, dtype=torch.long,
+                                              device=self.device)
         if self.graphs is not None and self.graphs.draft_shapes:
             self.per_token = self.graphs.measure()
         else:
@@ -143,10 +156,12 @@ class HeadDrafter(Drafter):
     def begin(self, seq_id: int, token_ids: Sequence[int]) -> None:
         self.prompts[seq_id] = list(token_ids)
         self.ready[seq_id] = False
+        self.caught[seq_id] = 0
 
     def end(self, seq_id: int) -> None:
         self.prompts.pop(seq_id, None)
         self.ready.pop(seq_id, None)
+        self.caught.pop(seq_id, None)
 
     @torch.inference_mode()
     def prefilled(self, chunks: Prefilled) -> None:
@@ -158,16 +173,48 @@ class HeadDrafter(Drafter):
                        torch.tensor([n - 1 for n in chunks.lengths], device=self.device))
         for seq_id, start, n in zip(chunks.seq_ids, chunks.starts, chunks.lengths):
             self.ready[seq_id] = start + n == len(self.prompts[seq_id]) - 1
+            self.caught[seq_id] = start + n
 
     @torch.inference_mode()
     def verified(self, result: Verified) -> None:
-        """Every verified position of each row as a pair (junk past the accepted ones)."""
+        """Every verified position of each row as a pair (junk past the accepted ones): caught up
+        now where graphs replay the catch-up, else kept pending until the row drafts."""
         batch = result.batch
         S = result.out_tokens.shape[1]
-        if self.graphs is None or not self.graphs.catch_up(result):
-            self._catch_up(result.hidden[:, :S], result.out_tokens, batch.slots, batch.positions, result.num_out - 1)
-        for seq_id in batch.seq_ids:
+        if self.graphs is not None:
+            if not self.graphs.catch_up(result):
+                self._catch_up(result.hidden[:, :S], result.out_tokens, batch.slots, batch.positions,
+                               result.num_out - 1)
+            for seq_id in batch.seq_ids:
+                self.ready[seq_id] = True
+            return
+        # the step's pairs start at each row's last token n (host-known), at offset n - caught of
+        # its pending pairs; a row whose buffer would overflow catches up first
+        full = [i for i, (s, n) in enumerate(zip(batch.seq_ids, batch.positions))
+                if n - self.caught[s] + S > self.max_pending]
+        self._catch_up_pending([batch.seq_ids[i] for i in full], [batch.slots[i] for i in full],
+                               [batch.positions[i] for i in full])
+        offsets = torch.tensor([n - self.caught[s] for s, n in zip(batch.seq_ids, batch.positions)],
+                               device=self.device)[:, None] + torch.arange(S, device=self.device)    # [B, S]
+        slots = torch.tensor(batch.slots, device=self.device)[:, None].expand(-1, S)
+        self.pending_hidden[slots, offsets] = result.hidden[:, :S].to(self.pending_hidden.dtype)
+        self.pending_tokens[slots, offsets] = result.out_tokens[:, :S]
+        for seq_id in batch.seq_ids:        # a prompt of one token has no chunk to catch up
             self.ready[seq_id] = True
+
+    def _catch_up_pending(self, seq_ids: list[int], slots: list[int], lasts: list[int]) -> None:
+        """The pending pairs of rows whose last tokens sit at positions lasts (pairs caught ..
+        last - 1, complete), in one forward: the slot's stored output becomes pair last - 1's."""
+        rows = [i for i, (s, n) in enumerate(zip(seq_ids, lasts)) if n > self.caught[s]]
+        if not rows:
+            return
+        counts = [lasts[i] - self.caught[seq_ids[i]] for i in rows]
+        S = max(counts)
+        index = torch.tensor([slots[i] for i in rows], device=self.device)
+        self._catch_up(self.pending_hidden[index, :S], self.pending_tokens[index, :S], [slots[i] for i in rows],
+                       [self.caught[seq_ids[i]] for i in rows], torch.tensor(counts, device=self.device) - 1)
+        for i in rows:
+            self.caught[seq_ids[i]] = lasts[i]
 
     # ---- drafting -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -177,6 +224,9 @@ class HeadDrafter(Drafter):
             return Drafts.empty(len(batch), self.device)
         if self.graphs is not None and self.graphs.draft_shapes:
             return self.graphs.propose(batch, rows)
+        if self.graphs is None:
+            self._catch_up_pending([batch.seq_ids[i] for i in rows], [batch.slots[i] for i in rows],
+                                   [batch.positions[i] for i in rows])
         budget = [batch.budget[i] for i in rows]
         tokens, scores, parents = self._candidates(torch.tensor([batch.slots[i] for i in rows], device=self.device),
                                                    torch.tensor([batch.positions[i] for i in rows], device=self.device),
