@@ -169,5 +169,5 @@ def test_the_default_models_head_ships_and_drafts(default_model_dir):
     spec = llm.chat(messages, params)[0]
     assert spec.token_ids == llm.chat(messages, params, speculate=False)[0].token_ids
     assert spec.spec["num_draft_tokens"] > 0
-    # a random head's argmax almost never is the target's token; this head's: 35 of 460 here
+    # a random head's argmax almost never is the target's token; this head's: 41 of 419 here
     assert spec.spec["num_accepted_tokens"] >= max(10, 0.03 * spec.spec["num_draft_tokens"])
