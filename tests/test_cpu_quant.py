@@ -285,3 +285,25 @@ def test_inputs_not_whole_blocks_are_refused(qtype, n_in, bad_in):
     packed = cpu_kernels.pack_quantized(blocks, qtype)
     with pytest.raises(ValueError, match="cannot take"):
         cpu_kernels.linear(torch.randn(1, bad_in), packed, cpu_kernels.QUANT_FORMATS[qtype], None, 16)
+
+
+def test_quantize_q8_0_writes_ggmls_blocks():
+    """quantize_q8_0 (a head beside a quantized target): the bytes of ggml's reference Q8_0
+    quantizer, a block of zeros and a large weight included, and a QuantizedLinear over them
+    computes as over the file's own blocks."""
+    from gguf.quants import quantize as gguf_quantize
+    from outpace.kernels.cpu_linear import QuantizedLinear, quantize_q8_0
+    torch.manual_seed(0)
+    weight = torch.randn(37, 320) * 0.05
+    weight[0, :32] = 0.0
+    weight[1, 5] = 3.0
+    weight[2, :32] = torch.arange(32) - 15.5                # d = 1: every weight a half, rounded away from zero
+    weight[2, 0] = 127.0
+    ours = quantize_q8_0(weight)
+    assert torch.equal(ours, torch.from_numpy(gguf_quantize(weight.numpy(), GGMLQuantizationType.Q8_0)))
+    x = torch.randn(3, 320)
+    layer = QuantizedLinear(ours, "Q8_0", 320, 37, False)
+    want = cpu_kernels.linear(x, cpu_kernels.pack_quantized(ours, "Q8_0"), cpu_kernels.QUANT_FORMATS["Q8_0"],
+                              None, 37)
+    assert torch.equal(layer(x), want)
+    torch.testing.assert_close(layer(x), x @ weight.T, rtol=0.05, atol=0.05)

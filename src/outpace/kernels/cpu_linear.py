@@ -112,6 +112,36 @@ def pack_linears(model: nn.Module) -> None:
                                         f"or use --dtype float32")
 
 
+def quantize_linears(model: nn.Module) -> None:
+    """Replace every nn.Linear of a CPU module whose inputs are whole blocks of 32 with a
+    QuantizedLinear over its weight quantized to Q8_0 (quantize_q8_0), in place; others are packed
+    as pack_linears packs them. For a drafter beside a quantized target (a head): half the bytes
+    of bfloat16 to stream a draft, at the int8 products' rounding, which changes drafts only."""
+    if cpu_kernels.has_library():
+        for name, module in list(model.named_modules()):
+            for child_name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear) and child.in_features % 32 == 0:
+                    layer = QuantizedLinear(quantize_q8_0(child.weight.detach()), "Q8_0", child.in_features,
+                                            child.out_features, child.bias is not None)
+                    if child.bias is not None:
+                        layer.bias.data.copy_(child.bias.detach().float())
+                    setattr(module, child_name, layer)
+    pack_linears(model)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """A weight [N, K] (K a multiple of 32) as GGUF's Q8_0 blocks [N, K / 32 * 34] uint8, the bytes
+    ggml's reference quantizer writes: per 32 inputs d = max |w| / 127, stored in float16, and the
+    weights as w / d (d in float32) rounded half away from zero, in int8."""
+    N, K = weight.shape
+    w = weight.float().view(N, K // 32, 32)
+    d = w.abs().amax(-1, keepdim=True) / 127                                       # [N, K / 32, 1]
+    scaled = (w * torch.where(d == 0, torch.zeros_like(d), 1 / d)).abs()
+    whole = scaled.floor()
+    q = (w.sign() * (whole + (2 * (scaled - whole)).floor())).to(torch.int8)        # [N, K / 32, 32]
+    return torch.cat([d.to(torch.float16).view(torch.uint8), q.view(torch.uint8)], -1).view(N, -1)
+
+
 class QuantizedLinear(nn.Module):
     """A linear layer over a GGUF weight's blocks, kept in the file's type (cpu_kernels.QUANT_FORMATS)
     and bytes: x [..., K] float32 or bfloat16 -> [..., N] in x's dtype. The bias, where the layer

@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 import torch
 
 from outpace.config import MAX_NUM_DRAFT_TOKENS
-from outpace.kernels.cpu_linear import pack_linears
+from outpace.kernels.cpu_linear import QuantizedLinear, QuantizedParts, pack_linears, quantize_linears
 from outpace.model.draft_head import DraftHead, attend
 from outpace.model.eagle3 import load_eagle3_head
 from outpace.model.mtp import load_mtp_head
@@ -73,7 +73,8 @@ class HeadDrafter(Drafter):
         self.cache_len = context.max_len + context.max_step_tokens + MAX_NUM_DRAFT_TOKENS * self.tree_width
         self.head = head = self.load(context, self.cache_len)
         if context.device.type == "cpu":        # its products in the CPU kernels, as the target's
-            pack_linears(head)
+            is_quantized = any(isinstance(m, (QuantizedLinear, QuantizedParts)) for m in context.target.modules())
+            (quantize_linears if is_quantized else pack_linears)(head)
         cfg = head.cfg
         self.hidden_layers = cfg.target_layers
         self.embed = head.embed if head.embed is not None else context.target.embed
