@@ -377,3 +377,26 @@ def test_on_the_cpu_the_heads_products_run_in_the_kernels(folders):
         outs.append(h.logits(h.finish(residual, q.flatten(-2))))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain32
+
+
+def test_on_the_cpu_drafting_is_priced_at_what_it_takes(folders, plain):
+    """A head whose drafting takes far longer than its load-time measure (here each propose
+    sleeps 30 ms; on a real CPU the target's steps push the head's weights out of the caches) is
+    priced at what its proposes take, and the controller stops drafting with it, where the same
+    head at its own speed drafts on: output stays plain's either way."""
+    import time
+    drafted = {}
+    for slow in (False, True):
+        llm = LLM(str(folders[0]), spec=SpecConfig(method="eagle3", draft_head=str(folders[1]), num_draft_tokens=2),
+                  **dict(OPTIONS, calibrate=True))
+        drafter = llm.engine.drafter
+        measured = dict(drafter.per_token)
+        if slow:
+            candidates = drafter._candidates
+            drafter._candidates = lambda *args: time.sleep(0.03) or candidates(*args)
+        out = llm.generate(PROMPTS, PARAMS)
+        assert [o.token_ids for o in out] == plain
+        drafted[slow] = sum(o.spec["num_draft_tokens"] for o in out)
+        if slow:        # some bucket's price now holds the sleeps
+            assert max(drafter.per_token[b] / measured[b] for b in measured) > 4
+    assert drafted[True] < drafted[False] / 3

@@ -52,6 +52,7 @@ from outpace.speculative.head_graphs import HeadGraphs
 
 # verify steps' pairs a row may hold pending beyond one step's before it catches up undrafted
 PENDING_STEPS = 32
+PRICE_DECAY = 0.9           # per drafting step, on the CPU's measured seconds per drafted token
 # (context, cache length) -> the head, loaded and checked against the target
 HeadLoader = Callable[[DraftContext, int], DraftHead]
 
@@ -119,8 +120,10 @@ class HeadDrafter(Drafter):
             self.per_token[b] = best / b
 
     def cost_per_token(self, batch_size: int) -> float:
-        bucket = min((b for b in self.per_token if b >= batch_size), default=max(self.per_token))
-        return self.per_token[bucket]
+        return self.per_token[self._bucket(batch_size)]
+
+    def _bucket(self, batch_size: int) -> int:
+        return min((b for b in self.per_token if b >= batch_size), default=max(self.per_token))
 
     # ---- the head's forward over its cache ------------------------------------------------------
     def project_store(self, feature, tokens, slots, rope_positions, write_positions):
@@ -218,8 +221,24 @@ class HeadDrafter(Drafter):
             self.caught[seq_ids[i]] = lasts[i]
 
     # ---- drafting -------------------------------------------------------------------------------
-    @torch.inference_mode()
     def propose(self, batch: DraftBatch) -> Drafts:
+        """Drafts of the rows with a budget. On the CPU, where a call's time is its work, the
+        seconds drafting took (the rows' catch-up with it) price the next drafted tokens of its
+        batch bucket (a decayed mean), not the load-time measure alone: drafting among the
+        target's steps found the head's weights out of the caches, and its drafted tokens cost
+        about twice what the measure said (docs/benchmark-log.md, session 34)."""
+        t0 = time.perf_counter()
+        drafts = self._propose(batch)
+        if self.device.type == "cpu" and drafts.num_draft_host:
+            tokens = sum(drafts.num_draft_host)
+            if tokens:
+                b = self._bucket(len(batch))
+                seconds = (time.perf_counter() - t0) / tokens
+                self.per_token[b] = PRICE_DECAY * self.per_token[b] + (1 - PRICE_DECAY) * seconds
+        return drafts
+
+    @torch.inference_mode()
+    def _propose(self, batch: DraftBatch) -> Drafts:
         rows = [i for i, (s, k) in enumerate(zip(batch.seq_ids, batch.budget)) if k > 0 and self.ready.get(s)]
         if not rows:
             return Drafts.empty(len(batch), self.device)
