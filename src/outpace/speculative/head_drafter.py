@@ -16,8 +16,8 @@ pending pairs in one forward when it drafts (or when its buffer would overflow),
 output becomes pair n - 1's, whose logits give the first draft: steps that do not draft cost the
 head nothing but the copy. Drafting writes entries at n and past it, which the next catch-up
 overwrites: rollback is by length, as in the target's cache. Where the target replays CUDA graphs
-the catch-up runs at every verify step instead, in graphs of its own (head_graphs.py), and the
-pending buffer is unused (caught == n whenever a row drafts).
+the catch-up runs at every verify step instead, in graphs of its own (head_graphs.py), and
+the pending buffer is not allocated and `caught` is not read.
 
 Drafting (propose) is one forward per depth over all drafting rows. The first depth's candidates
 are the top `tree_width` tokens of the stored output's logits; each further depth feeds the
@@ -194,10 +194,8 @@ class HeadDrafter(Drafter):
             return
         # the step's pairs start at each row's last token n (host-known), at offset n - caught of
         # its pending pairs; a row whose buffer would overflow catches up first
-        full = [i for i, (s, n) in enumerate(zip(batch.seq_ids, batch.positions))
-                if n - self.caught[s] + S > self.max_pending]
-        self._catch_up_pending([batch.seq_ids[i] for i in full], [batch.slots[i] for i in full],
-                               [batch.positions[i] for i in full])
+        self._catch_up_pending(batch.subset([i for i, (s, n) in enumerate(zip(batch.seq_ids, batch.positions))
+                                             if n - self.caught[s] + S > self.max_pending]))
         offsets = torch.tensor([n - self.caught[s] for s, n in zip(batch.seq_ids, batch.positions)],
                                device=self.device)[:, None] + torch.arange(S, device=self.device)    # [B, S]
         slots = torch.tensor(batch.slots, device=self.device)[:, None].expand(-1, S)
@@ -206,27 +204,27 @@ class HeadDrafter(Drafter):
         for seq_id in batch.seq_ids:        # a prompt of one token has no chunk to catch up
             self.ready[seq_id] = True
 
-    def _catch_up_pending(self, seq_ids: list[int], slots: list[int], lasts: list[int]) -> None:
-        """The pending pairs of rows whose last tokens sit at positions lasts (pairs caught ..
-        last - 1, complete), in one forward: the slot's stored output becomes pair last - 1's."""
-        rows = [i for i, (s, n) in enumerate(zip(seq_ids, lasts)) if n > self.caught[s]]
-        if not rows:
+    def _catch_up_pending(self, batch: DraftBatch) -> None:
+        """The pending pairs of the batch's rows (whose last tokens sit at batch.positions n: pairs
+        caught .. n - 1, complete) in one forward: each slot's stored output becomes pair n - 1's."""
+        rows = batch.subset([i for i, (s, n) in enumerate(zip(batch.seq_ids, batch.positions)) if n > self.caught[s]])
+        if not len(rows):
             return
-        counts = [lasts[i] - self.caught[seq_ids[i]] for i in rows]
+        starts = [self.caught[s] for s in rows.seq_ids]
+        counts = [n - start for n, start in zip(rows.positions, starts)]
         S = max(counts)
-        index = torch.tensor([slots[i] for i in rows], device=self.device)
-        self._catch_up(self.pending_hidden[index, :S], self.pending_tokens[index, :S], [slots[i] for i in rows],
-                       [self.caught[seq_ids[i]] for i in rows], torch.tensor(counts, device=self.device) - 1)
-        for i in rows:
-            self.caught[seq_ids[i]] = lasts[i]
+        index = torch.tensor(rows.slots, device=self.device)
+        self._catch_up(self.pending_hidden[index, :S], self.pending_tokens[index, :S], rows.slots, starts,
+                       torch.tensor(counts, device=self.device) - 1)
+        for s, n in zip(rows.seq_ids, rows.positions):
+            self.caught[s] = n
 
     # ---- drafting -------------------------------------------------------------------------------
     def propose(self, batch: DraftBatch) -> Drafts:
         """Drafts of the rows with a budget. On the CPU, where a call's time is its work, the
         seconds drafting took (the rows' catch-up with it) price the next drafted tokens of its
-        batch bucket (a decayed mean), not the load-time measure alone: drafting among the
-        target's steps found the head's weights out of the caches, and its drafted tokens cost
-        about twice what the measure said (docs/benchmark-log.md, session 34)."""
+        batch bucket (a decayed mean), not the load-time measure alone: between the target's
+        steps the head's weights are no longer in the caches that measure found them in."""
         t0 = time.perf_counter()
         drafts = self._propose(batch)
         if self.device.type == "cpu" and drafts.num_draft_host:
@@ -245,8 +243,7 @@ class HeadDrafter(Drafter):
         if self.graphs is not None and self.graphs.draft_shapes:
             return self.graphs.propose(batch, rows)
         if self.graphs is None:
-            self._catch_up_pending([batch.seq_ids[i] for i in rows], [batch.slots[i] for i in rows],
-                                   [batch.positions[i] for i in rows])
+            self._catch_up_pending(batch.subset(rows))
         budget = [batch.budget[i] for i in rows]
         tokens, scores, parents = self._candidates(torch.tensor([batch.slots[i] for i in rows], device=self.device),
                                                    torch.tensor([batch.positions[i] for i in rows], device=self.device),

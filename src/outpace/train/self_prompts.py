@@ -19,6 +19,7 @@ from tqdm import tqdm
 from outpace.config import SamplingParams
 from outpace.errors import InvalidParameterError
 from outpace.llm import LLM
+from outpace.train.head_data import read_prompts
 
 SENTINEL = "\x00user-text\x00"
 TEMPERATURE = 1.0
@@ -41,11 +42,8 @@ def user_turn_prefix(tokenizer) -> list[int]:
 def self_prompts(llm: LLM, count: int, seed: int, path: Path) -> list[str]:
     """`count` prompts written by the target, kept in `path` (JSONL) and read from there on a rerun."""
     path = Path(path)
-    if path.exists():
-        with open(path, encoding="utf-8") as f:
-            prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
-        if len(prompts) == count:
-            return prompts
+    if path.exists() and len(prompts := read_prompts(path)) == count:
+        return prompts
     prefix = user_turn_prefix(llm.tokenizer)
     prompts, seen, asked = [], set(), 0
     for _ in range(MAX_ROUNDS):
