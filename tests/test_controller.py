@@ -270,6 +270,18 @@ def test_a_drafters_priced_forwards_are_charged_once_and_not_to_free_rows():
     assert abs(paid(8 + 10) - (1.1 + 0.1 + 0.5)) < 0.01
 
 
+def test_drafting_measured_above_its_price_stays_out_of_the_fit():
+    """Every step drafts 4 paid tokens whose drafting the host measured at 0.4 s, where the
+    drafter's price (a lagging mean) says 0.05 a token. The measure is taken out, not the price:
+    the fit keeps the steps' true overhead (0.1), so a plain step is not charged the difference.
+    Regression: the 0.2 s the price missed went into the intercept, every plain step was charged
+    it too, and drafting looked cheaper against plain than it was."""
+    c = DraftController(8, {8: [[0, 1.0], [64, 1.64]]}, packed=True, draft_cost=lambda batch_size: 0.05)
+    for _ in range(200):
+        c.observe_step(8, 8 + 4, 1.0 + 0.04 + 0.1 + 0.4, 4, draft_seconds=0.4)
+    assert abs(c.step_cost(8, 8) - 1.1) < 0.01
+
+
 def test_drafted_tokens_cost_what_they_cost_when_every_step_drafts():
     """Regression: plain steps' overhead was a mean of plain steps and the drafting overhead one of
     drafting steps beyond it. Where every step drafted (16 rows) the plain mean went stale (here:

@@ -383,12 +383,17 @@ def test_on_the_cpu_drafting_is_priced_at_what_it_takes(folders, plain):
     """A head whose drafting takes far longer than its load-time measure (here each propose
     sleeps 30 ms; on a real CPU the target's steps push the head's weights out of the caches) is
     priced at what its proposes take, and the controller stops drafting with it, where the same
-    head at its own speed drafts on: output stays plain's either way."""
+    head at its own speed drafts on: output stays plain's either way. The controller is made to
+    believe nine drafts in ten are accepted (the random head's are not), so that only the price
+    decides whether drafting pays."""
     import time
     drafted = {}
     for slow in (False, True):
         llm = LLM(str(folders[0]), spec=SpecConfig(method="eagle3", draft_head=str(folders[1]), num_draft_tokens=2),
                   **dict(OPTIONS, calibrate=True))
+        # each row's gains at draft positions 1 and 2: P(first accepted), P(both)
+        llm.engine.controller._gains = lambda seq_ids, available=None, matches=None: [
+            [0.9, 0.81][:2 if available is None else available[i]] for i in range(len(seq_ids))]
         drafter = llm.engine.drafter
         measured = dict(drafter.per_token)
         if slow:

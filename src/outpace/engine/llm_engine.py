@@ -230,7 +230,7 @@ class LLMEngine:
         launched_next = self.steps.launched is not None
         self.accept(plan.decode, proposal, result)
         done = self.postprocess(plan.decode)
-        self.observe_step(plan, result, proposal.paid_tokens, t1 - t0, time.perf_counter() - t1, launched_next)
+        self.observe_step(plan, result, proposal, t1 - t0, time.perf_counter() - t1, launched_next)
         return done
 
     def prefill(self, plan: StepPlan) -> None:
@@ -263,10 +263,10 @@ class LLMEngine:
                                          [c.start for c in chunks], [c.seq.token_ids[c.start:c.end] for c in chunks],
                                          hidden, defer))
 
-    def observe_step(self, plan: StepPlan, result: StepResult, paid_tokens: int, elapsed: float, host: float,
+    def observe_step(self, plan: StepPlan, result: StepResult, proposal: Proposal, elapsed: float, host: float,
                      launched_next: bool) -> None:
         """What the step cost, for the controller's fit (an uncalibrated controller learns nothing
-        from times), paid_tokens of its drafts priced by the drafter: `elapsed` seconds to its
+        from times), its proposal's paid tokens priced by the drafter: `elapsed` seconds to its
         tokens, then `host` seconds accepting them. A launched step is timed by the period between
         two reads, host work and all; a step that also cached prompt chunks says nothing about
         decode cost, nor one that launched its successor (its time holds that launch).
@@ -278,10 +278,12 @@ class LLMEngine:
             return
         overlap = self.steps.overlap
         if result.period is not None:
-            self.controller.observe_step(result.step_rows, result.step_tokens, result.period, paid_tokens)
+            self.controller.observe_step(result.step_rows, result.step_tokens, result.period, proposal.paid_tokens,
+                                         proposal.draft_s)
         elif not plan.prefill and not launched_next:
             seconds = elapsed + (host if overlap else 0.0)
-            self.controller.observe_step(result.step_rows, result.step_tokens, seconds, paid_tokens)
+            self.controller.observe_step(result.step_rows, result.step_tokens, seconds, proposal.paid_tokens,
+                                         proposal.draft_s)
         self.controller.observe_tokens(sum(result.counts), 0.0 if result.period is not None or overlap else host)
 
     def accept(self, seqs: list[Sequence], proposal: Proposal, result: StepResult) -> None:

@@ -32,11 +32,13 @@ from outpace.speculative.drafter import DraftBatch, Drafter, Drafts, Verified
 class Proposal:
     """What a step verifies: budget[i] is the most drafted tokens row i verifies (0: a plain row).
     drafts: the drafter's (None: no row drafts); in_graph: the runner's graph step drafts for the
-    rows itself (GraphStep), drafts None."""
+    rows itself (GraphStep), drafts None. draft_s: the host's seconds proposing (on the CPU the
+    drafter's work; on a GPU little more than its launches)."""
 
     budget: list[int]
     drafts: Drafts | None = None
     in_graph: bool = False
+    draft_s: float = 0.0
 
     @property
     def paid_tokens(self) -> int:
@@ -113,7 +115,8 @@ class EagerStep:
             # drafts the host never sees: the controller's lengths are given up front
             budget = [min(r, k) for r, k in zip(room, self.lengths(seqs))]
         proposal = self._draft(seqs, budget, room)
-        self._charge(seqs, "draft_s", time.perf_counter() - t0)
+        proposal.draft_s = time.perf_counter() - t0
+        self._charge(seqs, "draft_s", proposal.draft_s)
         return proposal
 
     def lengths(self, seqs: list[Sequence], paid: bool = True) -> list[int]:

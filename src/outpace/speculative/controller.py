@@ -432,7 +432,8 @@ class DraftController:
             # reached: every earlier position was accepted
             counts.observe(j <= num_accepted, j < num_accepted, POOL_DECAY)
 
-    def observe_step(self, batch_size: int, tokens: int, seconds: float, paid_tokens: int = 0) -> None:
+    def observe_step(self, batch_size: int, tokens: int, seconds: float, paid_tokens: int = 0,
+                     draft_seconds: float = 0.0) -> None:
         """A decode step of batch_size rows holding `tokens` tokens in all took `seconds` (propose
         through the host sync), paid_tokens of its drafted tokens drafted by a drafter that prices
         its own forwards (draft_cost). What it took beyond the calibrated forward and that price
@@ -444,7 +445,10 @@ class DraftController:
         model's forwards were counted twice, and a chain's free lookup rows paid for them through
         the slope. It is taken out down to nothing left, not below: a price above what the steps
         took is kept, not refunded through the fit (free rows would then look cheaper than
-        nothing). One fit rather than separate means of plain and drafting steps: where nearly
+        nothing). Where the host measured the drafting take more than its price (draft_seconds: on
+        the CPU a propose's time is its work, and a price that is a decayed mean of it lags a
+        change), the measure is taken out instead: left in, the lag went into the intercept, which
+        plain steps are charged too, and drafting looked cheaper against them. One fit rather than separate means of plain and drafting steps: where nearly
         every step drafts, a plain steps' mean goes stale and the drafting one absorbs its error, so
         drafted tokens look cheaper than they are; its intercept is the plain steps' mean only
         while recent plain steps weigh enough (LineFit.line). One slow step (a first call, a collection pause)
@@ -455,7 +459,7 @@ class DraftController:
         forward = self._forward(b, batch_size, tokens)
         extra = seconds - forward
         if paid_tokens and self.draft_cost is not None:
-            extra = max(extra - self.draft_cost(batch_size) * paid_tokens, 0.0)
+            extra = max(extra - max(self.draft_cost(batch_size) * paid_tokens, draft_seconds), 0.0)
         x, y = self._drafting(batch_size, tokens), min(extra, OUTLIER_FORWARDS * forward)
         sums = self.sums.setdefault(b, LineFit())
         sums.add(x, y, FIT_DECAY)
