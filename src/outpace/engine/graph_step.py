@@ -99,10 +99,12 @@ class GraphStep(EagerStep):
         one is the draft's."""
         heard = speculating_rows(seqs, self.drafter)
         seqs, budget = [seqs[i] for i in heard], [budget[i] for i in heard]
-        index = to_device([s.slot for s in seqs], result.device)
-        rows = result.index_select(0, index)
+        slots = [s.slot for s in seqs]
+        # graph row = slot: a slice where the rows are slots 0.. in order (batch 1, mostly)
+        index = slice(0, len(slots)) if slots == list(range(len(slots))) else to_device(slots, result.device)
+        rows = result[index]
         tokens = rows[:, 2:2 + shape[1]]
-        hidden = self.runner.step_hidden(shape).index_select(0, index)
+        hidden = self.runner.step_hidden(shape)[index]
         self.drafter.verified_in_graph(Verified(self._draft_batch(seqs, budget), tokens, rows[:, 0], hidden))
 
     def _read_back(self, seqs: list[Sequence], budget: list[int], shape: tuple[int, int, int], t0: float,

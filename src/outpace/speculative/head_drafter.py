@@ -46,9 +46,9 @@ from outpace.model.draft_head import DraftHead, attend
 from outpace.model.eagle3 import load_eagle3_head
 from outpace.model.mtp import load_mtp_head
 from outpace.runner.calibrate import batch_buckets
-from outpace.runner.staging import to_device
+from outpace.runner.staging import HostSide, to_device
 from outpace.speculative.drafter import DraftBatch, DraftContext, Drafter, Drafts, Prefilled, Verified
-from outpace.speculative.head_graphs import HeadGraphs
+from outpace.speculative.head_graphs import HOST_SIDES, HeadGraphs
 
 # verify steps' pairs a row may hold pending beyond one step's before it catches up undrafted
 PENDING_STEPS = 32
@@ -90,11 +90,19 @@ class HeadDrafter(Drafter):
         if context.graphs:
             self.graphs = HeadGraphs(self, context.num_slots, context.max_len, context.max_step_tokens,
                                      context.max_step_tokens - 1, chains=self.tree_width == 1)
-        # verified pairs wait here until their row drafts (or the buffer fills)
-        self.max_pending = context.max_step_tokens + PENDING_STEPS
+        # verified pairs wait here until their row drafts (or the buffer fills); where graphs
+        # replay the catch-up it holds what the largest catch-up graph takes, so that every
+        # catch-up replays one (an eager catch-up costs a GPU several of the target's steps)
+        self.max_pending = context.max_step_tokens + (PENDING_STEPS if self.graphs is None else 0)
         self.pending_hidden = torch.zeros(context.num_slots, self.max_pending, len(self.hidden_layers),
                                           cfg.target_hidden_size, dtype=context.dtype, device=self.device)
         self.pending_tokens = torch.zeros(context.num_slots, self.max_pending, dtype=torch.long, device=self.device)
+        self._arange = torch.arange(self.max_pending, device=self.device)
+        # host sides in turn, as HeadGraphs' (a copy queued behind a launched step is waited for
+        # only when its side comes round again)
+        self._sides = [HostSide(torch.zeros(2 * context.num_slots, dtype=torch.long, device=self.device))
+                       for _ in range(HOST_SIDES)]
+        self._turn = 0
         if self.graphs is not None and self.graphs.draft_shapes:
             self.per_token = self.graphs.measure()
         else:
@@ -183,17 +191,26 @@ class HeadDrafter(Drafter):
         """Every verified position of each row as a pair (junk past the accepted ones), kept
         pending until the row drafts: on a GPU too, where a catch-up at every step cost plain
         decoding a sixth of its speed while the head drafted nothing."""
-        batch = result.batch
+        batch, B = result.batch, len(result.batch)
         S = result.out_tokens.shape[1]
         # the step's pairs start at each row's last token n (host-known), at offset n - caught of
         # its pending pairs; a row whose buffer would overflow catches up first
-        self._catch_up_pending(batch.subset([i for i, (s, n) in enumerate(zip(batch.seq_ids, batch.positions))
-                                             if n - self.caught[s] + S > self.max_pending]))
-        offsets = to_device([n - self.caught[s] for s, n in zip(batch.seq_ids, batch.positions)],
-                            self.device)[:, None] + torch.arange(S, device=self.device)    # [B, S]
-        slots = to_device(batch.slots, self.device)[:, None].expand(-1, S)
-        self.pending_hidden[slots, offsets] = result.hidden[:, :S].to(self.pending_hidden.dtype)
-        self.pending_tokens[slots, offsets] = result.out_tokens[:, :S]
+        offsets = [n - self.caught[s] for s, n in zip(batch.seq_ids, batch.positions)]
+        full = [i for i, offset in enumerate(offsets) if offset + S > self.max_pending]
+        if full:
+            self._catch_up_pending(batch.subset(full))
+            offsets = [n - self.caught[s] for s, n in zip(batch.seq_ids, batch.positions)]
+        # the rows' slots and offsets in one copy from the host (this runs at every step)
+        self._turn = (self._turn + 1) % len(self._sides)
+        side = self._sides[self._turn]
+        host = side.writable()
+        host[:B], host[B:2 * B] = batch.slots, offsets
+        side.send(0, 2 * B)
+        index = side.device_tensor
+        slots = index[:B, None].expand(B, S)
+        at = index[B:2 * B, None] + self._arange[:S]                                    # [B, S]
+        self.pending_hidden[slots, at] = result.hidden[:, :S].to(self.pending_hidden.dtype)
+        self.pending_tokens[slots, at] = result.out_tokens[:, :S]
         for seq_id in batch.seq_ids:        # a prompt of one token has no chunk to catch up
             self.ready[seq_id] = True
 

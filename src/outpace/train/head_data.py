@@ -62,14 +62,15 @@ class Recorder(Drafter):
     def prefilled(self, chunks: Prefilled) -> None:
         for i, (seq_id, start, n) in enumerate(zip(chunks.seq_ids, chunks.starts, chunks.lengths)):
             if seq_id in self.parts:
-                self.parts[seq_id].append((start, chunks.hidden[i, :n].cpu()))
+                self.parts[seq_id].append((start, chunks.hidden[i, :n].to("cpu", copy=True)))
 
     def verified(self, result: Verified) -> None:
-        # plain steps (no drafts): the hidden state of each row's last token
+        # plain steps (no drafts): the hidden state of each row's last token, copied (on the
+        # GPU's path it is a view of the graph step's buffer, which the next step overwrites)
         rows = [i for i, seq_id in enumerate(result.batch.seq_ids) if seq_id in self.parts]
         if not rows:
             return
-        hidden = result.hidden[:, :1].cpu()
+        hidden = result.hidden[:, :1].to("cpu", copy=True)
         for i in rows:
             self.parts[result.batch.seq_ids[i]].append((result.batch.positions[i], hidden[i]))
 
