@@ -157,20 +157,14 @@ def test_a_plain_request_costs_the_head_nothing(folders, plain, graphs):
     _assert_drafts_from_scratch(llm, drafter, recorded.calls[::2])
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-def test_the_head_catches_up_only_when_it_drafts(folders, plain, graphs):
+def test_the_head_catches_up_only_when_it_drafts(folders, plain):
     """Verified pairs wait until their row drafts (a catch-up on every step cost the CPU's head
-    about an eighth of a step whether it drafted or not, and plain decoding on a GPU a sixth):
-    rows left undrafted for longer than the pending buffer holds catch up as it fills, every
-    prompt drafts (one of a single token too), and each draft is still the head run from
-    scratch. Steps that draft nothing for anyone run no head forward. graphs: through the bodies
-    of the head's CUDA graphs (HeadGraphs, run eagerly here), as on a GPU."""
+    about an eighth of a step whether it drafted or not): rows left undrafted for longer than the
+    pending buffer holds catch up as it fills, every prompt drafts (one of a single token too),
+    and each draft is still the head run from scratch. Steps that draft nothing for anyone run
+    no head forward."""
     llm = _llm(folders)
     engine, drafter = llm.engine, llm.engine.drafter
-    if graphs:
-        drafter.graphs = HeadGraphs(drafter, 3, 256, 5, 4, chains=True)
-        run = drafter.graphs._run
-        drafter.graphs._run = lambda kind, *args: (kind == "catch_up" and forwards.append(1)) or run(kind, *args)
     asked, num_draft = {"calls": 0}, engine.controller.num_draft
 
     def long_plain_stretches(*args, **kwargs):     # 40 asks without a draft, then 8 with
@@ -286,7 +280,7 @@ def test_the_heads_own_graph_bodies_keep_its_drafts(folders, plain, tree_width):
     engine, drafter = llm.engine, llm.engine.drafter
     drafter.graphs = HeadGraphs(drafter, 3, 256, 5, 4, chains=tree_width == 1)
     caught_up, catch_up = [], drafter.graphs.catch_up
-    drafter.graphs.catch_up = lambda *args: caught_up.append(catch_up(*args)) or caught_up[-1]
+    drafter.graphs.catch_up = lambda result: caught_up.append(catch_up(result)) or caught_up[-1]
     recorded = Recorded(llm, drafter)
     proposals, drafted, propose = [], [], recorded.propose
 
@@ -307,6 +301,28 @@ def test_the_heads_own_graph_bodies_keep_its_drafts(folders, plain, tree_width):
     assert sorted(engine.scheduler.free_slots) == [0, 1, 2]
 
 
+def test_a_catch_up_graph_ignores_a_stale_row_past_its_pairs(folders):
+    """A catch-up graph's bucket may hold rows of no sequence in the step (a slot between two
+    running ones whose sequence ended), whose last accepted pair is a stale index from a wider
+    step. Regression: it was gathered as it was, past the narrower step's pairs; on a GPU that is
+    a device-side assert, which ends every request of the engine. Here the bodies run eagerly, so
+    it raised an IndexError."""
+    from outpace.speculative.drafter import DraftBatch, Verified
+    llm = _llm(folders)
+    drafter = llm.engine.drafter
+    graphs = HeadGraphs(drafter, 3, 256, 5, 4, chains=True)
+    layers, H = len(drafter.hidden_layers), drafter.head.cfg.target_hidden_size
+
+    def step(slots, width):
+        batch = DraftBatch(list(slots), [0] * len(slots), list(slots), [10] * len(slots), [], [], [], [])
+        return Verified(batch, torch.ones(len(slots), width, dtype=torch.long),
+                        torch.full((len(slots),), width), torch.zeros(len(slots), width, layers, H, dtype=torch.float64))
+    assert graphs.catch_up(step([0, 1, 2], 5))          # every row accepted all 5: last pair 4
+    before = drafter.last_out[1].clone()
+    assert graphs.catch_up(step([0, 2], 1))             # slot 1 inactive, its last pair still 4
+    torch.testing.assert_close(drafter.last_out[1], before)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("ngram_first", [False, True])
 def test_the_heads_cuda_graphs_keep_greedy_output(folders, ngram_first):
@@ -321,7 +337,7 @@ def test_the_heads_cuda_graphs_keep_greedy_output(folders, ngram_first):
     drafter = llm.engine.drafter.drafters[1] if ngram_first else llm.engine.drafter
     assert drafter.graphs is not None and drafter.graphs.graphs
     calls, catch_up = [], drafter.graphs.catch_up
-    drafter.graphs.catch_up = lambda *args: calls.append(catch_up(*args)) or calls[-1]
+    drafter.graphs.catch_up = lambda result: calls.append(catch_up(result)) or calls[-1]
     out = llm.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in out] == plain
     assert len(calls) > 20 and all(calls)

@@ -9,7 +9,7 @@ Beyond EagerStep it does two things captured graphs make possible:
     first step's result), so the GPU never idles while the host reads and accepts a step. A
     step is launched ahead without drafts: where a drafter outside the graph (a head, a draft
     model, a chain whose lookup drafts first) would draft the next step, none is launched; a
-    head keeps a step's hidden states (its pending pairs) before the successor overwrites them. A
+    head catches up on a plain step's hidden states before its successor overwrites them. A
     chain whose lookup has a device twin (DrafterChain.lookup) drafts in the graph, launched
     ahead or not, wherever its paying drafter would draft for no row.
 A launched step holds the same rows as the step before it; the next engine step reads it
@@ -86,7 +86,7 @@ class GraphStep(EagerStep):
     def _plain_greedy(self, seqs, logits, hidden, t0) -> StepResult:
         """A plain greedy step a graph ran is read like any graph step (its successor launched
         first where it may be); the drafter's device state needs no append where nobody drafts.
-        A drafter that reads hidden states (a head) is told of them in _read_back."""
+        A drafter that reads hidden states (a head) catches up on them in _read_back."""
         if self.runner.last_shape is not None and (self.extension is None or not any(s.speculate for s in seqs)):
             return self._read_back(seqs, [0] * len(seqs), self.runner.last_shape, t0)
         return super()._plain_greedy(seqs, logits, hidden, t0)
@@ -94,7 +94,8 @@ class GraphStep(EagerStep):
     def _catch_up(self, seqs: list[Sequence], budget: list[int], shape: tuple[int, int, int], result) -> None:
         """A graph step's outcome (result: step_result's rows [tokens out, tokens drafted, target
         tokens]) for a drafter that reads hidden states, its rows' tokens and hidden states taken
-        from the graph rows, copied before a launched step overwrites them in the runner's buffer.
+        from the graph rows (views of the runner's buffers where the rows are slots 0..), for the
+        drafter to copy before a launched step overwrites them.
         A drafted step's rows hold the target's token at every position, which at an accepted
         one is the draft's."""
         heard = speculating_rows(seqs, self.drafter)

@@ -15,7 +15,9 @@ position n', overwritten by the next step's before anything reads them. A row ca
 pending pairs in one forward when it drafts (or when its buffer would overflow), and its stored
 output becomes pair n - 1's, whose logits give the first draft: steps that do not draft cost the
 head nothing but the copy. Drafting writes entries at n and past it, which the next catch-up
-overwrites: rollback is by length, as in the target's cache.
+overwrites: rollback is by length, as in the target's cache. Where the target replays CUDA graphs
+the catch-up runs at every verify step instead, in graphs of its own (head_graphs.py), and
+the pending buffer is not allocated and `caught` is not read.
 
 Drafting (propose) is one forward per depth over all drafting rows. The first depth's candidates
 are the top `tree_width` tokens of the stored output's logits; each further depth feeds the
@@ -27,9 +29,8 @@ log-probability (a child never scores above its parent, so every chosen node's p
 with tree_width 1 that is the greedy chain, proposed as a chain. Drafts are the head's argmax
 choices: one-hot drafts, which greedy and rejection-sampling verification keep lossless.
 
-Where the target replays CUDA graphs, the catch-up of pending pairs (as many as one verify step
-holds, at the most) and the drafting of chains replay graphs of their own (head_graphs.py); prompt
-chunks, longer catch-ups and trees run the forwards here eagerly.
+Where the target replays CUDA graphs, the catch-up of verified rows and the drafting of chains
+replay graphs of their own (head_graphs.py); prompt chunks and trees run the forwards here eagerly.
 """
 from __future__ import annotations
 
@@ -46,9 +47,8 @@ from outpace.model.draft_head import DraftHead, attend
 from outpace.model.eagle3 import load_eagle3_head
 from outpace.model.mtp import load_mtp_head
 from outpace.runner.calibrate import batch_buckets
-from outpace.runner.staging import HostSide, to_device
 from outpace.speculative.drafter import DraftBatch, DraftContext, Drafter, Drafts, Prefilled, Verified
-from outpace.speculative.head_graphs import HOST_SIDES, HeadGraphs
+from outpace.speculative.head_graphs import HeadGraphs
 
 # verify steps' pairs a row may hold pending beyond one step's before it catches up undrafted
 PENDING_STEPS = 32
@@ -90,19 +90,12 @@ class HeadDrafter(Drafter):
         if context.graphs:
             self.graphs = HeadGraphs(self, context.num_slots, context.max_len, context.max_step_tokens,
                                      context.max_step_tokens - 1, chains=self.tree_width == 1)
-        # verified pairs wait here until their row drafts (or the buffer fills); where graphs
-        # replay the catch-up it holds what the largest catch-up graph takes, so that every
-        # catch-up replays one (an eager catch-up costs a GPU several of the target's steps)
-        self.max_pending = context.max_step_tokens + (PENDING_STEPS if self.graphs is None else 0)
-        self.pending_hidden = torch.zeros(context.num_slots, self.max_pending, len(self.hidden_layers),
-                                          cfg.target_hidden_size, dtype=context.dtype, device=self.device)
-        self.pending_tokens = torch.zeros(context.num_slots, self.max_pending, dtype=torch.long, device=self.device)
-        self._arange = torch.arange(self.max_pending, device=self.device)
-        # host sides in turn, as HeadGraphs' (a copy queued behind a launched step is waited for
-        # only when its side comes round again)
-        self._sides = [HostSide(torch.zeros(2 * context.num_slots, dtype=torch.long, device=self.device))
-                       for _ in range(HOST_SIDES)]
-        self._turn = 0
+        else:       # verified pairs wait here until their row drafts (or the buffer fills)
+            self.max_pending = context.max_step_tokens + PENDING_STEPS
+            self.pending_hidden = torch.zeros(context.num_slots, self.max_pending, len(self.hidden_layers),
+                                              cfg.target_hidden_size, dtype=context.dtype, device=self.device)
+            self.pending_tokens = torch.zeros(context.num_slots, self.max_pending, dtype=torch.long,
+                                              device=self.device)
         if self.graphs is not None and self.graphs.draft_shapes:
             self.per_token = self.graphs.measure()
         else:
@@ -157,8 +150,8 @@ class HeadDrafter(Drafter):
         its slot's entries; the slot's stored output becomes that of pair last[i] ([B])."""
         B, S = tokens.shape
         device = self.device
-        slots = to_device(slots, device)
-        positions = to_device(starts, device)[:, None] + torch.arange(S, device=device)    # [B, S]
+        slots = torch.tensor(slots, device=device)
+        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(S, device=device)    # [B, S]
         mask = torch.arange(max(starts) + S, device=device)[None, None, :] <= positions[:, :, None]
         out = self._forward(self.head.features(hidden), tokens, slots, positions, positions, mask[:, None])
         self.last_out[slots] = out[torch.arange(B, device=device), last]
@@ -188,46 +181,41 @@ class HeadDrafter(Drafter):
 
     @torch.inference_mode()
     def verified(self, result: Verified) -> None:
-        """Every verified position of each row as a pair (junk past the accepted ones), kept
-        pending until the row drafts: on a GPU too, where a catch-up at every step cost plain
-        decoding a sixth of its speed while the head drafted nothing."""
-        batch, B = result.batch, len(result.batch)
+        """Every verified position of each row as a pair (junk past the accepted ones): caught up
+        now where graphs replay the catch-up, else kept pending until the row drafts."""
+        batch = result.batch
         S = result.out_tokens.shape[1]
+        if self.graphs is not None:
+            if not self.graphs.catch_up(result):
+                self._catch_up(result.hidden[:, :S], result.out_tokens, batch.slots, batch.positions,
+                               result.num_out - 1)
+            for seq_id in batch.seq_ids:
+                self.ready[seq_id] = True
+            return
         # the step's pairs start at each row's last token n (host-known), at offset n - caught of
         # its pending pairs; a row whose buffer would overflow catches up first
-        offsets = [n - self.caught[s] for s, n in zip(batch.seq_ids, batch.positions)]
-        full = [i for i, offset in enumerate(offsets) if offset + S > self.max_pending]
-        if full:
-            self._catch_up_pending(batch.subset(full))
-            offsets = [n - self.caught[s] for s, n in zip(batch.seq_ids, batch.positions)]
-        # the rows' slots and offsets in one copy from the host (this runs at every step)
-        self._turn = (self._turn + 1) % len(self._sides)
-        side = self._sides[self._turn]
-        host = side.writable()
-        host[:B], host[B:2 * B] = batch.slots, offsets
-        side.send(0, 2 * B)
-        index = side.device_tensor
-        slots = index[:B, None].expand(B, S)
-        at = index[B:2 * B, None] + self._arange[:S]                                    # [B, S]
-        self.pending_hidden[slots, at] = result.hidden[:, :S].to(self.pending_hidden.dtype)
-        self.pending_tokens[slots, at] = result.out_tokens[:, :S]
+        self._catch_up_pending(batch.subset([i for i, (s, n) in enumerate(zip(batch.seq_ids, batch.positions))
+                                             if n - self.caught[s] + S > self.max_pending]))
+        offsets = torch.tensor([n - self.caught[s] for s, n in zip(batch.seq_ids, batch.positions)],
+                               device=self.device)[:, None] + torch.arange(S, device=self.device)    # [B, S]
+        slots = torch.tensor(batch.slots, device=self.device)[:, None].expand(-1, S)
+        self.pending_hidden[slots, offsets] = result.hidden[:, :S].to(self.pending_hidden.dtype)
+        self.pending_tokens[slots, offsets] = result.out_tokens[:, :S]
         for seq_id in batch.seq_ids:        # a prompt of one token has no chunk to catch up
             self.ready[seq_id] = True
 
     def _catch_up_pending(self, batch: DraftBatch) -> None:
         """The pending pairs of the batch's rows (whose last tokens sit at batch.positions n: pairs
-        caught .. n - 1, complete) in one forward, through the catch-up graph where one holds
-        them: each slot's stored output becomes pair n - 1's."""
+        caught .. n - 1, complete) in one forward: each slot's stored output becomes pair n - 1's."""
         rows = batch.subset([i for i, (s, n) in enumerate(zip(batch.seq_ids, batch.positions)) if n > self.caught[s]])
         if not len(rows):
             return
         starts = [self.caught[s] for s in rows.seq_ids]
         counts = [n - start for n, start in zip(rows.positions, starts)]
         S = max(counts)
-        index = to_device(rows.slots, self.device)
-        hidden, tokens = self.pending_hidden[index, :S], self.pending_tokens[index, :S]
-        if self.graphs is None or not self.graphs.catch_up(rows.slots, starts, counts, tokens, hidden):
-            self._catch_up(hidden, tokens, rows.slots, starts, to_device(counts, self.device) - 1)
+        index = torch.tensor(rows.slots, device=self.device)
+        self._catch_up(self.pending_hidden[index, :S], self.pending_tokens[index, :S], rows.slots, starts,
+                       torch.tensor(counts, device=self.device) - 1)
         for s, n in zip(rows.seq_ids, rows.positions):
             self.caught[s] = n
 
@@ -252,9 +240,10 @@ class HeadDrafter(Drafter):
         rows = [i for i, (s, k) in enumerate(zip(batch.seq_ids, batch.budget)) if k > 0 and self.ready.get(s)]
         if not rows:
             return Drafts.empty(len(batch), self.device)
-        self._catch_up_pending(batch.subset(rows))
         if self.graphs is not None and self.graphs.draft_shapes:
             return self.graphs.propose(batch, rows)
+        if self.graphs is None:
+            self._catch_up_pending(batch.subset(rows))
         budget = [batch.budget[i] for i in rows]
         tokens, scores, parents = self._candidates(torch.tensor([batch.slots[i] for i in rows], device=self.device),
                                                    torch.tensor([batch.positions[i] for i in rows], device=self.device),

@@ -5,9 +5,9 @@ attention over a key length that changes every step; on a GPU that cost more tha
 whole graph step, and a head that merely caught up left plain decoding at a third of its speed.
 Here the head's two jobs of every step replay graphs captured once per batch bucket:
 
-  catch-up (b, S): rows' S pending pairs (the target's hidden states there and the tokens
-    after them, head_drafter.py) written to the head's cache; each row's stored output taken at
-    its last pair;
+  catch-up (b, S): the verified rows' S pairs (the target's hidden states there and the tokens
+    after them) written to the head's cache; each row's stored output taken at its last accepted
+    pair;
   draft (b, K): a chain of K tokens: the stored output's argmax, then K - 1 forwards, each fed
     the one before's output and token.
 
@@ -18,8 +18,8 @@ reads no key past its row's last, so the graph's static key length, the whole ca
 nothing); off CUDA, and for a dtype or head size the kernel does not take, the same bodies run
 through a mask over the whole cache (the tests run them so on the CPU).
 
-Inputs: starts, active and num_draft per graph row come from the host in one copy, each row's
-last pair in another; the pending tokens and hidden states are copied on the device.
+Inputs: starts, active and num_draft per graph row come from the host in one copy; the verified
+tokens, hidden states and last accepted pairs are copied on the device from the step's result.
 Token trees (tree_width > 1) draft eagerly; their catch-up replays these graphs all the same.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from outpace.kernels import fused
 from outpace.model.draft_head import attend
 from outpace.runner.calibrate import batch_buckets
 from outpace.runner.staging import HostSide, to_device
-from outpace.speculative.drafter import DraftBatch, Drafts
+from outpace.speculative.drafter import DraftBatch, Drafts, Verified
 
 
 HOST_SIDES = 4
@@ -96,7 +96,8 @@ class HeadGraphs:
         active = self.active[:b, None].bool()
         positions = self.starts[:b, None] + self._arange[:S]
         out = self._forward(d.head.features(self.hidden[:b, :S]), self.tokens[:b, :S], positions, active)
-        last = out[self.rows[:b], self.last[:b]]
+        # an inactive row's last pair is stale, perhaps past this graph's S: clamped, and unused
+        last = out[self.rows[:b], self.last[:b].clamp(max=S - 1)]
         d.last_out[:b] = torch.where(active, last, d.last_out[:b])
 
     def _draft(self, b: int, K: int) -> None:
@@ -139,19 +140,17 @@ class HeadGraphs:
         """The batch rows' graph rows: a slice where they are slots 0.. in order."""
         return slice(0, len(slots)) if slots == list(range(len(slots))) else to_device(slots, self.rows.device)
 
-    def catch_up(self, slots: list[int], starts: list[int], counts: list[int], tokens: torch.Tensor,
-                 hidden: torch.Tensor) -> bool:
-        """Rows in `slots` whose counts[i] pairs at starts[i] .. are tokens [B, S] and hidden
-        [B, S, layers, H] (S = max(counts)) through the catch-up graph; False where none holds S."""
-        S = tokens.shape[1]
+    def catch_up(self, result: Verified) -> bool:
+        """The step's verified pairs through the catch-up graph; False where no graph holds them."""
+        batch, S = result.batch, result.out_tokens.shape[1]
         if S > self.tokens.shape[1]:
             return False
-        self._send(slots, starts)
-        index = self._index(slots)
-        self.tokens[index, :S] = tokens
-        self.last[index] = to_device([n - 1 for n in counts], self.rows.device)
-        self.hidden[index, :S] = hidden
-        self._run("catch_up", self._bucket(slots), S)
+        self._send(batch.slots, batch.positions)
+        index = self._index(batch.slots)
+        self.tokens[index, :S] = result.out_tokens
+        self.last[index] = result.num_out - 1
+        self.hidden[index, :S] = result.hidden[:, :S]
+        self._run("catch_up", self._bucket(batch.slots), S)
         return True
 
     def propose(self, batch: DraftBatch, rows: list[int]) -> Drafts:
