@@ -159,17 +159,17 @@ def test_a_plain_request_costs_the_head_nothing(folders, plain, graphs):
 
 def test_the_head_catches_up_only_when_it_drafts(folders, plain):
     """Verified pairs wait until their row drafts (a catch-up on every step cost the CPU's head
-    about an eighth of a step whether it drafted or not): rows left undrafted for longer than the
-    pending buffer holds catch up as it fills, every prompt drafts (one of a single token too),
-    and each draft is still the head run from scratch. Steps that draft nothing for anyone run
-    no head forward."""
+    about an eighth of a step whether it drafted or not): rows that drafted and were then left
+    undrafted for longer than the pending buffer holds catch up as it fills, every prompt drafts
+    (one of a single token too), and each draft is still the head run from scratch. Steps that
+    draft nothing for anyone run no head forward."""
     llm = _llm(folders)
     engine, drafter = llm.engine, llm.engine.drafter
     asked, num_draft = {"calls": 0}, engine.controller.num_draft
 
-    def long_plain_stretches(*args, **kwargs):     # 40 asks without a draft, then 8 with
+    def long_plain_stretches(*args, **kwargs):     # 8 asks with a draft, then 40 without
         asked["calls"] += 1
-        return num_draft(*args, **kwargs) if asked["calls"] % 48 >= 40 else 0
+        return num_draft(*args, **kwargs) if asked["calls"] % 48 < 8 else 0
     engine.controller.num_draft = long_plain_stretches
     forwards, catch_up = [], drafter._catch_up
     drafter._catch_up = lambda *args: forwards.append(1) or catch_up(*args)
@@ -190,6 +190,34 @@ def test_the_head_catches_up_only_when_it_drafts(folders, plain):
     undrafted = [n for drafted, n in steps if not drafted]
     assert len(undrafted) > 40 and sum(n > 0 for n in undrafted) < len(undrafted) / 4
     _assert_drafts_from_scratch(llm, drafter, recorded.calls[::3])
+
+
+def test_rows_that_never_draft_are_given_up(folders):
+    """A row whose pending buffer fills without its having drafted since its last catch-up is
+    given up: the head drafts no more for it and runs no forward for it (a catch-up of every
+    position cost the CPU's head a forward a token for no draft). Output stays plain's."""
+    llm = _llm(folders)
+    engine, drafter = llm.engine, llm.engine.drafter
+    engine.controller.num_draft = lambda *args, **kwargs: 0
+    forwards, catch_up, prefilled = [], drafter._catch_up, drafter.prefilled
+    in_prompt = [False]
+
+    def prompt_chunks(chunks):              # a prompt's chunks are caught up as they are cached
+        in_prompt[0] = True
+        prefilled(chunks)
+        in_prompt[0] = False
+    drafter.prefilled = prompt_chunks
+    drafter._catch_up = lambda *args: forwards.append(in_prompt[0]) or catch_up(*args)
+    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(folders[0]), spec="none", **OPTIONS).generate(PROMPTS, params)]
+    seqs = [engine.add_request(p, params) for p in PROMPTS]
+    given_up = set()
+    while engine.has_unfinished():
+        engine.step()
+        given_up |= drafter.given_up
+    assert [s.output_ids for s in seqs] == want
+    assert given_up == {s.seq_id for s in seqs} and forwards and all(forwards)
+    assert not drafter.given_up and not drafter.ready
 
 
 def test_a_head_on_graph_steps_reads_their_hidden_states(folders, plain):

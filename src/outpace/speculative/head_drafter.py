@@ -14,7 +14,10 @@ offset n - caught, on the device; those past the accepted ones are junk past the
 position n', overwritten by the next step's before anything reads them. A row catches up on its
 pending pairs in one forward when it drafts (or when its buffer would overflow), and its stored
 output becomes pair n - 1's, whose logits give the first draft: steps that do not draft cost the
-head nothing but the copy. Drafting writes entries at n and past it, which the next catch-up
+head nothing but the copy. A row whose buffer fills without its having drafted since its pairs
+were last caught up is given up: the head drafts no more for its sequence and keeps nothing of it
+(a chain's lookup, or plain decoding, goes on alone), since its pairs would cost a head forward
+each for no draft. Drafting writes entries at n and past it, which the next catch-up
 overwrites: rollback is by length, as in the target's cache. Where the target replays CUDA graphs
 the catch-up runs at every verify step instead, in graphs of its own (head_graphs.py), and
 the pending buffer is not allocated and `caught` is not read.
@@ -67,6 +70,8 @@ class HeadDrafter(Drafter):
         self.prompts: dict[int, list[int]] = {}
         self.ready: dict[int, bool] = {}            # seq_id -> its prompt is caught up
         self.caught: dict[int, int] = {}            # seq_id -> pairs before this position are in the head's cache
+        self.drafted: set[int] = set()              # sequences that drafted since their pairs were last caught up
+        self.given_up: set[int] = set()             # sequences the head drafts no more for (pending path)
         self.per_token: dict[int, float] = {}       # batch bucket -> seconds per drafted token
 
     def bind(self, context: DraftContext) -> None:
@@ -166,6 +171,8 @@ class HeadDrafter(Drafter):
         self.prompts.pop(seq_id, None)
         self.ready.pop(seq_id, None)
         self.caught.pop(seq_id, None)
+        self.drafted.discard(seq_id)
+        self.given_up.discard(seq_id)
 
     @torch.inference_mode()
     def prefilled(self, chunks: Prefilled) -> None:
@@ -182,7 +189,8 @@ class HeadDrafter(Drafter):
     @torch.inference_mode()
     def verified(self, result: Verified) -> None:
         """Every verified position of each row as a pair (junk past the accepted ones): caught up
-        now where graphs replay the catch-up, else kept pending until the row drafts."""
+        now where graphs replay the catch-up, else kept pending until the row drafts (or given up,
+        module docstring)."""
         batch = result.batch
         S = result.out_tokens.shape[1]
         if self.graphs is not None:
@@ -193,9 +201,26 @@ class HeadDrafter(Drafter):
                 self.ready[seq_id] = True
             return
         # the step's pairs start at each row's last token n (host-known), at offset n - caught of
-        # its pending pairs; a row whose buffer would overflow catches up first
-        self._catch_up_pending(batch.subset([i for i, (s, n) in enumerate(zip(batch.seq_ids, batch.positions))
-                                             if n - self.caught[s] + S > self.max_pending]))
+        # its pending pairs; a row whose buffer would overflow catches up first where it drafted
+        # since its last catch-up, and is given up where it did not
+        full = [i for i, (s, n) in enumerate(zip(batch.seq_ids, batch.positions))
+                if s not in self.given_up and n - self.caught[s] + S > self.max_pending]
+        self._catch_up_pending(batch.subset([i for i in full if batch.seq_ids[i] in self.drafted]))
+        for i in full:
+            s = batch.seq_ids[i]
+            if s in self.drafted:
+                self.drafted.discard(s)
+            else:
+                self.given_up.add(s)
+                self.ready[s] = False
+        kept = [i for i, s in enumerate(batch.seq_ids) if s not in self.given_up]
+        if not kept:
+            return
+        if len(kept) < len(batch):
+            index = torch.tensor(kept, device=self.device)
+            result = Verified(batch.subset(kept), result.out_tokens[index], result.num_out[index],
+                              result.hidden[index])
+            batch = result.batch
         offsets = torch.tensor([n - self.caught[s] for s, n in zip(batch.seq_ids, batch.positions)],
                                device=self.device)[:, None] + torch.arange(S, device=self.device)    # [B, S]
         slots = torch.tensor(batch.slots, device=self.device)[:, None].expand(-1, S)
@@ -244,6 +269,7 @@ class HeadDrafter(Drafter):
             return self.graphs.propose(batch, rows)
         if self.graphs is None:
             self._catch_up_pending(batch.subset(rows))
+            self.drafted.update(batch.seq_ids[i] for i in rows)
         budget = [batch.budget[i] for i in rows]
         tokens, scores, parents = self._candidates(torch.tensor([batch.slots[i] for i in rows], device=self.device),
                                                    torch.tensor([batch.positions[i] for i in rows], device=self.device),
