@@ -448,11 +448,12 @@ class DraftController:
         nothing). Where the host measured the drafting take more than its price (draft_seconds: on
         the CPU a propose's time is its work, and a price that is a decayed mean of it lags a
         change), the measure is taken out instead: left in, the lag went into the intercept, which
-        plain steps are charged too, and drafting looked cheaper against them. One fit rather than separate means of plain and drafting steps: where nearly
-        every step drafts, a plain steps' mean goes stale and the drafting one absorbs its error, so
-        drafted tokens look cheaper than they are; its intercept is the plain steps' mean only
-        while recent plain steps weigh enough (LineFit.line). One slow step (a first call, a collection pause)
-        counts as at most a few forwards."""
+        plain steps are charged too, and drafting looked cheaper against them. One fit rather
+        than separate means of plain and drafting steps: where nearly every step drafts, a plain
+        steps' mean goes stale and the drafting one absorbs its error, so drafted tokens look
+        cheaper than they are; its intercept is the plain steps' mean only while recent plain
+        steps weigh enough (LineFit.line). One slow step (a first call, a collection pause) counts
+        as at most a few forwards."""
         if not self.buckets:
             return
         b = self._bucket(batch_size)

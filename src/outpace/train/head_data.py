@@ -65,8 +65,9 @@ class Recorder(Drafter):
                 self.parts[seq_id].append((start, chunks.hidden[i, :n].to("cpu", copy=True)))
 
     def verified(self, result: Verified) -> None:
-        # plain steps (no drafts): the hidden state of each row's last token, copied (on the
-        # GPU's path it is a view of the graph step's buffer, which the next step overwrites)
+        # plain steps (no drafts): the hidden state of each row's last token, copied: on a graph
+        # step's path it is a view of the step's buffer, which the next step overwrites (and on
+        # the CPU .cpu() would keep the view)
         rows = [i for i, seq_id in enumerate(result.batch.seq_ids) if seq_id in self.parts]
         if not rows:
             return
