@@ -411,7 +411,7 @@ def test_host_work_is_a_step_cost_where_steps_are_launched_ahead(folders, overla
     engine = llm.engine
     engine.steps.overlap = overlap          # the CPU's EagerStep never launches ahead: as if it could
     steps, tokens = [], []
-    engine.controller.observe_step = lambda rows, n, seconds, paid=0: steps.append(seconds)
+    engine.controller.observe_step = lambda rows, n, seconds, *paid: steps.append(seconds)
     engine.controller.observe_tokens = lambda n, seconds: tokens.append(seconds)
     accept = engine.accept
     engine.accept = lambda *args: (time.sleep(0.2), accept(*args))[1]
