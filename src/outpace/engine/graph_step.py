@@ -26,7 +26,7 @@ from outpace.engine.sequence import Sequence
 from outpace.engine.step import EagerStep, Launched, Proposal, StepResult, speculating_rows
 from outpace.runner.cuda_graphs import CudaGraphRunner
 from outpace.runner.model_runner import Row
-from outpace.runner.staging import to_device
+from outpace.runner.staging import slot_rows, to_device
 from outpace.speculative.drafter import Verified
 
 
@@ -100,9 +100,7 @@ class GraphStep(EagerStep):
         one is the draft's."""
         heard = speculating_rows(seqs, self.drafter)
         seqs, budget = [seqs[i] for i in heard], [budget[i] for i in heard]
-        slots = [s.slot for s in seqs]
-        # graph row = slot: a slice where the rows are slots 0.. in order (batch 1, mostly)
-        index = slice(0, len(slots)) if slots == list(range(len(slots))) else to_device(slots, result.device)
+        index = slot_rows([s.slot for s in seqs], result.device)
         rows = result[index]
         tokens = rows[:, 2:2 + shape[1]]
         hidden = self.runner.step_hidden(shape)[index]

@@ -13,6 +13,12 @@ def to_device(values: list, device: torch.device | str) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
+def slot_rows(slots: list[int], device: torch.device | str) -> slice | torch.Tensor:
+    """Where a graph's row r is slot r, the rows of batch rows in `slots`: a slice (a view, no
+    copy) where they are slots 0.. in order, else a device index."""
+    return slice(0, len(slots)) if slots == list(range(len(slots))) else to_device(slots, device)
+
+
 class HostSide:
     """A device tensor's host side: written in place, then sent in one asynchronous copy. On CUDA
     it is pinned memory, and an event marks when the device has read it: the next write waits

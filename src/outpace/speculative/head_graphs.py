@@ -34,7 +34,7 @@ from tqdm import tqdm
 from outpace.kernels import fused
 from outpace.model.draft_head import attend
 from outpace.runner.calibrate import batch_buckets
-from outpace.runner.staging import HostSide, to_device
+from outpace.runner.staging import HostSide, slot_rows
 from outpace.speculative.drafter import DraftBatch, Drafts, Verified
 
 
@@ -136,17 +136,13 @@ class HeadGraphs:
                 host[2 * R + slot] = num_draft[i]
         side.send(0, end)
 
-    def _index(self, slots: list[int]):
-        """The batch rows' graph rows: a slice where they are slots 0.. in order."""
-        return slice(0, len(slots)) if slots == list(range(len(slots))) else to_device(slots, self.rows.device)
-
     def catch_up(self, result: Verified) -> bool:
         """The step's verified pairs through the catch-up graph; False where no graph holds them."""
         batch, S = result.batch, result.out_tokens.shape[1]
         if S > self.tokens.shape[1]:
             return False
         self._send(batch.slots, batch.positions)
-        index = self._index(batch.slots)
+        index = slot_rows(batch.slots, self.rows.device)
         self.tokens[index, :S] = result.out_tokens
         self.last[index] = result.num_out - 1
         self.hidden[index, :S] = result.hidden[:, :S]
@@ -160,7 +156,7 @@ class HeadGraphs:
         budget = [batch.budget[i] for i in rows]
         self._send(slots, [batch.positions[i] for i in rows], budget)
         self._run("draft", self._bucket(slots), max(budget))
-        index = self._index(batch.slots)
+        index = slot_rows(batch.slots, self.rows.device)
         return Drafts(self.drafts[index, :max(budget)], self.num_draft[index])
 
     # ---- capture and prices -------------------------------------------------------------------
