@@ -109,6 +109,18 @@ def test_the_target_writes_its_own_prompts(tmp_path, default_model_dir):
     assert recorder.parts == {}
 
 
+def test_file_prompts_draws_that_many_of_the_file(trained):
+    """--file-prompts N answers N of the file's prompts (drawn with the seed), the rest of the
+    mix coming from --self-prompts: of the file's 40, 20 are drawn, 8 held back, 12 trained on."""
+    root, config, _ = trained
+    summary = train_head(TrainConfig(**{**vars(config), "out": str(root / "drawn"), "file_prompts": 20,
+                                        "max_steps": 0}))
+    assert summary["held_out_sequences"] == 8 and summary["train_sequences"] == 12
+    held, _ = load_shards(root / "drawn" / "data", "heldout")
+    train, _ = load_shards(root / "drawn" / "data", "train")
+    assert len({tuple(s.tokens[:s.prompt_len].tolist()) for s in held + train}) == 20
+
+
 def test_no_prompts_is_refused():
     with pytest.raises(InvalidParameterError, match="no prompts"):
         TrainConfig(model="smollm2-135m", prompts=None, out="x")

@@ -269,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--self-prompts", type=int, default=0,
                    help="prompts the target first writes itself (sampled user turns of its chat template), added "
                         "to --prompts' (default 0)")
+    t.add_argument("--file-prompts", type=int, default=None,
+                   help="use this many of --prompts' file, drawn with the seed (default all): with --self-prompts, "
+                        "the mix's share of each")
     t.add_argument("--out", required=True, help="folder for data, checkpoints and the head (a rerun resumes it)")
     t.add_argument("--num-prompts", type=int, default=4000, help="prompts answered for training (default 4000)")
     t.add_argument("--held-out", type=int, default=64, help="prompts held back to measure acceptance (default 64)")

@@ -2,7 +2,8 @@
 
 Steps, each resumable in the output folder:
   1. With `self_prompts` > 0 the target first writes that many prompts itself (self_prompts.py,
-     kept in self_prompts.jsonl), added to the file's. The prompts are shuffled with the seed;
+     kept in self_prompts.jsonl), added to the file's (to `file_prompts` of them, drawn with the
+     seed, where that is set: the mix's share of each). The prompts are shuffled with the seed;
      the first `held_out` are held back (acceptance is measured on them while training, never
      trained on), the next `num_prompts` train.
   2. The target answers both sets (head_data.py: greedy, its chat template, batched through the
@@ -49,7 +50,7 @@ from outpace.train.unroll import Batch, unrolled_loss
 GRAD_CLIP = 0.5
 MIN_LR_FRACTION = 0.1
 # settings a resumed run must share with the checkpoint it continues
-SAME_RUN = ("model", "self_prompts", "num_prompts", "held_out", "max_tokens", "max_prompt_tokens", "draft_vocab",
+SAME_RUN = ("model", "self_prompts", "file_prompts", "num_prompts", "held_out", "max_tokens", "max_prompt_tokens", "draft_vocab",
             "ttt_steps", "epochs", "batch_size", "lr", "warmup_steps", "seed")
 
 
@@ -59,6 +60,7 @@ class TrainConfig:
     prompts: str | None             # a JSONL file of prompts, or None for the target's own alone
     out: str
     self_prompts: int = 0           # prompts the target writes itself, added to the file's
+    file_prompts: int | None = None # the file's prompts used at most (drawn with the seed); None: all
     num_prompts: int = 4000         # prompts answered for training
     held_out: int = 64              # prompts answered for measuring acceptance, never trained on
     max_tokens: int = 256           # answer tokens at most
@@ -89,6 +91,8 @@ class TrainConfig:
                      "epochs", "batch_size", "eval_every", "checkpoint_every", "max_num_seqs", "shard_size"):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.file_prompts is not None and self.file_prompts < 0:
+            raise InvalidParameterError(f"file-prompts must be >= 0, got {self.file_prompts}")
         if self.self_prompts < 0:
             raise InvalidParameterError(f"self-prompts must be >= 0, got {self.self_prompts}")
         if self.prompts is None and self.self_prompts == 0:
@@ -109,6 +113,8 @@ def train_head(config: TrainConfig) -> dict:
     torch.manual_seed(config.seed)
     checkpoint = _load_checkpoint(out, config)
     prompts = read_prompts(Path(config.prompts)) if config.prompts is not None else []
+    if config.file_prompts is not None and config.file_prompts < len(prompts):
+        prompts = random.Random(config.seed).sample(prompts, config.file_prompts)
 
     # ---- the target's answers -------------------------------------------------------------------
     t0 = time.perf_counter()
