@@ -256,6 +256,46 @@ def test_a_head_on_graph_steps_reads_their_hidden_states(folders, plain):
     _assert_drafts_from_scratch(llm, drafter, recorded.calls[::2])
 
 
+def test_a_head_drafts_inside_the_targets_graph_step(folders, plain):
+    """The GPU path with the head's part of the target's graph step (HeadGraphStep, run eagerly
+    here): greedy steps are drafted, verified and launched ahead of the host's read inside the
+    target's step (the head drafting on the host no more), output stays plain's, and each chain
+    drafted in the step is the head run from scratch over its sequence up to the step's start,
+    a start the device derived itself in a step launched ahead."""
+    llm = _llm(folders)
+    engine, drafter = llm.engine, llm.engine.drafter
+    drafter.graphs = HeadGraphs(drafter, 3, 256, 5, 4, chains=True)
+    step = drafter.graph_step(3, 5)
+    engine.runner = CudaGraphRunner(engine.model, 3, 256, 8, num_draft_tokens=4, progress=False,
+                                    hidden_layers=drafter.hidden_layers, extension=step)
+    engine.steps = GraphStep(engine.runner, drafter, engine.controller, 256, 4, scheduler=engine.scheduler,
+                             overlap=True)
+    engine.controller.num_draft = lambda *args, **kwargs: 3
+    proposed, propose = [], drafter.propose
+    drafter.propose = lambda batch: proposed.append(batch) or propose(batch)
+    launched, launch = [], engine.steps._launch_next
+    engine.steps._launch_next = lambda *args: launched.append(launch(*args)) or launched[-1]
+    chains, before = [], step.before
+
+    def recorded(b, t, input_ids):              # (sequence, the step's start, the chain it verifies)
+        before(b, t, input_ids)
+        at = {s.slot: s.seq_id for s in engine.scheduler.running}
+        for r, room in enumerate(step.inputs_view[0, :b].tolist()):
+            if room and t > 1:
+                chains.append((at[r], int(step.starts[r]), step.drafts[r, :min(room, t - 1)].tolist()))
+    step.before = recorded
+    seqs = [engine.add_request(p, PARAMS) for p in PROMPTS]
+    while engine.has_unfinished():
+        engine.step()
+    assert [s.output_ids for s in seqs] == plain
+    assert not proposed and sum(x is not None and any(x.budget) for x in launched) > 10
+    assert sum(s.stats.num_draft_tokens for s in seqs) > 100
+    tokens = {s.seq_id: s.token_ids for s in seqs}
+    calls = [(tokens[seq_id][:start + 1], drafted, None) for seq_id, start, drafted in chains]
+    assert len(calls) > 20
+    _assert_drafts_from_scratch(llm, drafter, calls[::3])
+
+
 def test_a_chains_lookup_in_the_graph_keeps_the_heads_cache(folders):
     """The GPU path with n-gram first: where the controller gives the head no row, the lookup's
     device twin drafts and verifies inside the graph step (launched ahead too), and the head
@@ -354,7 +394,8 @@ def test_a_catch_up_graph_ignores_a_stale_row_past_its_pairs(folders):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("ngram_first", [False, True])
 def test_the_heads_cuda_graphs_keep_greedy_output(folders, ngram_first):
-    """On a GPU the head replays its own graphs (catch-up and chains) beside the target's: greedy
+    """On a GPU the head replays its own graphs (catch-up and chains) beside the target's, and
+    alone drafts greedy steps' chains inside the target's graphs: greedy
     output equals plain greedy output of the same engine setup, batched, with rollback (float64:
     no near-ties between the target's decode and verify steps); with n-gram first, its lookup's
     device twin drafting in the target's graphs too."""
@@ -370,6 +411,8 @@ def test_the_heads_cuda_graphs_keep_greedy_output(folders, ngram_first):
     assert [o.token_ids for o in out] == plain
     assert len(calls) > 20 and all(calls)
     assert sum(o.spec["num_draft_tokens"] for o in out) > 0
+    # alone, the head drafts inside the target's graph steps (HeadGraphStep)
+    assert ngram_first or llm.engine.runner.extension is drafter.step is not None
 
 
 def test_tree_nodes_are_best_children_along_their_paths(folders, plain):

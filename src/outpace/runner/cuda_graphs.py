@@ -96,7 +96,7 @@ class CudaGraphRunner(ModelRunner):
         self.inputs_host = HostSide(self.inputs)        # written in place each step, sent in one copy
         is_cuda = torch.device(device).type == "cuda"
         if extension:
-            extension.bind(self.inputs[rows:rows + ext])
+            extension.bind(self.inputs[rows:rows + ext], self.starts)
         # a prompt chunk's inputs: [slot, start, input ids], with their own host side
         chunk = max(self.prefill_tiers, default=0)
         self.chunk_inputs = torch.zeros(2 + chunk, dtype=torch.long, device=device)

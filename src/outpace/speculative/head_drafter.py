@@ -33,7 +33,9 @@ with tree_width 1 that is the greedy chain, proposed as a chain. Drafts are the 
 choices: one-hot drafts, which greedy and rejection-sampling verification keep lossless.
 
 Where the target replays CUDA graphs, the catch-up of verified rows and the drafting of chains
-replay graphs of their own (head_graphs.py); prompt chunks and trees run the forwards here eagerly.
+replay graphs of their own (head_graphs.py), and a greedy step's chains are drafted inside the
+target's own graph (HeadGraphStep, so that such a step can be launched ahead of the host's read);
+prompt chunks and trees run the forwards here eagerly.
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ from outpace.model.eagle3 import load_eagle3_head
 from outpace.model.mtp import load_mtp_head
 from outpace.runner.calibrate import batch_buckets
 from outpace.speculative.drafter import DraftBatch, DraftContext, Drafter, Drafts, Prefilled, Verified
-from outpace.speculative.head_graphs import HeadGraphs
+from outpace.speculative.head_graphs import HeadGraphs, HeadGraphStep
 
 # verify steps' pairs a row may hold pending beyond one step's before it catches up undrafted
 PENDING_STEPS = 32
@@ -73,6 +75,7 @@ class HeadDrafter(Drafter):
         self.drafted: set[int] = set()              # sequences that drafted since their pairs were last caught up
         self.given_up: set[int] = set()             # sequences the head drafts no more for (pending path)
         self.per_token: dict[int, float] = {}       # batch bucket -> seconds per drafted token
+        self.step: HeadGraphStep | None = None      # the head's part of the target's graph step, if any
 
     def bind(self, context: DraftContext) -> None:
         # past the context: a verify row's positions, and the entries of a tree's nodes
@@ -125,7 +128,17 @@ class HeadDrafter(Drafter):
             self.per_token[b] = best / b
 
     def cost_per_token(self, batch_size: int) -> float:
+        # drafting inside the target's graphs is part of the verify forward the engine calibrates
+        if self.step is not None:
+            return 0.0
         return self.per_token[self._bucket(batch_size)]
+
+    def graph_step(self, max_rows: int, max_tokens: int) -> HeadGraphStep | None:
+        """Where the head's chains replay graphs, its part of the target's graph step: greedy rows
+        drafted and verified inside the target's graph (HeadGraphStep)."""
+        if self.graphs is not None and self.graphs.draft_shapes:
+            self.step = HeadGraphStep(self.graphs, max_rows, max_tokens)
+        return self.step
 
     def _bucket(self, batch_size: int) -> int:
         return min((b for b in self.per_token if b >= batch_size), default=max(self.per_token))

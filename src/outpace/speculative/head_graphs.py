@@ -35,6 +35,7 @@ from outpace.kernels import fused
 from outpace.model.draft_head import attend
 from outpace.runner.calibrate import batch_buckets
 from outpace.runner.staging import HostSide, slot_rows
+from outpace.sampling.rejection import verify_greedy
 from outpace.speculative.drafter import DraftBatch, Drafts, Verified
 
 
@@ -101,13 +102,17 @@ class HeadGraphs:
         d.last_out[:b] = torch.where(active, last, d.last_out[:b])
 
     def _draft(self, b: int, K: int) -> None:
-        d, head = self.drafter, self.drafter.head
-        active = self.active[:b, None].bool()
-        out = d.last_out[:b, None]                                                  # [b, 1, H]
+        self.chain(b, K, self.starts[:b], self.active[:b, None].bool(), self.drafts[:b])
+
+    def chain(self, b: int, K: int, starts: torch.Tensor, active: torch.Tensor, drafts: torch.Tensor) -> None:
+        """Chains of K tokens into drafts [b, >= K] for graph rows [0, b) whose last tokens sit at
+        starts [b] (active [b, 1]: a real row), from their stored outputs."""
+        head = self.drafter.head
+        out = self.drafter.last_out[:b, None]                                       # [b, 1, H]
         for depth in range(K):
             if depth:           # the token drafted last, at the position after the one before it
-                out = self._forward(out, self.drafts[:b, depth - 1:depth], self.starts[:b, None] + depth - 1, active)
-            self.drafts[:b, depth] = head.to_target(head.logits(out[:, 0]).argmax(-1))
+                out = self._forward(out, drafts[:, depth - 1:depth], starts[:, None] + depth - 1, active)
+            drafts[:, depth] = head.to_target(head.logits(out[:, 0]).argmax(-1))
 
     def _run(self, kind: str, b: int, n: int) -> None:
         graph = self.graphs.get((kind, b, n))
@@ -204,3 +209,61 @@ class HeadGraphs:
             depth = times[-1] - times[0] if K > 1 and times[-1] > times[0] else times[-1] / K
             per_token[b] = depth / b
         return per_token
+
+
+class HeadGraphStep:
+    """The head's part of the target's captured step (CudaGraphRunner's extension), for greedy
+    rows: before the forward, graph rows with room r > 0 (of t - 1 drafts at most) draft a chain
+    of t - 1 tokens from their stored outputs into input tokens 1..t-1 (HeadGraphs.chain; r of
+    them are verified); after it, greedy verification writes result[r] = [tokens out, tokens
+    drafted, target tokens]. A step the head drafts for can then be launched before the host has
+    read the one before it (GraphStep's overlap), as the lookup's device twin's steps are: the
+    host's loop no longer sits between the head's catch-up (replayed at the read of each step,
+    before its successor is launched) and the forward its drafts feed.
+
+    A row's chain starts at its last token, the runner's start for the step (derived on the device
+    for a step launched ahead); its stored output is that of the pair before it, which the last
+    catch-up left. A row without room drafts too (static shapes), writing in the spare region.
+    Host inputs: `inputs_view` [1, rows], the room, bound by the runner with its starts."""
+
+    width = 1
+
+    def __init__(self, graphs: HeadGraphs, max_rows: int, max_tokens: int):
+        self.graphs = graphs
+        device = graphs.rows.device
+        self.inputs_view: torch.Tensor | None = None    # [1, rows]: room
+        self.starts: torch.Tensor | None = None         # the runner's [rows]
+        self.num_draft = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.drafts = torch.zeros(max_rows, max(max_tokens - 1, 1), dtype=torch.long, device=device)
+        self.result = torch.zeros(max_rows, 2 + max_tokens, dtype=torch.long, device=device)
+
+    def inputs(self, seq_ids, room, claim=None) -> list[tuple[int]]:
+        """Each row's room, 0 where the head cannot draft for it yet (its prompt not caught up)."""
+        return [(k if self.has_row(s) else 0,) for s, k in zip(seq_ids, room)]
+
+    def has_row(self, seq_id: int) -> bool:
+        return bool(self.graphs.drafter.ready.get(seq_id))
+
+    def bind(self, inputs: torch.Tensor, starts: torch.Tensor) -> None:
+        self.inputs_view, self.starts = inputs.view(1, -1), starts
+
+    def neutral(self) -> tuple[int]:
+        return (0,)
+
+    def before(self, b: int, t: int, input_ids: torch.Tensor) -> None:
+        room = self.inputs_view[0, :b]
+        if t == 1:
+            self.num_draft[:b].zero_()
+            return
+        active = room[:, None] > 0
+        drafts = self.drafts[:b, :t - 1]
+        self.graphs.chain(b, t - 1, self.starts[:b], active, drafts)
+        input_ids[:, 1:] = torch.where(active, drafts, input_ids[:, 1:])
+        torch.clamp(room, max=t - 1, out=self.num_draft[:b])
+
+    def after(self, b: int, t: int, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
+        target, num_out = verify_greedy(logits, input_ids[:, 1:], self.num_draft[:b])
+        result = self.result[:b]
+        result[:, 0] = num_out
+        result[:, 1] = self.num_draft[:b]
+        result[:, 2:2 + t] = target

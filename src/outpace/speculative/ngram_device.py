@@ -156,7 +156,7 @@ class GraphDrafting:
         """Whether the sequence holds a buffer row (a launched step can draft only for those)."""
         return seq_id in self.drafter.rows
 
-    def bind(self, inputs: torch.Tensor) -> None:
+    def bind(self, inputs: torch.Tensor, starts: torch.Tensor) -> None:
         self.inputs_view = inputs.view(3, -1)
 
     def neutral(self) -> tuple[int, int, int]:
