@@ -38,14 +38,13 @@ from tqdm import tqdm
 from outpace.config import SpecConfig
 from outpace.engine.llm_engine import resolve_device
 from outpace.errors import InvalidParameterError
-from outpace.kernels.fused import linear
 from outpace.llm import LLM
 from outpace.model.draft_head import HeadConfig
 from outpace.model.eagle3 import Eagle3Head, save_eagle3_head
 from outpace.train.draft_vocab import answer_counts, coverage, draft_vocab
-from outpace.train.head_data import Recorded, Recorder, generate_shards, load_shards, read_prompts
+from outpace.train.answers import Answers, lm_head_rows
+from outpace.train.head_data import Recorder, generate_shards, load_shards, read_prompts
 from outpace.train.self_prompts import self_prompts
-from outpace.train.unroll import Batch, unrolled_loss
 
 GRAD_CLIP = 0.5
 MIN_LR_FRACTION = 0.1
@@ -123,7 +122,6 @@ def train_head(config: TrainConfig) -> dict:
                 max_num_seqs=config.max_num_seqs, max_model_len=config.max_prompt_tokens + config.max_tokens + 1,
                 calibrate=False)
     target = llm.engine.model
-    L = target.cfg.num_layers
     recorder = llm.engine.drafter
     layers = recorder.head_layers
     if config.self_prompts:
@@ -142,15 +140,13 @@ def train_head(config: TrainConfig) -> dict:
     data_s = time.perf_counter() - t0
     train_seqs, recorded = load_shards(out / "data", "train")
     held_seqs, _ = load_shards(out / "data", "heldout")
-    columns = [recorded.index(i) for i in layers], recorded.index(L - 1)
 
     # ---- the head -------------------------------------------------------------------------------
     counts = answer_counts(train_seqs, target.cfg.vocab_size)
     ids = draft_vocab(counts, config.draft_vocab)
     max_len = max(len(s.tokens) for s in train_seqs + held_seqs) + config.ttt_steps + 1
     head = _new_head(target, layers, ids, max_len, config.seed).to(device)
-    lm_rows = _lm_head_rows(target, ids.to(device)).float()                       # [Vd, H]
-    in_vocab = torch.zeros(target.cfg.vocab_size, dtype=torch.bool, device=device).index_fill_(0, ids.to(device), True)
+    answers = Answers(target, recorded, layers, ids, config.ttt_steps, device)
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
     per_epoch = -(-len(train_seqs) // config.batch_size)
     schedule = config.epochs * per_epoch                # the steps the learning rate's schedule spans
@@ -161,20 +157,11 @@ def train_head(config: TrainConfig) -> dict:
         optimizer.load_state_dict(checkpoint["optimizer"])
         step, log = checkpoint["step"], checkpoint["log"]
 
-    def batch_of(seqs: list[Recorded]) -> Batch:
-        return _batch(seqs, columns, target, lm_rows, config.ttt_steps, device)
-
     def evaluate() -> dict:
         head.eval()
-        accepted = positions = 0
-        with torch.no_grad():
-            for i in range(0, len(held_seqs), config.batch_size):
-                with _autocast(device):
-                    _, run, counted = unrolled_loss(head, target.embed, batch_of(held_seqs[i:i + config.batch_size]),
-                                                    config.ttt_steps, in_vocab)
-                accepted += int(run[counted].sum())
-                positions += int(counted.sum())
+        per_seq = answers.accepted(head, held_seqs, config.batch_size, lambda: _autocast(device))
         head.train()
+        accepted, _, positions = (sum(column) for column in zip(*per_seq)) if per_seq else (0, 0, 0)
         return {"step": step, "mean_accepted": accepted / max(positions, 1), "positions": positions}
 
     # ---- training -------------------------------------------------------------------------------
@@ -192,7 +179,7 @@ def train_head(config: TrainConfig) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = _lr(config, step, schedule)
         with _autocast(device):
-            loss, _, _ = unrolled_loss(head, target.embed, batch_of(seqs), config.ttt_steps, in_vocab)
+            loss = answers.loss(head, seqs)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), GRAD_CLIP)
@@ -238,40 +225,9 @@ def _new_head(target, layers: tuple[int, ...], ids: torch.Tensor, max_len: int, 
     torch.manual_seed(seed)
     head = Eagle3Head(cfg, max_len)
     with torch.no_grad():
-        head.lm_head.weight.copy_(_lm_head_rows(target, ids.to(target.embed.weight.device)).float().cpu())
+        head.lm_head.weight.copy_(lm_head_rows(target, ids.to(target.embed.weight.device)).float().cpu())
         head.d2t.copy_(ids - torch.arange(len(ids)))
     return head
-
-
-def _lm_head_rows(target, ids: torch.Tensor) -> torch.Tensor:
-    """The target's LM head rows of `ids` [n, H]. A CPU model's LM head may hold only a packed copy
-    of its weight, so the rows are read through its forward (the identity's products are exact)."""
-    weight = getattr(target.lm_head, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.shape == (target.cfg.vocab_size, target.cfg.hidden_size):
-        return weight[ids]
-    eye = torch.eye(target.cfg.hidden_size, dtype=target.embed.weight.dtype, device=ids.device)
-    return linear(eye, target.lm_head).T[ids]
-
-
-def _batch(seqs: list[Recorded], columns, target, lm_rows: torch.Tensor, steps: int, device) -> Batch:
-    """seqs padded into a Batch on `device`: their features' layers, and the target's logits over
-    the draft vocabulary from its last layer (final norm, then its LM head's rows)."""
-    features, last = columns
-    T = max(len(s.tokens) for s in seqs)
-    S = T - 1
-    width = S + steps + 1
-    tokens = torch.zeros(len(seqs), width, dtype=torch.long)
-    is_answer = torch.zeros(len(seqs), width, dtype=torch.bool)
-    hidden = seqs[0].hidden.new_zeros(len(seqs), S + steps, seqs[0].hidden.shape[1], seqs[0].hidden.shape[2])
-    for b, s in enumerate(seqs):
-        n = len(s.tokens)
-        tokens[b, :n] = s.tokens
-        is_answer[b, s.prompt_len:n] = True
-        hidden[b, :n - 1] = s.hidden
-    hidden = hidden.to(device)
-    with torch.no_grad():
-        target_logits = target.norm(hidden[:, :, last]).float() @ lm_rows.T                  # [B, S + steps, Vd]
-    return Batch(tokens.to(device), is_answer.to(device), hidden[:, :S, features].float(), target_logits)
 
 
 def _lr(config: TrainConfig, step: int, schedule: int) -> float:

@@ -1,0 +1,89 @@
+"""A head's acceptance offline, by the trainer's own measure, on Spec-Bench's answers by category.
+
+    python benchmarks/head_acceptance.py --dataset ../shared/data/spec_bench_question.jsonl --limit-per-category 2 --max-tokens 96 [--draft-head DIR ...]
+
+The target answers each category's first questions (first turns, greedy, its chat template)
+while the trainer's Recorder keeps its hidden states; each head (default: the one that ships for
+the model) is then unrolled over those answers as `outpace train-head` measures its held-back
+prompts: chains of --steps drafts, teacher forced, a draft counting while every one before it
+was right. Prints per category and overall the mean drafts accepted in a row at an answer
+position (a verify step's mean acceptance length less one, had it drafted --steps tokens at
+every position) and how often the first draft was right. No timing: the figures depend on the
+heads and the target's answers, not on the machine's speed. Measure only: never train on these.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from outpace.llm import LLM
+from outpace.model.eagle3 import load_eagle3_head
+from outpace.train.answers import Answers
+from outpace.train.head_data import Recorder, generate_shards, load_shards
+from outpace.weights.hub import shipped_head
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dataset", required=True, help="Spec-Bench JSONL (question_id, category, turns)")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--draft-head", nargs="+", default=None, help="EAGLE-3 head folders (default: the shipped one)")
+    p.add_argument("--limit-per-category", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--steps", type=int, default=7, help="drafts a chain holds (default 7, the trainer's)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default=None, help="a JSON file for the figures")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    questions = [json.loads(line) for line in open(args.dataset, encoding="utf-8") if line.strip()]
+    chosen, taken = [], defaultdict(int)
+    for q in questions:
+        if taken[q["category"]] < args.limit_per_category:
+            taken[q["category"]] += 1
+            chosen.append(q)
+    recorder = Recorder()
+    max_prompt = 4096
+    llm = LLM(args.model, spec="none", drafter=recorder, device="cpu", max_num_seqs=8, calibrate=False,
+              max_model_len=max_prompt + args.max_tokens + 1)
+    target = llm.engine.model
+    with tempfile.TemporaryDirectory() as folder:
+        generate_shards(llm, recorder, [q["turns"][0] for q in chosen], Path(folder), "answers", args.max_tokens,
+                        max_prompt, len(chosen))
+        seqs, recorded = load_shards(Path(folder), "answers")
+    if len(seqs) != len(chosen):
+        sys.exit(f"{len(chosen) - len(seqs)} prompts were over {max_prompt} tokens and not answered")
+    heads = args.draft_head or [str(shipped_head(args.model))]
+    results = {}
+    for folder in heads:
+        head = load_eagle3_head(Path(folder), target.cfg, torch.float32, "cpu",
+                                max(len(s.tokens) for s in seqs) + args.steps + 1)
+        missing = set(head.cfg.target_layers) - set(recorded)
+        if missing:
+            sys.exit(f"{folder} reads target layers {sorted(missing)}, which the Recorder does not keep")
+        ids = torch.arange(len(head.d2t)) + head.d2t.cpu()
+        per_seq = Answers(target, recorded, head.cfg.target_layers, ids, args.steps, "cpu").accepted(head.eval(), seqs, 8)
+        by_category = defaultdict(lambda: [0, 0, 0])
+        for q, counts in zip(chosen, per_seq):
+            for total in (by_category[q["category"]], by_category["overall"]):
+                for j, c in enumerate(counts):
+                    total[j] += c
+        results[folder] = {c: {"mean_accepted": a / max(n, 1), "first_right": f / max(n, 1), "positions": n}
+                           for c, (a, f, n) in by_category.items()}
+    print("| category | positions | " + " | ".join(f"{Path(h).name}: accepted in a row, 1st right" for h in heads) + " |")
+    print("|---|---|" + "---|" * len(heads))
+    for c in list(taken) + ["overall"]:
+        cells = " | ".join(f"{results[h][c]['mean_accepted']:.2f}, {results[h][c]['first_right']:.0%}" for h in heads)
+        print(f"| {c} | {results[heads[0]][c]['positions']} | {cells} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Recorded answers as a head's unrolled steps read them, and the drafts it gets accepted on them.
+
+The trainer batches its training answers through `Answers.batch` and measures acceptance on its
+held-back ones through `Answers.accepted`; benchmarks/head_acceptance.py measures a finished head
+the same way on Spec-Bench's answers. A batch holds the features' target layers (their columns in
+the recorded layers) and the target's logits over the head's draft vocabulary (its last layer's
+hidden state through the final norm and its LM head's rows of that vocabulary).
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Callable, ContextManager
+
+import torch
+
+from outpace.kernels.fused import linear
+from outpace.model.draft_head import DraftHead
+from outpace.train.head_data import Recorded
+from outpace.train.unroll import Batch, unrolled_loss
+
+
+class Answers:
+    def __init__(self, target, recorded_layers: list[int], head_layers: tuple[int, ...], ids: torch.Tensor,
+                 steps: int, device):
+        """recorded_layers: the layers the shards hold, in order; head_layers: those the head
+        reads; ids [Vd]: the draft vocabulary's target ids; steps: unrolled steps (chain length)."""
+        last = target.cfg.num_layers - 1
+        self.features, self.last = [recorded_layers.index(i) for i in head_layers], recorded_layers.index(last)
+        self.target, self.steps, self.device = target, steps, device
+        ids = ids.to(device)
+        self.lm_rows = lm_head_rows(target, ids).float()                                        # [Vd, H]
+        self.in_vocab = torch.zeros(target.cfg.vocab_size, dtype=torch.bool, device=device).index_fill_(0, ids, True)
+
+    def batch(self, seqs: list[Recorded]) -> Batch:
+        """seqs padded into a Batch on the device."""
+        T = max(len(s.tokens) for s in seqs)
+        S, steps = T - 1, self.steps
+        width = S + steps + 1
+        tokens = torch.zeros(len(seqs), width, dtype=torch.long)
+        is_answer = torch.zeros(len(seqs), width, dtype=torch.bool)
+        hidden = seqs[0].hidden.new_zeros(len(seqs), S + steps, seqs[0].hidden.shape[1], seqs[0].hidden.shape[2])
+        for b, s in enumerate(seqs):
+            n = len(s.tokens)
+            tokens[b, :n] = s.tokens
+            is_answer[b, s.prompt_len:n] = True
+            hidden[b, :n - 1] = s.hidden
+        hidden = hidden.to(self.device)
+        with torch.no_grad():
+            target_logits = self.target.norm(hidden[:, :, self.last]).float() @ self.lm_rows.T     # [B, S + steps, Vd]
+        return Batch(tokens.to(self.device), is_answer.to(self.device), hidden[:, :S, self.features].float(),
+                     target_logits)
+
+    def loss(self, head: DraftHead, seqs: list[Recorded]) -> torch.Tensor:
+        return unrolled_loss(head, self._embed(head), self.batch(seqs), self.steps, self.in_vocab)[0]
+
+    @torch.no_grad()
+    def accepted(self, head: DraftHead, seqs: list[Recorded], batch_size: int,
+                 autocast: Callable[[], ContextManager] = nullcontext) -> list[tuple[int, int, int]]:
+        """Per sequence: drafts accepted in a row summed over its answer positions (chains of
+        `steps`, teacher forced), the positions whose first draft was accepted, and the positions
+        counted. autocast: makes the forwards' context."""
+        out = []
+        for i in range(0, len(seqs), batch_size):
+            with autocast():
+                _, run, counted = unrolled_loss(head, self._embed(head), self.batch(seqs[i:i + batch_size]),
+                                                self.steps, self.in_vocab)
+            out += zip((run * counted).sum(1).tolist(), ((run > 0) & counted).sum(1).tolist(), counted.sum(1).tolist())
+        return out
+
+    def _embed(self, head: DraftHead) -> torch.nn.Module:
+        return head.embed if head.embed is not None else self.target.embed
+
+
+def lm_head_rows(target, ids: torch.Tensor) -> torch.Tensor:
+    """The target's LM head rows of `ids` [n, H]. A CPU model's LM head may hold only a packed copy
+    of its weight, so the rows are read through its forward (the identity's products are exact)."""
+    weight = getattr(target.lm_head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.shape == (target.cfg.vocab_size, target.cfg.hidden_size):
+        return weight[ids]
+    eye = torch.eye(target.cfg.hidden_size, dtype=target.embed.weight.dtype, device=ids.device)
+    return linear(eye, target.lm_head).T[ids]
