@@ -208,3 +208,30 @@ def test_ab_revisions_runs_a_command_in_both_revisions(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["ab_revisions.py", "--base", "no-such-revision", "--metric", "x", "--", "true"])
     with pytest.raises(SystemExit, match="cannot check out no-such-revision"):
         ab_revisions.main()
+
+
+def test_head_acceptance_counts_every_category(tmp_path, dataset, default_model_dir, monkeypatch, capsys):
+    """benchmarks/head_acceptance.py on a tiny target and a random head: a row per category and
+    overall, the overall's positions those of the categories, a first draft right at no more
+    positions than drafts accepted in a row (each right first draft is one of them)."""
+    import sys
+    from pathlib import Path
+
+    from heads import target_config, write_eagle3_head
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import head_acceptance
+
+    target, head = tmp_path / "target", tmp_path / "head"
+    make_tiny("llama-4-layers", target, vocab_size=49152, tokenizer_from=default_model_dir, dtype=torch.float32)
+    write_eagle3_head(head, target_config(target), layer_ids=(1, 2, 4), dtype=torch.float32)
+    out = tmp_path / "acceptance.json"
+    monkeypatch.setattr(sys, "argv", ["head_acceptance.py", "--dataset", str(dataset), "--model", str(target),
+                                      "--draft-head", str(head), "--max-tokens", "12", "--out", str(out)])
+    head_acceptance.main()
+    figures = json.loads(out.read_text())[str(head)]
+    assert set(figures) == {"writing", "summarization", "overall"}
+    assert figures["overall"]["positions"] == figures["writing"]["positions"] + figures["summarization"]["positions"] > 0
+    for f in figures.values():
+        assert 0 <= f["first_right"] <= f["mean_accepted"]
+    assert "| overall |" in capsys.readouterr().out
