@@ -176,3 +176,54 @@ def test_trees_in_bfloat16_on_the_cpu_kernels_are_refused(tmp_path, default_mode
         with pytest.raises(InvalidParameterError, match="float32 weights"):
             LLM(str(target), spec=spec, **options)
     LLM(str(target), spec=spec, **dict(OPTIONS, dtype="float32")).generate(PROMPTS[:1], PARAMS)
+
+
+BRANCHY = [1, 2, 3, 9, 4, 1, 2, 3, 8, 4, 1, 2, 3, 7, 5, 1, 2, 3]     # "1 2 3" went three ways
+
+
+def test_ngram_trees_hold_every_continuation_of_the_match():
+    """n-gram trees: with one earlier occurrence of the matched suffix the tree is the chain
+    lookup drafts; with several it holds each continuation's first token (parents before their
+    children), the most frequent and most recent first, deeper nodes after broader ones."""
+    from outpace.speculative.drafter import DraftBatch
+    from outpace.speculative.ngram import NgramDrafter
+
+    def draft(tokens, budget, width):
+        drafter = NgramDrafter(SpecConfig(method="ngram", tree_width=width))
+        drafter.begin(0, tokens)
+        out = drafter.propose(DraftBatch([0], [budget], [0], [len(tokens) - 1], [PARAMS], [0], [0], []))
+        return out.host_rows()[0], (out.parents[0, :len(out.host_rows()[0])].tolist() if width > 1 else None)
+    single = [5, 6, 7, 8, 9, 10, 5, 6, 7]
+    nodes, parents = draft(single, 4, 3)
+    assert (nodes, parents) == (draft(single, 4, 1)[0], [-1, 0, 1, 2])
+    nodes, parents = draft(BRANCHY, 6, 3)
+    assert all(p < j for j, p in enumerate(parents))
+    assert [n for n, p in zip(nodes, parents) if p == -1] == [7, 8, 9]        # every way, the most recent first
+    assert nodes[3:] == [5, 4, 4] and parents[3:] == [0, 1, 2]
+
+
+def test_ngram_trees_keep_greedy_and_sampled_output(tiny_folder, plain):
+    """n-gram trees through the engine (float64, batched, prompt chunks): greedy output is plain
+    greedy output and seeded sampled output plain seeded sampling's, with trees that branch."""
+    prompts = PROMPTS + [BRANCHY * 2]
+    spec = SpecConfig(method="ngram", tree_width=3, num_draft_tokens=6)
+    llm = LLM(str(tiny_folder), spec=spec, **OPTIONS)
+    drafter, branched = llm.engine.drafter, []
+    propose = drafter.propose
+
+    def recorded(batch):
+        drafts = propose(batch)
+        for row, n in zip(drafts.parents.tolist(), drafts.num_draft_host):
+            branched.append(len(row[:n]) != len(set(row[:n])))
+        return drafts
+    drafter.propose = recorded
+    want = [o.token_ids for o in LLM(str(tiny_folder), spec="none", **OPTIONS).generate(prompts, PARAMS)]
+    out = llm.generate(prompts, PARAMS)
+    assert [o.token_ids for o in out] == want and any(branched)
+    assert sum(o.spec["num_draft_tokens"] for o in out) > 0
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=60 + i, max_tokens=24, ignore_eos=True)
+              for i in range(len(prompts))]
+    plain_llm = LLM(str(tiny_folder), spec="none", **OPTIONS)
+    sampled = [plain_llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == sampled
+    assert sorted(llm.engine.scheduler.free_slots) == [0, 1, 2]

@@ -64,8 +64,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "ships for a known model, smollm2-135m's); with --spec mtp: "
                         "the folder holding the module's weights")
     p.add_argument("--tree-width", type=int, default=1,
-                   help="with --spec eagle3 or mtp: candidates per tree node, drafting token trees (default 1: "
-                        "chains)")
+                   help="with --spec ngram, eagle3 or mtp: candidates per tree node, drafting token trees "
+                        "(default 1: chains)")
     p.add_argument("--ngram-first", action="store_true",
                    help="with --spec draft, eagle3 or mtp: n-gram lookup drafts where the tail matches, the model "
                         "or head elsewhere")

@@ -75,7 +75,8 @@ class SpecConfig:
     where it ships one). With ngram_first, n-gram lookup drafts where the sequence's tail matches,
     the model or head elsewhere.
 
-    tree_width: a head's candidates per tree node (1: chains); above 1 it drafts token trees.
+    tree_width: candidates per tree node (1: chains); above 1 a head drafts token trees of its
+        best candidates, n-gram lookup of the matched suffix's several earlier continuations.
 
     num_draft_tokens: most tokens drafted per step (TensorRT-LLM's max_draft_len).
     min_ngram / max_ngram: suffix lengths tried, longest first (max_matching_ngram_size). min_ngram
@@ -119,8 +120,8 @@ class SpecConfig:
         _check(self.method != "mtp" or bool(self.draft_head),
                "method 'mtp' needs draft_head: the folder holding the module's weights (the target's own where it ships one)")
         _check(1 <= self.tree_width <= MAX_TREE_WIDTH, f"tree_width must be in [1, {MAX_TREE_WIDTH}], got {self.tree_width}")
-        _check(self.tree_width == 1 or self.method in ("eagle3", "mtp") and not self.ngram_first,
-               "tree_width above 1 (token trees) needs method 'eagle3' or 'mtp' without ngram_first")
+        _check(self.tree_width == 1 or self.method in ("ngram", "eagle3", "mtp") and not self.ngram_first,
+               "tree_width above 1 (token trees) needs method 'ngram', 'eagle3' or 'mtp' without ngram_first")
 
     @property
     def enabled(self) -> bool:

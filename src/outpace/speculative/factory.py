@@ -16,8 +16,8 @@ from outpace.weights.hub import shipped_head
 def make_drafter(spec: SpecConfig, model: str, device: str, max_seqs: int, max_len: int, cuda_graphs: bool) -> Drafter:
     """The drafter for `spec` on the target `model` (its name or path: an EAGLE-3 head without
     draft_head is the one that ships for a known model)."""
-    if spec.method == "ngram" and device.startswith("cuda"):
-        # prompt lookup over a device token buffer: no host round trip per step
+    if spec.method == "ngram" and device.startswith("cuda") and spec.tree_width == 1:
+        # prompt lookup over a device token buffer: no host round trip per step (trees: on the host)
         return DeviceNgramDrafter(spec, max_seqs, max_len, device, use_graph=cuda_graphs)
     if spec.method == "ngram":
         return NgramDrafter(spec)
