@@ -1,10 +1,13 @@
-"""Prompt-lookup speculative decoding in three engines, on the same Spec-Bench prompts in one run.
+"""Speculative decoding in three engines, on the same Spec-Bench prompts in one run.
 
-    outpace       its n-gram drafter and plain decoding (speculate=False), one engine
-    transformers  generate(..., prompt_lookup_num_tokens=N) and plain generate, on the model
-                  dequantized from the same GGUF, in outpace's dtype
+    outpace       its drafter (--spec: n-gram lookup by default) and plain decoding
+                  (speculate=False), one engine
+    transformers  generate(..., prompt_lookup_num_tokens=N), or with --spec draft its assisted
+                  generation (generate(..., assistant_model=the draft model)), and plain generate,
+                  on the models dequantized from the same GGUFs, in outpace's dtype
     llama.cpp     llama-cpp-python on the GGUF file itself (its own quantized kernels), with its
-                  LlamaPromptLookupDecoding draft model and without; skipped with a message when
+                  LlamaPromptLookupDecoding draft model and without (plain alone with --spec draft:
+                  the binding drafts by prompt lookup only); skipped with a message when
                   llama-cpp-python is not installed (pip install 'outpace[llamacpp]')
 
 Every engine decodes greedily from the same prompt token ids (outpace's tokenizer and chat
@@ -65,9 +68,16 @@ def build_engines(args, llm: LLM) -> dict[str, dict]:
     eos = sorted(set(llm.engine.model.cfg.eos_token_ids) | set(llm.tokenizer.eos_token_ids))
     engines = {"outpace": {"spec": OutpaceEngine(llm, True), "plain": OutpaceEngine(llm, False)}}
     gguf = gguf_file(args.model)
+    drafts_by_model = llm.engine.config.spec.method == "draft"
     if "transformers" in args.engines:
         hf = load_transformers(gguf or args.model, llm.engine.dtype, llm.engine.device)
-        pair = {"spec": TransformersEngine(hf, eos, args.hf_lookup_tokens), "plain": TransformersEngine(hf, eos)}
+        if drafts_by_model:
+            draft = llm.engine.config.spec.draft_model
+            assistant = load_transformers(gguf_file(draft) or draft, llm.engine.dtype, llm.engine.device)
+            spec = TransformersEngine(hf, eos, assistant=assistant)
+        else:
+            spec = TransformersEngine(hf, eos, args.hf_lookup_tokens)
+        pair = {"spec": spec, "plain": TransformersEngine(hf, eos)}
         engines["transformers"] = {m: pair[m] for m in args.peer_modes}
     if "llamacpp" in args.engines:
         if gguf is None:
@@ -75,7 +85,8 @@ def build_engines(args, llm: LLM) -> dict[str, dict]:
         else:
             threads = args.threads or os.cpu_count() or 1
             draft_tokens = {"spec": args.llamacpp_draft_tokens, "plain": 0}
-            loaded = {m: load_llamacpp(gguf, args.max_model_len, threads, draft_tokens[m]) for m in args.peer_modes}
+            modes = [m for m in args.peer_modes if m == "plain" or not drafts_by_model]
+            loaded = {m: load_llamacpp(gguf, args.max_model_len, threads, draft_tokens[m]) for m in modes}
             if None not in loaded.values():
                 engines["llama.cpp"] = {m: LlamaCppEngine(llama, eos) for m, llama in loaded.items()}
     return engines
@@ -244,6 +255,7 @@ def main() -> None:
                      "dtype": str(llm.engine.dtype).removeprefix("torch."), "device": llm.engine.device,
                      "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos,
                      "outpace_spec": vars(spec), "hf_prompt_lookup_num_tokens": args.hf_lookup_tokens,
+                     "hf_assistant_model": spec.draft_model if spec.method == "draft" else None,
                      "llamacpp_num_pred_tokens": args.llamacpp_draft_tokens, "peer_modes": args.peer_modes,
                      "dataset": str(args.dataset),
                      "categories": args.category, "limit_per_category": args.limit_per_category,

@@ -235,3 +235,18 @@ def test_head_acceptance_counts_every_category(tmp_path, dataset, default_model_
     for f in figures.values():
         assert 0 <= f["first_right"] <= f["mean_accepted"]
     assert "| overall |" in capsys.readouterr().out
+
+
+def test_transformers_assisted_generation_is_a_peer(tiny_folder):
+    """benchmarks/spec_peers.py with --spec draft runs transformers' assisted generation (its
+    assistant_model) as the peer's speculative mode: with the target as its own assistant every
+    draft is its own pick, and greedy output equals its plain generate's."""
+    from outpace.bench.peers import TransformersEngine, load_transformers
+
+    hf = load_transformers(tiny_folder, torch.float32, "cpu")
+    assistant = load_transformers(tiny_folder, torch.float32, "cpu")
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    plain = TransformersEngine(hf, [0]).generate(prompt, 12, ignore_eos=True)
+    assisted = TransformersEngine(hf, [0], assistant=assistant).generate(prompt, 12, ignore_eos=True)
+    assert assisted.token_ids == plain.token_ids and len(plain.token_ids) == 12
+    assert assisted.prefill_s > 0 and assisted.decode_s > 0

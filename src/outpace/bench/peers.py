@@ -65,10 +65,12 @@ class _Clock:
 
 
 class TransformersEngine:
-    """transformers' `generate`, greedy; prompt_lookup > 0 turns on its prompt lookup decoding."""
+    """transformers' `generate`, greedy; prompt_lookup > 0 turns on its prompt lookup decoding,
+    an assistant (a draft model of the same vocabulary) its assisted generation."""
 
-    def __init__(self, model, eos_ids: list[int], prompt_lookup: int = 0):
+    def __init__(self, model, eos_ids: list[int], prompt_lookup: int = 0, assistant=None):
         self.model, self.eos_ids, self.prompt_lookup = model, sorted(eos_ids), prompt_lookup
+        self.assistant = assistant
         self.device = next(model.parameters()).device
 
     @torch.inference_mode()
@@ -80,6 +82,8 @@ class TransformersEngine:
             options["min_new_tokens"] = max_tokens
         if self.prompt_lookup:
             options["prompt_lookup_num_tokens"] = self.prompt_lookup
+        if self.assistant is not None:
+            options["assistant_model"] = self.assistant
         clock = _Clock()
         _sync(self.device)
         started = time.perf_counter()
