@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from outpace.bench.dataset import load_spec_bench
 from outpace.llm import LLM
 from outpace.model.eagle3 import load_eagle3_head
 from outpace.train.answers import Answers
@@ -42,19 +43,14 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    questions = [json.loads(line) for line in open(args.dataset, encoding="utf-8") if line.strip()]
-    chosen, taken = [], defaultdict(int)
-    for q in questions:
-        if taken[q["category"]] < args.limit_per_category:
-            taken[q["category"]] += 1
-            chosen.append(q)
+    chosen = load_spec_bench(args.dataset, None, args.limit_per_category)
     recorder = Recorder()
     max_prompt = 4096
     llm = LLM(args.model, spec="none", drafter=recorder, device="cpu", max_num_seqs=8, calibrate=False,
               max_model_len=max_prompt + args.max_tokens + 1)
     target = llm.engine.model
     with tempfile.TemporaryDirectory() as folder:
-        generate_shards(llm, recorder, [q["turns"][0] for q in chosen], Path(folder), "answers", args.max_tokens,
+        generate_shards(llm, recorder, [r.turns[0] for r in chosen], Path(folder), "answers", args.max_tokens,
                         max_prompt, len(chosen))
         seqs, recorded = load_shards(Path(folder), "answers")
     if len(seqs) != len(chosen):
@@ -70,15 +66,15 @@ def main() -> None:
         ids = torch.arange(len(head.d2t)) + head.d2t.cpu()
         per_seq = Answers(target, recorded, head.cfg.target_layers, ids, args.steps, "cpu").accepted(head.eval(), seqs, 8)
         by_category = defaultdict(lambda: [0, 0, 0])
-        for q, counts in zip(chosen, per_seq):
-            for total in (by_category[q["category"]], by_category["overall"]):
+        for r, counts in zip(chosen, per_seq):
+            for total in (by_category[r.category], by_category["overall"]):
                 for j, c in enumerate(counts):
                     total[j] += c
         results[folder] = {c: {"mean_accepted": a / max(n, 1), "first_right": f / max(n, 1), "positions": n}
                            for c, (a, f, n) in by_category.items()}
     print("| category | positions | " + " | ".join(f"{Path(h).name}: accepted in a row, 1st right" for h in heads) + " |")
     print("|---|---|" + "---|" * len(heads))
-    for c in list(taken) + ["overall"]:
+    for c in list(dict.fromkeys(r.category for r in chosen)) + ["overall"]:
         cells = " | ".join(f"{results[h][c]['mean_accepted']:.2f}, {results[h][c]['first_right']:.0%}" for h in heads)
         print(f"| {c} | {results[heads[0]][c]['positions']} | {cells} |")
     if args.out:

@@ -77,13 +77,17 @@ class Drafts:
 
     @classmethod
     def from_lists(cls, rows: Sequence[Sequence[int] | None], match_len: Sequence[int] | None = None,
-                   device: torch.device | str = "cpu", free: Sequence[bool] | None = None) -> "Drafts":
-        """Chains given as host lists (None or [] for no draft), padded with zeros."""
+                   device: torch.device | str = "cpu", free: Sequence[bool] | None = None,
+                   parents: Sequence[Sequence[int]] | None = None) -> "Drafts":
+        """Chains given as host lists (None or [] for no draft), padded with zeros; with parents
+        (each row's nodes' parents), trees, their parents padded with -1."""
         lengths = [len(r) if r else 0 for r in rows]
         width = max(lengths, default=0)
         padded = [list(r or ()) + [0] * (width - n) for r, n in zip(rows, lengths)]
         tokens = torch.tensor(padded, dtype=torch.long).view(len(rows), width)
-        return cls(tokens.to(device), torch.tensor(lengths, dtype=torch.long).to(device),
+        tree = None if parents is None else torch.tensor(
+            [list(p) + [-1] * (width - len(p)) for p in parents], dtype=torch.long).view(len(rows), width).to(device)
+        return cls(tokens.to(device), torch.tensor(lengths, dtype=torch.long).to(device), tree,
                    num_draft_host=lengths, match_len=list(match_len) if match_len is not None else None,
                    free=list(free) if free is not None else None)
 

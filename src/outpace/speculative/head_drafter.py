@@ -296,12 +296,7 @@ class HeadDrafter(Drafter):
             node = {c: j for j, c in enumerate(chosen)}
             drafts[i] = [toks[c] for c in chosen]
             trees[i] = [node[pars[c]] if pars[c] >= 0 else -1 for c in chosen]
-        out = Drafts.from_lists(drafts, device=self.device)
-        if self.tree_width > 1:
-            width = out.tokens.shape[1]
-            out.parents = torch.tensor([t + [-1] * (width - len(t)) for t in trees], dtype=torch.long,
-                                       device=self.device).view(len(batch), width)
-        return out
+        return Drafts.from_lists(drafts, device=self.device, parents=trees if self.tree_width > 1 else None)
 
     def _candidates(self, slots: torch.Tensor, starts: torch.Tensor, num_nodes: int, max_start: int):
         """The candidate nodes of R rows whose last tokens sit at positions starts [R] (at most

@@ -25,8 +25,6 @@ import heapq
 from dataclasses import replace
 from typing import Sequence
 
-import torch
-
 from outpace.config import SpecConfig
 from outpace.speculative.drafter import DraftBatch, Drafter, Drafts
 
@@ -101,23 +99,26 @@ class NgramDrafter(Drafter):
 
     def _propose_trees(self, batch: DraftBatch) -> Drafts:
         found = [self._tree_one(self._seqs[s], k) for s, k in zip(batch.seq_ids, batch.budget)]
-        drafts = Drafts.from_lists([tokens for tokens, _, _ in found], [n for _, _, n in found])
-        width = drafts.tokens.shape[1]
-        drafts.parents = torch.tensor([parents + [-1] * (width - len(parents)) for _, parents, _ in found],
-                                      dtype=torch.long).view(len(found), width)
-        return drafts
+        return Drafts.from_lists([tokens for tokens, _, _ in found], [n for _, _, n in found],
+                                 parents=[parents for _, parents, _ in found])
+
+    def _match(self, seq: _SeqIndex):
+        """(the longest matching suffix's table entry, its length n); (None, 0) when none matches."""
+        tokens = seq.tokens
+        for n, table in zip(reversed(self._ns), reversed(seq.tables)):
+            found = table.get(tuple(tokens[-n:])) if n < len(tokens) else None
+            if found is not None:
+                return found, n
+        return None, 0
 
     def _tree_one(self, seq: _SeqIndex, max_nodes: int) -> tuple[list[int], list[int], int]:
         """(tokens, parents, match length) of a tree of at most max_nodes nodes (module docstring)."""
-        tokens = seq.tokens
-        starts, n = None, 0
-        if max_nodes > 0:
-            for n, table in zip(reversed(self._ns), reversed(seq.tables)):
-                starts = table.get(tuple(tokens[-n:])) if n < len(tokens) else None
-                if starts:
-                    break
-        if not starts:
+        if max_nodes <= 0:
             return [], [], 0
+        starts, n = self._match(seq)
+        if starts is None:
+            return [], [], 0
+        tokens = seq.tokens
         # the trie: node i holds token[i] under parent[i]; count[i] continuations pass through it,
         # the most recent of them ranked first[i] (0: the most recent continuation)
         token, parent, count, first, children = [], [], [], [], {}
@@ -148,12 +149,8 @@ class NgramDrafter(Drafter):
         """(draft, match length); ([], 0) when no suffix matches."""
         if max_tokens <= 0:
             return [], 0
-        tokens = seq.tokens
-        for n, table in zip(reversed(self._ns), reversed(seq.tables)):
-            c = table.get(tuple(tokens[-n:])) if n < len(tokens) else None
-            if c is not None:
-                return tokens[c:c + max_tokens], n
-        return [], 0
+        c, n = self._match(seq)
+        return ([], 0) if c is None else (seq.tokens[c:c + max_tokens], n)
 
     def end(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
