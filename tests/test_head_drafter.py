@@ -474,7 +474,9 @@ def test_on_the_cpu_the_heads_products_run_in_the_kernels(folders):
 
 def test_on_the_cpu_drafting_is_priced_at_what_it_takes(folders, plain):
     """A head whose drafting takes far longer than its load-time measure (here each propose
-    sleeps 30 ms; on a real CPU the target's steps push the head's weights out of the caches) is
+    sleeps ten of the target's calibrated plain steps, so that the figure holds on a fast CPU
+    and a slow one alike; on a real CPU the target's steps push the head's weights out of the
+    caches) is
     priced at what its proposes take, and the controller stops drafting with it, where the same
     head at its own speed drafts on: output stays plain's either way. The controller is made to
     believe nine drafts in ten are accepted (the random head's are not), so that only the price
@@ -491,7 +493,8 @@ def test_on_the_cpu_drafting_is_priced_at_what_it_takes(folders, plain):
         measured = dict(drafter.per_token)
         if slow:
             candidates = drafter._candidates
-            drafter._candidates = lambda *args: time.sleep(0.03) or candidates(*args)
+            pause = 10 * llm.engine.controller.step_cost(len(PROMPTS), len(PROMPTS))
+            drafter._candidates = lambda *args: time.sleep(pause) or candidates(*args)
         out = llm.generate(PROMPTS, PARAMS)
         assert [o.token_ids for o in out] == plain
         drafted[slow] = sum(o.spec["num_draft_tokens"] for o in out)
