@@ -474,9 +474,8 @@ def test_on_the_cpu_the_heads_products_run_in_the_kernels(folders):
 
 def test_on_the_cpu_drafting_is_priced_at_what_it_takes(folders, plain):
     """A head whose drafting takes far longer than its load-time measure (here each propose
-    sleeps ten of the target's calibrated plain steps, so that the figure holds on a fast CPU
-    and a slow one alike; on a real CPU the target's steps push the head's weights out of the
-    caches) is
+    sleeps ten of the target's calibrated plain steps, so that it holds on a fast CPU and a slow
+    one alike; on a real CPU the target's steps push the head's weights out of the caches) is
     priced at what its proposes take, and the controller stops drafting with it, where the same
     head at its own speed drafts on: output stays plain's either way. The controller is made to
     believe nine drafts in ten are accepted (the random head's are not), so that only the price
