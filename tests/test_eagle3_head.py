@@ -176,4 +176,4 @@ def test_the_default_models_head_ships_and_drafts(default_model_dir):
     from outpace.kernels.cpu_linear import QuantizedLinear
     if isinstance(llm.engine.model.layers[0].mlp.down, QuantizedLinear):
         head = llm.engine.drafter.head
-        assert all(isinstance(m, QuantizedLinear) and m.qtype == "Q8_0" for m in (head.fc, head.q, head.lm_head))
+        assert all(isinstance(m, QuantizedLinear) and m.qtype == "Q8_0" for m in (head.fc, head.qkv, head.lm_head))

@@ -445,9 +445,10 @@ def test_seeded_sampling_with_a_head_is_plain_seeded_sampling(folders, tree_widt
 
 
 def test_on_the_cpu_the_heads_products_run_in_the_kernels(folders):
-    """A float32 head on the CPU computes its products in the CPU kernels, as the target does
-    (PyTorch's bfloat16 products made the shipped head's forward 2.7x slower): its outputs are
-    the same head's through PyTorch's products, and greedy output stays plain's."""
+    """A float32 head on the CPU computes its products (q, k and v as one), norms, SwiGLU and
+    rotation in the CPU kernels, as the target does (PyTorch's bfloat16 products made the shipped
+    head's forward 2.7x slower, its norms 6x): its outputs are the same head's through PyTorch's
+    ops, and greedy output stays plain's."""
     from outpace.kernels import cpu_kernels
     from outpace.kernels.cpu_linear import PackedLinear
     from outpace.model.eagle3 import load_eagle3_head
@@ -458,7 +459,7 @@ def test_on_the_cpu_the_heads_products_run_in_the_kernels(folders):
     llm = LLM(str(folders[0]), spec=SpecConfig(method="eagle3", draft_head=str(folders[1]), num_draft_tokens=4),
               **options)
     head = llm.engine.drafter.head
-    assert isinstance(head.q, PackedLinear) and head.q.kernel and isinstance(head.lm_head, PackedLinear)
+    assert isinstance(head.qkv, PackedLinear) and head.qkv.kernel and isinstance(head.lm_head, PackedLinear)
     reference = load_eagle3_head(folders[1], llm.engine.model.cfg, torch.float32, "cpu", 64)
     torch.manual_seed(0)
     hidden = torch.randn(2, 5, 3, head.cfg.target_hidden_size)
@@ -491,9 +492,9 @@ def test_on_the_cpu_drafting_is_priced_at_what_it_takes(folders, plain):
         drafter = llm.engine.drafter
         measured = dict(drafter.per_token)
         if slow:
-            candidates = drafter._candidates
+            chains = drafter._chains
             pause = 10 * llm.engine.controller.step_cost(len(PROMPTS), len(PROMPTS))
-            drafter._candidates = lambda *args: time.sleep(pause) or candidates(*args)
+            drafter._chains = lambda *args: time.sleep(pause) or chains(*args)
         out = llm.generate(PROMPTS, PARAMS)
         assert [o.token_ids for o in out] == plain
         drafted[slow] = sum(o.spec["num_draft_tokens"] for o in out)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from outpace.errors import InvalidParameterError
+from outpace.kernels import cpu_kernels
 from outpace.kernels.fused import rope
 from outpace.model.layers import MLP, RMSNorm, planless_attention
 from outpace.model.rope import rope_tables
@@ -73,6 +74,7 @@ class DraftHead(nn.Module):
         self.q = nn.Linear(attention_in, cfg.num_heads * D, bias=cfg.attention_bias)
         self.k = nn.Linear(attention_in, cfg.num_kv_heads * D, bias=cfg.attention_bias)
         self.v = nn.Linear(attention_in, cfg.num_kv_heads * D, bias=cfg.attention_bias)
+        self.qkv: nn.Module | None = None          # q, k and v as one product (fuse_qkv)
         self.o = nn.Linear(cfg.num_heads * D, H, bias=False)
         self.q_norm = norm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = norm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -85,6 +87,9 @@ class DraftHead(nn.Module):
             object.__setattr__(self, "lm_head", lm_head)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.embed: nn.Embedding | None = None     # the head's own embedding; None: the target's
+        # the norms, SwiGLU and rotation as cpu_kernels calls (a CPU drafter whose activations'
+        # dtype they serve): PyTorch's bfloat16 norm took about 80 us a call, four a draft position
+        self.kernels = False
         self.max_positions = 0
         self.extend_rope(max_positions)
 
@@ -113,24 +118,54 @@ class DraftHead(nn.Module):
         [..., KVH, D]), q and k rotated."""
         residual, x = self.attention_input(feature, embed)
         D = self.cfg.head_dim
-        q = self.q(x).unflatten(-1, (-1, D))
-        k = self.k(x).unflatten(-1, (-1, D))
-        v = self.v(x).unflatten(-1, (-1, D))
+        if self.qkv is None:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        else:
+            q, k, v = self.qkv(x).split([self.cfg.num_heads * D] + [self.cfg.num_kv_heads * D] * 2, -1)
+        q, k, v = (t.unflatten(-1, (-1, D)) for t in (q, k, v))
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.normed(self.q_norm, q), self.normed(self.k_norm, k)
         cos = self.rope_cos[positions].to(q.dtype).unsqueeze(-2)                # [..., 1, D]
         sin = self.rope_sin[positions].to(q.dtype).unsqueeze(-2)
-        return residual, rope(q, cos, sin), rope(k, cos, sin), v
+        if not self.kernels:
+            return residual, rope(q, cos, sin), rope(k, cos, sin), v
+        # the kernel reads one row of cos and sin a token
+        cos, sin = (t.expand(*q.shape[:-2], 1, D) for t in (cos, sin))
+        return residual, cpu_kernels.rope(q, cos, sin), cpu_kernels.rope(k, cos, sin), v
+
+    def fuse_qkv(self) -> None:
+        """q, k and v as one product from now on (a drafter that never saves the head: on the CPU
+        one call, and one quantization of its input, instead of three)."""
+        parts = (self.q, self.k, self.v)
+        fused = nn.Linear(self.q.in_features, sum(m.out_features for m in parts), bias=self.q.bias is not None,
+                          device=self.q.weight.device, dtype=self.q.weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([m.weight for m in parts]))
+            if fused.bias is not None:
+                fused.bias.copy_(torch.cat([m.bias for m in parts]))
+        self.qkv = fused
+        del self.q, self.k, self.v
 
     def finish(self, residual: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         """The layer's output [..., H] from its residual and the heads' outputs [..., Hq * D]."""
-        h = residual + self.o(attention)
-        return h + self.mlp(self.post_norm(h))
+        if self.kernels and type(self.post_norm) is RMSNorm:
+            h, x = self.post_norm.add_forward(residual.contiguous(), self.o(attention), kernels=True)
+        else:
+            h = residual + self.o(attention)
+            x = self.post_norm(h)
+        return h + self.mlp(x, self.kernels)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """[..., draft_vocab_size] float32 logits of the head's outputs."""
-        normed = self.norm(out)
+        normed = self.normed(self.norm, out)
         return self.lm_head(normed.reshape(-1, normed.shape[-1])).float().view(*out.shape[:-1], -1)
+
+    def normed(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """norm(x), through cpu_kernels where the head runs them and the norm is a plain RMSNorm
+        (a family's 1 + w norm goes through its own forward)."""
+        if self.kernels and type(norm) is RMSNorm:
+            return norm.add_forward(x.contiguous(), None, kernels=True)[1]
+        return norm(x)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Target ids of draft ids."""

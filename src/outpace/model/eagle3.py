@@ -65,7 +65,7 @@ class Eagle3Head(DraftHead):
         return self.fc(hidden.flatten(-2))                               # [..., 3, Ht] -> [..., H]
 
     def attention_input(self, feature, embed):
-        return feature, torch.cat([self.input_norm(embed), self.hidden_norm(feature)], dim=-1)
+        return feature, torch.cat([self.normed(self.input_norm, embed), self.normed(self.hidden_norm, feature)], dim=-1)
 
 
 def default_layers(num_layers: int) -> tuple[int, ...]:

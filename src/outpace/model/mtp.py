@@ -69,11 +69,11 @@ class MTPHead(DraftHead):
         self.target_norm = norm(H, cfg.rms_norm_eps)        # a copy of the target's final norm
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.target_norm(hidden[..., -1, :])         # the target's last layer, normed as its LM head sees it
+        return self.normed(self.target_norm, hidden[..., -1, :])         # the target's last layer, normed as its LM head sees it
 
     def attention_input(self, feature, embed):
-        x = self.eh_proj(torch.cat([self.enorm(embed), self.hnorm(feature)], dim=-1))
-        return x, self.input_norm(x)
+        x = self.eh_proj(torch.cat([self.normed(self.enorm, embed), self.normed(self.hnorm, feature)], dim=-1))
+        return x, self.normed(self.input_norm, x)
 
 
 def mtp_config(target: DecoderLM) -> HeadConfig:

@@ -29,7 +29,8 @@ frontier (the tree_width best nodes by cumulative log-probability) at rotary pos
 row's entries before n, its ancestors' entries and its own; each frontier node's top tree_width
 children become candidates. A row's draft is its budget's best candidates by cumulative
 log-probability (a child never scores above its parent, so every chosen node's parent is chosen);
-with tree_width 1 that is the greedy chain, proposed as a chain. Drafts are the head's argmax
+with tree_width 1 that is the greedy chain, which _chains drafts without the tree's scores and
+masks. Drafts are the head's argmax
 choices: one-hot drafts, which greedy and rejection-sampling verification keep lossless.
 
 Where the target replays CUDA graphs, the catch-up of verified rows and the drafting of chains
@@ -47,6 +48,7 @@ from typing import Callable, Sequence
 import torch
 
 from outpace.config import MAX_NUM_DRAFT_TOKENS
+from outpace.kernels import cpu_kernels
 from outpace.kernels.cpu_linear import QuantizedLinear, QuantizedParts, pack_linears, quantize_linears
 from outpace.model.draft_head import DraftHead, attend
 from outpace.model.eagle3 import load_eagle3_head
@@ -83,7 +85,9 @@ class HeadDrafter(Drafter):
         self.head = head = self.load(context, self.cache_len)
         if context.device.type == "cpu":        # its products in the CPU kernels, as the target's
             is_quantized = any(isinstance(m, (QuantizedLinear, QuantizedParts)) for m in context.target.modules())
+            head.fuse_qkv()
             (quantize_linears if is_quantized else pack_linears)(head)
+            head.kernels = cpu_kernels.pointwise_fits(context.dtype, context.device)
         cfg = head.cfg
         self.hidden_layers = cfg.target_layers
         self.embed = head.embed if head.embed is not None else context.target.embed
@@ -284,11 +288,18 @@ class HeadDrafter(Drafter):
             self._catch_up_pending(batch.subset(rows))
             self.drafted.update(batch.seq_ids[i] for i in rows)
         budget = [batch.budget[i] for i in rows]
+        drafts: list[list[int]] = [[] for _ in range(len(batch))]
+        if self.tree_width == 1:
+            chains = self._chains(torch.tensor([batch.slots[i] for i in rows], device=self.device),
+                                  torch.tensor([batch.positions[i] for i in rows], device=self.device),
+                                  max(budget), max(batch.positions[i] for i in rows))
+            for i, n, chain in zip(rows, budget, chains.tolist()):      # the one host read of drafting
+                drafts[i] = chain[:n]
+            return Drafts.from_lists(drafts, device=self.device)
         tokens, scores, parents = self._candidates(torch.tensor([batch.slots[i] for i in rows], device=self.device),
                                                    torch.tensor([batch.positions[i] for i in rows], device=self.device),
                                                    max(budget), max(batch.positions[i] for i in rows))
         best = torch.sort(-scores, dim=1, stable=True).indices[:, :max(budget)]   # ties: parents first
-        drafts: list[list[int]] = [[] for _ in range(len(batch))]
         trees: list[list[int]] = [[] for _ in range(len(batch))]
         # the one host read of drafting
         for i, n, order, toks, pars in zip(rows, budget, best.tolist(), tokens.tolist(), parents.tolist()):
@@ -296,7 +307,23 @@ class HeadDrafter(Drafter):
             node = {c: j for j, c in enumerate(chosen)}
             drafts[i] = [toks[c] for c in chosen]
             trees[i] = [node[pars[c]] if pars[c] >= 0 else -1 for c in chosen]
-        return Drafts.from_lists(drafts, device=self.device, parents=trees if self.tree_width > 1 else None)
+        return Drafts.from_lists(drafts, device=self.device, parents=trees)
+
+    def _chains(self, slots: torch.Tensor, starts: torch.Tensor, depth: int, max_start: int) -> torch.Tensor:
+        """_candidates' tree of width 1, without its scores and tree bookkeeping: the head's argmax
+        chain [R, depth] (the target's ids) of R rows whose last tokens sit at starts [R]. Draft d
+        (from 1) is fed at rotary position start + d - 1, writes its entry there and attends to
+        every entry before it."""
+        out = self.last_out[slots]                                              # [R, H]
+        ids = self.head.logits(out).argmax(-1)                                  # [R] draft ids
+        chain = [self.head.to_target(ids)]
+        keys = torch.arange(max_start + depth - 1, device=self.device)
+        for d in range(1, depth):
+            at = (starts + d - 1)[:, None]                                      # [R, 1]
+            mask = (keys <= at)[:, None, None, :]                               # [R, 1, 1, L]
+            out = self._forward(out[:, None], chain[-1][:, None], slots, at, at, mask)[:, 0]
+            chain.append(self.head.to_target(self.head.logits(out).argmax(-1)))
+        return torch.stack(chain, 1)
 
     def _candidates(self, slots: torch.Tensor, starts: torch.Tensor, num_nodes: int, max_start: int):
         """The candidate nodes of R rows whose last tokens sit at positions starts [R] (at most
