@@ -3,7 +3,8 @@ MTP weights were reachable).
 
 Guards: both layouts (Qwen3-Next's mtp.*, DeepSeek-V3's extra layer) must load into place and
 compute the module's equations (the embedding's norm first in the concatenation, the target's
-final norm on its hidden state, the target's own LM head); drafting with it keeps greedy output,
+final norm on its hidden state, the target's own LM head), also as the CPU drafter runs it (q, k
+and v as one product, norms and rotation in the CPU kernels); drafting with it keeps greedy output,
 chains and trees, with the module shipped inside the target's folder; what the module does not
 implement is refused by name.
 """
@@ -43,12 +44,22 @@ def _rms(x, w):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
 
 
+@pytest.mark.parametrize("kernels", [False, True])
 @pytest.mark.parametrize("layout", ["qwen3_next", "deepseek_v3"])
-def test_the_module_computes_its_equations(target, tmp_path, layout):
-    """One pair at position 0 (it attends to itself alone, so attention is its value projection)."""
+def test_the_module_computes_its_equations(target, tmp_path, layout, kernels):
+    """One pair at position 0 (it attends to itself alone, so attention is its value projection).
+    kernels: as a CPU drafter runs it, in float32 with q, k and v as one product and the norms,
+    SwiGLU and rotation through cpu_kernels."""
+    from outpace.kernels import cpu_kernels
+    if kernels and not cpu_kernels.has_library():
+        pytest.skip("no C compiler: the CPU kernels are not built")
     w = write_mtp(tmp_path, target_config(target), layout)
     model = load_model(target, torch.float64, "cpu", 64)
     head = load_mtp_head(tmp_path, model, torch.float64, "cpu", 64)
+    if kernels:         # the equations below read the float64 model's weights
+        head = load_mtp_head(tmp_path, load_model(target, torch.float32, "cpu", 64), torch.float32, "cpu", 64)
+        head.fuse_qkv()
+        head.kernels = True
     p = "mtp." if layout == "qwen3_next" else "model.layers.2."
     layer = "mtp.layers.0." if layout == "qwen3_next" else p
     names = (("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm") if layout == "qwen3_next"
@@ -57,7 +68,7 @@ def test_the_module_computes_its_equations(target, tmp_path, layout):
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(1, 1, 64, generator=g, dtype=torch.float64)     # the target's last layer, before its norm
     token = torch.tensor([1234])
-    embed = model.embed(token)
+    embed = model.embed(token).double()
     x = torch.cat([_rms(embed, e_norm), _rms(_rms(hidden[:, 0], model.norm.weight), h_norm)], -1) @ proj.T
     heads, kv = 4, 2
     v = _rms(x, w[layer + "input_layernorm.weight"]) @ w[layer + "self_attn.v_proj.weight"].T
@@ -66,11 +77,12 @@ def test_the_module_computes_its_equations(target, tmp_path, layout):
     out = h + (F.silu(m @ w[layer + "mlp.gate_proj.weight"].T) * (m @ w[layer + "mlp.up_proj.weight"].T)) \
         @ w[layer + "mlp.down_proj.weight"].T
     want = _rms(out, final) @ model.lm_head.weight.T
-    residual, q, k, vv = head.project(head.features(hidden), embed, torch.tensor([0]))
+    dtype = head.norm.weight.dtype
+    residual, q, k, vv = head.project(head.features(hidden.to(dtype)), embed.to(dtype), torch.tensor([0]))
     got = head.logits(head.finish(residual[None], attend(q[None], k.transpose(0, 1)[None], vv.transpose(0, 1)[None],
                                                          torch.ones(1, 1, 1, 1, dtype=torch.bool)))[0])
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
-    assert head.cfg.target_layers == (1,) and head.lm_head is model.lm_head
+    torch.testing.assert_close(got.double(), want, rtol=1e-4 if kernels else 1e-5, atol=1e-3 if kernels else 1e-4)
+    assert head.cfg.target_layers == (1,) and (kernels or head.lm_head is model.lm_head)
     assert not any(n.startswith("lm_head") for n in head.state_dict())     # the target's, not the module's
 
 
