@@ -237,6 +237,34 @@ def test_head_acceptance_counts_every_category(tmp_path, dataset, default_model_
     assert "| overall |" in capsys.readouterr().out
 
 
+def test_head_costs_times_every_drafting_step(tmp_path, dataset, default_model_dir, monkeypatch, capsys):
+    """benchmarks/head_costs.py on a tiny target and a random head: the uncalibrated controller
+    drafts the asked tokens at every step (a random head's drafts are rarely right, so a
+    controller that priced them would stop), every output equals plain, and each figure it
+    prints was measured."""
+    import sys
+    from pathlib import Path
+
+    from heads import target_config, write_eagle3_head
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import head_costs
+
+    target, head = tmp_path / "target", tmp_path / "head"
+    make_tiny("llama-4-layers", target, vocab_size=49152, tokenizer_from=default_model_dir, dtype=torch.float32)
+    write_eagle3_head(head, target_config(target), layer_ids=(1, 2, 4), dtype=torch.float32)
+    monkeypatch.setattr(sys, "argv", ["head_costs.py", "--dataset", str(dataset), "--model", str(target),
+                                      "--draft-head", str(head), "--max-tokens", "10", "--num-draft-tokens", "3"])
+    head_costs.main()
+    out = capsys.readouterr().out
+    prompts = int(out.split(" prompts")[0])
+    assert f"{prompts} of {prompts} outputs equal plain" in out
+    calls = int(out.split(" median over ")[1].split(" calls")[0])
+    drafted = int(out.split(" of ")[-1].split(" drafted tokens")[0])
+    # three drafted at every step but where the room left in max_tokens is less
+    assert calls > 0 and 2 * calls < drafted <= 3 * calls
+
+
 def test_transformers_assisted_generation_is_a_peer(tiny_folder):
     """benchmarks/spec_peers.py with --spec draft runs transformers' assisted generation (its
     assistant_model) as the peer's speculative mode: with the target as its own assistant every
