@@ -1,6 +1,7 @@
 """What a head's drafting costs on this machine, against the target's forwards, at batch 1.
 
-    python benchmarks/head_costs.py --dataset ../shared/data/spec_bench_question.jsonl --limit-per-category 1 --max-tokens 96 --num-draft-tokens 2 [--draft-head DIR] [--threads 2]
+    python benchmarks/head_costs.py --dataset ../shared/data/spec_bench_question.jsonl \
+        --limit-per-category 1 --max-tokens 96 --num-draft-tokens 2 [--draft-head DIR] [--threads 2]
 
 Each category's first questions (first turns, greedy, the chat template) are decoded one at a
 time, twice: plainly, then with the head drafting --num-draft-tokens tokens at every step (an
@@ -74,8 +75,9 @@ def main() -> None:
     accepted = sum(o.spec["num_accepted_tokens"] for o in spec_out)
     plain_ms, verify_ms = 1e3 * statistics.mean(plain_forward), 1e3 * statistics.mean(spec_forward)
     propose_ms = 1e3 * statistics.mean(proposes)
+    equal = sum(o.token_ids == b.token_ids for o, b in zip(spec_out, plain_out))
     print(f"{len(questions)} prompts, {args.max_tokens} tokens, {args.num_draft_tokens} drafted a step; "
-          f"{sum(o.token_ids == b.token_ids for o, b in zip(spec_out, plain_out))} of {len(questions)} outputs equal plain")
+          f"{equal} of {len(questions)} outputs equal plain")
     print(f"propose: {propose_ms:.2f} ms mean, {1e3 * statistics.median(proposes):.2f} median over {len(proposes)} "
           f"calls; {1e3 * sum(proposes) / max(drafted, 1):.2f} ms a drafted token")
     print(f"target forward: plain {plain_ms:.2f} ms ({len(plain_forward)} steps), verifying "

@@ -69,7 +69,8 @@ class MTPHead(DraftHead):
         self.target_norm = norm(H, cfg.rms_norm_eps)        # a copy of the target's final norm
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.normed(self.target_norm, hidden[..., -1, :])         # the target's last layer, normed as its LM head sees it
+        # the target's last layer, normed as its LM head sees it
+        return self.normed(self.target_norm, hidden[..., -1, :])
 
     def attention_input(self, feature, embed):
         x = self.eh_proj(torch.cat([self.normed(self.enorm, embed), self.normed(self.hnorm, feature)], dim=-1))

@@ -30,8 +30,8 @@ row's entries before n, its ancestors' entries and its own; each frontier node's
 children become candidates. A row's draft is its budget's best candidates by cumulative
 log-probability (a child never scores above its parent, so every chosen node's parent is chosen);
 with tree_width 1 that is the greedy chain, which _chains drafts without the tree's scores and
-masks. Drafts are the head's argmax
-choices: one-hot drafts, which greedy and rejection-sampling verification keep lossless.
+masks. Drafts are the head's argmax choices: one-hot drafts, which greedy and rejection-sampling
+verification keep lossless.
 
 Where the target replays CUDA graphs, the catch-up of verified rows and the drafting of chains
 replay graphs of their own (head_graphs.py), and a greedy step's chains are drafted inside the
@@ -313,7 +313,7 @@ class HeadDrafter(Drafter):
         """_candidates' tree of width 1, without its scores and tree bookkeeping: the head's argmax
         chain [R, depth] (the target's ids) of R rows whose last tokens sit at starts [R]. Draft d
         (from 1) is fed at rotary position start + d - 1, writes its entry there and attends to
-        every entry before it."""
+        it and every entry before it."""
         out = self.last_out[slots]                                              # [R, H]
         ids = self.head.logits(out).argmax(-1)                                  # [R] draft ids
         chain = [self.head.to_target(ids)]
