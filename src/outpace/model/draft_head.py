@@ -148,11 +148,7 @@ class DraftHead(nn.Module):
 
     def finish(self, residual: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         """The layer's output [..., H] from its residual and the heads' outputs [..., Hq * D]."""
-        if self.kernels and type(self.post_norm) is RMSNorm:
-            h, x = self.post_norm.add_forward(residual.contiguous(), self.o(attention), kernels=True)
-        else:
-            h = residual + self.o(attention)
-            x = self.post_norm(h)
+        h, x = self.add_normed(self.post_norm, residual, self.o(attention))
         return h + self.mlp(x, self.kernels)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
@@ -161,11 +157,18 @@ class DraftHead(nn.Module):
         return self.lm_head(normed.reshape(-1, normed.shape[-1])).float().view(*out.shape[:-1], -1)
 
     def normed(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """norm(x), through cpu_kernels where the head runs them and the norm is a plain RMSNorm
-        (a family's 1 + w norm goes through its own forward)."""
+        """norm(x), as add_normed computes it."""
+        return self.add_normed(norm, x)[1]
+
+    def add_normed(self, norm: nn.Module, h: torch.Tensor, delta: torch.Tensor | None = None):
+        """(h + delta, its norm) (delta None: (h, norm(h))), in one cpu_kernels call where the head
+        runs them and the norm is a plain RMSNorm (a family's 1 + w norm goes through its own
+        forward)."""
         if self.kernels and type(norm) is RMSNorm:
-            return norm.add_forward(x.contiguous(), None, kernels=True)[1]
-        return norm(x)
+            return norm.add_forward(h.contiguous(), delta, kernels=True)
+        if delta is not None:
+            h = h + delta
+        return h, norm(h)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Target ids of draft ids."""

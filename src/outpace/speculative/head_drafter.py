@@ -288,17 +288,16 @@ class HeadDrafter(Drafter):
             self._catch_up_pending(batch.subset(rows))
             self.drafted.update(batch.seq_ids[i] for i in rows)
         budget = [batch.budget[i] for i in rows]
+        slots = torch.tensor([batch.slots[i] for i in rows], device=self.device)
+        positions = [batch.positions[i] for i in rows]
+        starts = torch.tensor(positions, device=self.device)
         drafts: list[list[int]] = [[] for _ in range(len(batch))]
         if self.tree_width == 1:
-            chains = self._chains(torch.tensor([batch.slots[i] for i in rows], device=self.device),
-                                  torch.tensor([batch.positions[i] for i in rows], device=self.device),
-                                  max(budget), max(batch.positions[i] for i in rows))
+            chains = self._chains(slots, starts, max(budget), max(positions))
             for i, n, chain in zip(rows, budget, chains.tolist()):      # the one host read of drafting
                 drafts[i] = chain[:n]
             return Drafts.from_lists(drafts, device=self.device)
-        tokens, scores, parents = self._candidates(torch.tensor([batch.slots[i] for i in rows], device=self.device),
-                                                   torch.tensor([batch.positions[i] for i in rows], device=self.device),
-                                                   max(budget), max(batch.positions[i] for i in rows))
+        tokens, scores, parents = self._candidates(slots, starts, max(budget), max(positions))
         best = torch.sort(-scores, dim=1, stable=True).indices[:, :max(budget)]   # ties: parents first
         trees: list[list[int]] = [[] for _ in range(len(batch))]
         # the one host read of drafting
