@@ -8,8 +8,11 @@ the model) is then unrolled over those answers as `outpace train-head` measures 
 prompts: chains of --steps drafts, teacher forced, a draft counting while every one before it
 was right. Prints per category and overall the mean drafts accepted in a row at an answer
 position (a verify step's mean acceptance length less one, had it drafted --steps tokens at
-every position) and how often the first draft was right. No timing: the figures depend on the
-heads and the target's answers, not on the machine's speed. Measure only: never train on these.
+every position) and how often the first draft was right. Then, at the same positions, n-gram
+lookup (prompt plus answer so far, 1- to 4-token suffixes, the most recent match, chains of --steps)
+by the length of the suffix its draft matched (0: no draft): which drafter is the better one where,
+the rule a chain of the two (`--ngram-first`) drafts by. No timing: the figures depend on the heads
+and the target's answers, not on the machine's speed. Measure only: never train on these.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import torch
 from outpace.bench.dataset import load_spec_bench
 from outpace.llm import LLM
 from outpace.model.eagle3 import load_eagle3_head
+from outpace.speculative import ngram_gpu
 from outpace.train.answers import Answers
 from outpace.train.head_data import Recorder, generate_shards, load_shards
 from outpace.weights.hub import shipped_head
@@ -64,21 +68,54 @@ def main() -> None:
         if missing:
             sys.exit(f"{folder} reads target layers {sorted(missing)}, which the Recorder does not keep")
         ids = torch.arange(len(head.d2t)) + head.d2t.cpu()
-        per_seq = Answers(target, recorded, head.cfg.target_layers, ids, args.steps, "cpu").accepted(head.eval(), seqs, 8)
+        runs = Answers(target, recorded, head.cfg.target_layers, ids, args.steps, "cpu").runs(head.eval(), seqs, 8)
         by_category = defaultdict(lambda: [0, 0, 0])
-        for r, counts in zip(chosen, per_seq):
+        by_match = defaultdict(lambda: [0, 0, 0, 0, 0])     # [positions, n-gram run, head run, first right each]
+        for r, seq, run in zip(chosen, seqs, runs):
+            counts = (sum(run.values()), sum(n > 0 for n in run.values()), len(run))
             for total in (by_category[r.category], by_category["overall"]):
                 for j, c in enumerate(counts):
                     total[j] += c
+            for m, lookup, (p, n) in zip(*lookup_runs(seq.tokens, sorted(run), args.steps), sorted(run.items())):
+                for row in (by_match[m], by_match["all"]):
+                    row[0] += 1
+                    row[1] += lookup
+                    row[2] += n
+                    row[3] += lookup > 0
+                    row[4] += n > 0
         results[folder] = {c: {"mean_accepted": a / max(n, 1), "first_right": f / max(n, 1), "positions": n}
                            for c, (a, f, n) in by_category.items()}
+        results[folder]["by_match"] = {str(m): {"positions": n, "ngram_accepted": a / n, "head_accepted": h / n,
+                                                "ngram_first_right": af / n, "head_first_right": hf / n}
+                                       for m, (n, a, h, af, hf) in by_match.items()}
     print("| category | positions | " + " | ".join(f"{Path(h).name}: accepted in a row, 1st right" for h in heads) + " |")
     print("|---|---|" + "---|" * len(heads))
     for c in list(dict.fromkeys(r.category for r in chosen)) + ["overall"]:
         cells = " | ".join(f"{results[h][c]['mean_accepted']:.2f}, {results[h][c]['first_right']:.0%}" for h in heads)
         print(f"| {c} | {results[heads[0]][c]['positions']} | {cells} |")
+    for h in heads:
+        print(f"\n{Path(h).name} against n-gram lookup, by the lookup's match length (0: no draft):")
+        print("| match length | positions | n-gram: accepted in a row, 1st right | head: accepted in a row, 1st right |")
+        print("|---|---|---|---|")
+        table = results[h]["by_match"]
+        for m in sorted((k for k in table if k != "all"), key=int) + ["all"]:
+            row = table[m]
+            print(f"| {m} | {row['positions']} | {row['ngram_accepted']:.2f}, {row['ngram_first_right']:.0%} | "
+                  f"{row['head_accepted']:.2f}, {row['head_first_right']:.0%} |")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+
+
+def lookup_runs(tokens: torch.Tensor, positions: list[int], steps: int) -> tuple[list[int], list[int]]:
+    """At each position p of a sequence's tokens: the match length of n-gram lookup's draft over
+    tokens[:p] (0: none) and how many of its first `steps` tokens equal tokens[p:] in a row."""
+    tokens = torch.as_tensor(tokens, dtype=torch.long)
+    at = torch.tensor(positions)
+    buffer = tokens[None].expand(len(positions), -1)
+    draft, num, match = ngram_gpu.propose_matched(buffer, at, torch.arange(len(positions)), steps, 1, 4)
+    index = (at[:, None] + torch.arange(steps)).clamp(max=len(tokens) - 1)
+    right = (draft == tokens[index]) & (torch.arange(steps) < num[:, None]) & (at[:, None] + torch.arange(steps) < len(tokens))
+    return match.tolist(), right.long().cumprod(1).sum(1).tolist()
 
 
 if __name__ == "__main__":

@@ -61,6 +61,14 @@ def propose(tokens: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, num
     Entries draft_tokens[i, num_draft[i]:] are 0 (a valid id, so a fixed-shape verify step can embed
     them; they are ignored). num_draft[i] = 0 means no match.
     """
+    draft, num_draft, _ = propose_matched(tokens, lengths, rows, num_draft_tokens, min_ngram, max_ngram, match)
+    return draft, num_draft
+
+
+def propose_matched(tokens: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, num_draft_tokens: int,
+                    min_ngram: int, max_ngram: int, match: str = "recent") -> tuple[torch.Tensor, ...]:
+    """propose's drafts and lengths, and each row's match length [R]: how many tail tokens the
+    draft's earlier occurrence repeats (0 where there is no draft)."""
     if match not in ("recent", "first"):
         raise ValueError(f"match must be 'recent' or 'first', got {match!r}")
     buf = tokens[rows]                                                       # [R, M]
@@ -94,4 +102,4 @@ def propose(tokens: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, num
     steps = torch.arange(num_draft_tokens, device=buf.device)                # [K]
     draft = buf.gather(1, (start[:, None] + steps).clamp(max=max_len - 1))   # [R, K]
     draft = torch.where(steps < num_draft[:, None], draft, 0)
-    return draft, num_draft
+    return draft, num_draft, torch.where(num_draft > 0, best // max_len, 0)

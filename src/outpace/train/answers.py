@@ -53,18 +53,27 @@ class Answers:
     def loss(self, head: DraftHead, seqs: list[Recorded]) -> torch.Tensor:
         return unrolled_loss(head, self._embed(head), self.batch(seqs), self.steps, self.in_vocab)[0]
 
-    @torch.no_grad()
     def accepted(self, head: DraftHead, seqs: list[Recorded], batch_size: int,
                  autocast: Callable[[], ContextManager] = nullcontext) -> list[tuple[int, int, int]]:
         """Per sequence: drafts accepted in a row summed over its answer positions (chains of
         `steps`, teacher forced), the positions whose first draft was accepted, and the positions
         counted. autocast: makes the forwards' context."""
+        runs = [list(r.values()) for r in self.runs(head, seqs, batch_size, autocast)]
+        return [(sum(r), sum(n > 0 for n in r), len(r)) for r in runs]
+
+    @torch.no_grad()
+    def runs(self, head: DraftHead, seqs: list[Recorded], batch_size: int,
+             autocast: Callable[[], ContextManager] = nullcontext) -> list[dict[int, int]]:
+        """Per sequence, {p: drafts accepted in a row} at each answer position p that a first
+        draft predicts (tokens[p], from the sequence's third token on): the chain drafted after
+        tokens[:p], teacher forced."""
         out = []
         for i in range(0, len(seqs), batch_size):
             with autocast():
                 _, run, counted = unrolled_loss(head, self._embed(head), self.batch(seqs[i:i + batch_size]),
                                                 self.steps, self.in_vocab)
-            out += zip((run * counted).sum(1).tolist(), ((run > 0) & counted).sum(1).tolist(), counted.sum(1).tolist())
+            for b, (row, mask) in enumerate(zip(run.tolist(), counted.tolist())):
+                out.append({s + 2: n for s, (n, ok) in enumerate(zip(row, mask)) if ok})
         return out
 
     def _embed(self, head: DraftHead) -> torch.nn.Module:
