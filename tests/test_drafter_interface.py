@@ -14,7 +14,9 @@ import torch
 from outpace import LLM, SamplingParams, SpecConfig
 from outpace.runner.model_runner import ModelRunner, Row
 from outpace.speculative.controller import PROBE_DRAFTS
-from outpace.speculative.drafter import Drafter, Drafts
+from outpace.speculative.chain import DrafterChain
+from outpace.speculative.drafter import DraftBatch, Drafter, Drafts
+from outpace.speculative.ngram import NgramDrafter
 from tiny import make_tiny
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [100, 200, 300, 100, 200], list(range(500, 520)) * 2]
@@ -150,3 +152,39 @@ def test_device_lengths_keep_greedy_output(tiny_folder, plain):
     out = LLM(str(tiny_folder), spec=SpecConfig(num_draft_tokens=3), drafter=drafter, **OPTIONS).generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in out] == plain
     assert drafter.budgets and all(max(b) <= 3 for b in drafter.budgets)
+
+
+class FixedDrafts(Drafter):
+    """A paying drafter behind n-gram lookup: drafts its budget of token 900 for each row it is
+    given, except rows of `silent` sequences (nothing); a lookup match shorter than 2 yields to it."""
+
+    priced_after_drafting = False
+    lookup_yields_below = 2
+
+    def __init__(self, silent: set[int]):
+        self.silent, self.asked = silent, []
+
+    def propose(self, batch: DraftBatch) -> Drafts:
+        self.asked += batch.seq_ids
+        return Drafts.from_lists([[] if s in self.silent else [900] * k for s, k in zip(batch.seq_ids, batch.budget)])
+
+
+def test_a_short_lookup_match_yields_to_the_paying_drafter_where_it_drafts():
+    """In a chain, a lookup draft from a match shorter than the next drafter's lookup_yields_below
+    gives way to that drafter's draft of the row; it stays where that drafter has no budget for
+    the row or gives no draft, and a long enough match keeps the row."""
+    paying = FixedDrafts(silent={3})
+    chain = DrafterChain([NgramDrafter(SpecConfig()), paying])
+    tokens = {0: [5, 6, 7, 5],          # a 1-token match (5): 6 7 5
+              1: [5, 6, 7, 5, 6],       # a 2-token match (5 6): 7 5 6
+              2: [5, 6, 7, 5],          # a 1-token match, no budget for the paying drafter
+              3: [5, 6, 7, 5],          # a 1-token match, the paying drafter drafts nothing
+              4: [1, 2, 3]}             # no match
+    for seq_id, t in tokens.items():
+        chain.begin(seq_id, t)
+    batch = DraftBatch(list(tokens), budget=[2, 2, 0, 2, 2], slots=[0] * 5, positions=[0] * 5, room=[3] * 5)
+    drafts = chain.propose(batch)
+    assert drafts.host_rows() == [[900, 900], [7, 5, 6], [6, 7, 5], [6, 7, 5], [900, 900]]
+    assert drafts.match_len == [0, 2, 1, 1, 0]
+    assert drafts.free == [False, True, True, True, False]
+    assert paying.asked == [0, 3, 4]

@@ -16,7 +16,8 @@ from outpace.engine.graph_step import GraphStep
 from outpace.model.draft_head import attend
 from outpace.runner.cuda_graphs import CudaGraphRunner
 from outpace.runner.model_runner import ModelRunner, Row
-from outpace.speculative.chain import DrafterChain
+from outpace.speculative import ngram_gpu
+from outpace.speculative.chain import ChainGraphStep, DrafterChain
 from outpace.speculative.factory import lookup_twin
 from outpace.speculative.head_graphs import HeadGraphs
 from heads import target_config, write_eagle3_head
@@ -334,6 +335,69 @@ def test_a_chains_lookup_in_the_graph_keeps_the_heads_cache(folders):
     assert in_graph[0] > 0
     assert len(recorded.calls) > 10
     _assert_drafts_from_scratch(llm, head, recorded.calls)
+    assert not chain.lookup.rows and sorted(engine.scheduler.free_slots) == [0, 1, 2]
+
+
+def test_a_chain_with_the_heads_graph_step_drafts_every_step_in_the_graph(folders, plain):
+    """The GPU path with n-gram first and the head's graph step (ChainGraphStep, run eagerly
+    here): no step drafts on the host, head or lookup; in each greedy step a row takes the
+    lookup's draft from a match of 2 tokens or more, or from any match where the head has no room
+    for it, and the head's chain elsewhere where it has room. Output stays plain's, each lookup
+    draft is the lookup's over the sequence up to the step's start (derived on the device in a
+    step launched ahead), and each chain the head's run from scratch."""
+    llm = _llm(folders, ngram_first=True)
+    engine = llm.engine
+    ngram, head = engine.drafter.drafters
+    head.graphs = HeadGraphs(head, 3, 256, 5, 4, chains=True)
+    chain = engine.drafter = DrafterChain([ngram, head], lookup_twin(engine.config.spec, 3, 256, "cpu",
+                                                                      use_graph=False))
+    step = chain.graph_step(3, 5)
+    assert isinstance(step, ChainGraphStep) and head.step is step.head and head.cost_per_token(1) == 0.0
+    engine.runner = CudaGraphRunner(engine.model, 3, 256, 8, num_draft_tokens=4, progress=False,
+                                    hidden_layers=chain.hidden_layers, extension=step)
+    engine.steps = GraphStep(engine.runner, chain, engine.controller, 256, 4, scheduler=engine.scheduler,
+                             overlap=True)
+    asked = {"calls": 0}
+
+    def lengths(*args, paid=True, **kwargs):        # 3 a row, but stretches of two asks without the head
+        asked["calls"] += paid
+        return 0 if paid and asked["calls"] // 2 % 2 else 3
+    engine.controller.num_draft = lengths
+    proposed, propose = [], chain.propose
+    chain.propose = lambda batch: proposed.append(batch) or propose(batch)
+    drafted, before = [], step.before
+
+    def recorded(b, t, input_ids):      # (sequence, the step's start, room, head's room, its draft)
+        before(b, t, input_ids)
+        at = {s.slot: s.seq_id for s in engine.scheduler.running}
+        view, num = step.inputs_view, step.lookup.num_draft
+        for r in range(b):
+            room, paid = int(view[2, r]), int(view[3, r])
+            if r in at and t > 1 and (room or paid):
+                drafted.append((at[r], int(step.head.starts[r]), room, paid, input_ids[r, 1:1 + num[r]].tolist()))
+    step.before = recorded
+    seqs = [engine.add_request(p, PARAMS) for p in PROMPTS]
+    while engine.has_unfinished():
+        engine.step()
+    assert [s.output_ids for s in seqs] == plain
+    assert not proposed
+    tokens = {s.seq_id: s.token_ids for s in seqs}
+    by = {"lookup": 0, "short lookup": 0, "head": []}
+    for seq_id, start, room, paid, got in drafted:
+        seen = torch.tensor(tokens[seq_id][:start + 1])
+        draft, num, match = ngram_gpu.propose_matched(seen[None], torch.tensor([start + 1]), torch.tensor([0]),
+                                                      4, 1, 4)
+        n = min(int(num), room)
+        if n and (int(match) >= 2 or not paid):
+            assert got == draft[0, :n].tolist()
+            by["lookup" if int(match) >= 2 else "short lookup"] += 1
+        elif paid:
+            assert len(got) == paid
+            by["head"].append((tokens[seq_id][:start + 1], got, None))
+        else:
+            assert got == []
+    assert by["lookup"] > 5 and by["short lookup"] > 5 and len(by["head"]) > 20
+    _assert_drafts_from_scratch(llm, head, by["head"][::3])
     assert not chain.lookup.rows and sorted(engine.scheduler.free_slots) == [0, 1, 2]
 
 

@@ -11,7 +11,8 @@ Beyond EagerStep it does two things captured graphs make possible:
     model, a chain whose lookup drafts first) would draft the next step, none is launched; a
     head catches up on a plain step's hidden states before its successor overwrites them. A
     chain whose lookup has a device twin (DrafterChain.lookup) drafts in the graph, launched
-    ahead or not, wherever its paying drafter would draft for no row.
+    ahead or not, wherever its paying drafter would draft for no row, and everywhere where that
+    drafter drafts in the graph too (a head: chain.ChainGraphStep).
 A launched step holds the same rows as the step before it; the next engine step reads it
 (resume) instead of scheduling. Rows whose sequence ended meanwhile are dropped, tokens and all.
 """
@@ -47,19 +48,38 @@ class GraphStep(EagerStep):
     def _draft(self, seqs: list[Sequence], budget: list[int], room: list[int]) -> Proposal:
         """The graph drafts and verifies itself where the rows are greedy and a captured shape
         holds them; elsewhere the drafter drafts on the device (EagerStep). A chain whose lookup
-        has a graph step (DrafterChain.lookup) drafts in the graph only where its paying drafter
-        drafts for no row (budget, the paying drafter's lengths, all 0), at the lookup's own
-        lengths; otherwise the chain drafts on the host."""
+        has a graph step (DrafterChain.lookup) drafts in the graph at the lookup's own lengths,
+        and its paying drafter's (budget) where that drafts inside the graph too (a head:
+        ChainGraphStep); where it does not and would draft for some row, the chain drafts on the
+        host."""
         if self.extension is not None and all(s.params.is_greedy for s in seqs):
-            in_graph = budget
-            if self.drafter.uses_room:
-                if any(budget):
-                    return super()._draft(seqs, budget, room)
-                in_graph = [min(r, k) for r, k in zip(room, self.lengths(seqs, paid=False))]
+            lookup, paid = self._chain_lengths(seqs, budget, room) if self.drafter.uses_room else (budget, None)
+            if lookup is None:
+                return super()._draft(seqs, budget, room)
+            widths = lookup if paid is None else [max(a, b) for a, b in zip(lookup, paid)]
             rows = [Row(s.slot, [0], len(s.token_ids) - 1) for s in seqs]
-            if self.runner.shape_for(rows, max(in_graph)) is not None:
-                return Proposal(in_graph, in_graph=True)
+            if self.runner.shape_for(rows, max(widths)) is not None:
+                # every speculating sequence takes its buffer row now, drafting or not: a launched
+                # step cannot take one (the host lacks the tokens of the step before it)
+                inputs = self._inputs(seqs, lookup, paid, [s.speculate for s in seqs])
+                return Proposal(widths, in_graph=True, graph_inputs=inputs)
         return super()._draft(seqs, budget, room)
+
+    def _chain_lengths(self, seqs: list[Sequence], paid: list[int], room: list[int]):
+        """A chain's lengths in the graph: (its lookup's, its paying drafter's or None where that
+        drafts for no row), or (None, None) where the paying drafter drafts outside the graph."""
+        if any(paid) and not self.extension.drafts_paid:
+            return None, None
+        return [min(r, k) for r, k in zip(room, self.lengths(seqs, paid=False))], paid if any(paid) else None
+
+    def _inputs(self, seqs: list[Sequence], lengths: list[int], paid: list[int] | None,
+                claim: list[bool] | None = None) -> list[tuple]:
+        """The graph step's host inputs per row: drafting up to lengths (a chain's lookup), and
+        the paying drafter's lengths where it drafts in the graph too."""
+        ids = [s.seq_id for s in seqs]
+        if paid is None:
+            return self.extension.inputs(ids, lengths, claim)
+        return self.extension.inputs(ids, lengths, claim, paid)
 
     # ---- verify -------------------------------------------------------------------------------
     def verify(self, plan: StepPlan, proposal: Proposal, chunks: list[PrefillChunk]) -> StepResult:
@@ -76,10 +96,8 @@ class GraphStep(EagerStep):
             return result
         if proposal.in_graph:
             seqs = plan.decode
-            # every speculating sequence takes its buffer row now, drafting or not: a launched
-            # step cannot take one (the host lacks the tokens of the step before it)
-            inputs = self.extension.inputs([s.seq_id for s in seqs], proposal.budget, [s.speculate for s in seqs])
-            self.runner.forward(self._last_rows(seqs), step_inputs=inputs, num_device_tokens=max(proposal.budget))
+            self.runner.forward(self._last_rows(seqs), step_inputs=proposal.graph_inputs,
+                                num_device_tokens=max(proposal.budget))
             return self._read_back(seqs, proposal.budget, self.runner.last_shape, t0)
         return super().verify(plan, proposal, chunks)
 
@@ -134,31 +152,37 @@ class GraphStep(EagerStep):
         ahead = shape[1]                                # the most tokens the step being read adds to a row
         speculating = any(s.speculate for s in seqs)
         drafts = speculating and self.extension is not None
-        lengths = self.lengths(seqs)
+        lengths, paid = self.lengths(seqs), None
         if speculating and self.drafter.uses_room:
-            # a chain: where its paying drafter drafts the next step, or its lookup has no graph
-            # step (its free rows draft whatever the controller's length), that step is proposed,
-            # not launched; otherwise the lookup drafts in the graph at its own lengths
-            if not drafts or any(lengths):
+            # a chain: where its lookup has no graph step (its free rows draft whatever the
+            # controller's length), or its paying drafter drafts the next step outside the graph,
+            # that step is proposed, not launched; otherwise it drafts in the graph
+            if not drafts:
                 return None
-            lengths = self.lengths(seqs, paid=False)
+            lengths, paid = self._chain_lengths(seqs, lengths, [self.budget_for(s, ahead) for s in seqs])
+            if lengths is None:
+                return None
         elif speculating and not drafts and any(lengths):
             # a drafter outside the graph drafts the next step: it is proposed, not launched
             return None
-        # a launched step cannot take a buffer row: only rows that have one draft
+        # a launched step cannot take a buffer row: only rows that have one draft (the paying
+        # drafter's graph step zeroes its rows that cannot draft yet)
         budget = [min(k, self.budget_for(s, ahead)) if drafts and self.extension.has_row(s.seq_id) else 0
                   for s, k in zip(seqs, lengths)]
+        if paid is not None:
+            paid = [min(k, self.budget_for(s, ahead)) for s, k in zip(seqs, paid)]
+        widths = budget if paid is None else [max(a, b) for a, b in zip(budget, paid)]
         rows = [Row(s.slot, [0], len(s.token_ids) - 1 + ahead) for s in seqs]     # starts, at the most
-        if max(r.start for r in rows) + 1 + max(budget) > self.max_model_len:
+        if max(r.start for r in rows) + 1 + max(widths) > self.max_model_len:
             return None
-        next_shape = self.runner.shape_for(rows, max(budget))
+        next_shape = self.runner.shape_for(rows, max(widths))
         if next_shape is None or next_shape[0] != shape[0]:
             return None
         slots = {s.slot for s in seqs}
         active = to_device([int(r in slots) for r in range(shape[0])], result.device)
-        inputs = self.extension.inputs([s.seq_id for s in seqs], budget) if drafts else None
+        inputs = self._inputs(seqs, budget, paid) if drafts else None
         self.runner.replay_next(result, active, next_shape, rows, inputs)
-        return Launched(seqs, budget, next_shape, len(seqs))
+        return Launched(seqs, widths, next_shape, len(seqs))
 
     def resume(self) -> StepPlan | None:
         """The step launched ahead, as a plan of its rows whose sequences still run."""

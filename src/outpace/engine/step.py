@@ -32,12 +32,14 @@ from outpace.speculative.drafter import DraftBatch, Drafter, Drafts, Verified
 class Proposal:
     """What a step verifies: budget[i] is the most drafted tokens row i verifies (0: a plain row).
     drafts: the drafter's (None: no row drafts); in_graph: the runner's graph step drafts for the
-    rows itself (GraphStep), drafts None. draft_s: the host's seconds proposing (on the CPU the
+    rows itself (GraphStep), drafts None, with graph_inputs its host inputs per row (None for a
+    step launched ahead: sent at its launch). draft_s: the host's seconds proposing (on the CPU the
     drafter's work; on a GPU little more than its launches)."""
 
     budget: list[int]
     drafts: Drafts | None = None
     in_graph: bool = False
+    graph_inputs: list[tuple] | None = None
     draft_s: float = 0.0
 
     @property

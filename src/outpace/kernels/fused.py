@@ -43,6 +43,37 @@ def for_graphs():
         _capturing = previous
 
 
+@contextlib.contextmanager
+def only_if(predicate):
+    """Within: work that a CUDA graph being captured runs only where predicate() (a scalar bool
+    CUDA tensor the graph computes) holds at replay, as a conditional node (CUDA 12.4 and a
+    PyTorch that exposes them). Elsewhere (warm-up, eager steps, the CPU, older builds) the work
+    always runs, so it must be harmless where it is not needed. predicate None: always runs."""
+    graph = _capturing_graph() if predicate is not None else None
+    if graph is None:
+        yield
+        return
+    graph.begin_capture_to_if_node(predicate())
+    try:
+        yield
+    finally:
+        graph.end_capture_to_conditional_node()
+
+
+def _capturing_graph():
+    """The CUDA graph the current stream captures where conditional nodes can go in it, else None."""
+    if not (_capturing and CONDITIONAL_NODES and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return None
+    current = getattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph", None)
+    if current is None or not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
+        return None
+    return current()
+
+
+# whether only_if makes conditional nodes where it can (off: the work is captured unconditionally)
+CONDITIONAL_NODES = True
+
+
 def cuda_compiled(eager):
     """Plain torch ops, or one compiled kernel for CUDA tensors within for_graphs()."""
     compiled = None

@@ -10,16 +10,28 @@ paying one; the free one drafts up to each row's room, and its rows are marked f
 controller to cut after drafting, at no drafting cost (priced as the paying drafter, a lookup's
 draft would be held to the length a draft model can pay for).
 
+A later drafter may also take a row from an earlier one: where the earlier draft rests on a match
+shorter than the later drafter's `lookup_yields_below` (a 1-token n-gram match ahead of a head), the
+later one drafts the row if it has a budget there and a draft to give; the earlier draft stays
+otherwise, so a row the paying drafter does not draft for still verifies the lookup's.
+
 On a GPU the lookup also has a device twin (`lookup`, DeviceNgramDrafter, factory.lookup_twin),
 which hears every sequence's life too. Its graph step is the chain's: where the paying drafter
 would draft for no row, the runner's captured step drafts the twin's rows (as n-gram alone would)
-and verifies them itself, and the step after it may be launched ahead (GraphStep); a step in which
-the paying drafter drafts runs the chain on the host.
+and verifies them itself, and the step after it may be launched ahead (GraphStep). Where the
+paying drafter is a head with a graph step of its own (HeadGraphStep), the chain's graph step
+holds both (ChainGraphStep): each row takes the lookup's draft or the head's chain by the rule
+above, on the device, so no step of the chain drafts on the host. A step in which another paying
+drafter (a draft model) drafts runs the chain on the host.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
+import torch
+
+from outpace.kernels.fused import cuda_compiled
+from outpace.speculative import ngram_gpu
 from outpace.speculative.drafter import DraftBatch, Drafter, Drafts
 
 
@@ -54,14 +66,16 @@ class DrafterChain(Drafter):
         for d in self.drafters:
             # a free drafter in a paying chain drafts up to the room, the others within the budget
             limit = batch.room if self.uses_room and d.priced_after_drafting and batch.room else batch.budget
-            pending = [i for i, r in enumerate(rows) if not r and limit[i] > 0]
+            # rows without a draft, and those whose draft rests on a match too short to beat d's
+            pending = [i for i, r in enumerate(rows) if limit[i] > 0 and (not r or match[i] < d.lookup_yields_below)]
             if not pending:
                 continue
             sub = batch.subset(pending)
             sub.budget = [limit[i] for i in pending]
             drafts = d.propose(sub)
             for i, tokens, m in zip(pending, drafts.host_rows(), drafts.match_len or [0] * len(pending)):
-                rows[i], match[i], free[i] = tokens, m, bool(tokens) and d.priced_after_drafting
+                if tokens or not rows[i]:
+                    rows[i], match[i], free[i] = tokens, m, bool(tokens) and d.priced_after_drafting
         return Drafts.from_lists(rows, match, free=free if self.uses_room else None)
 
     def prefilled(self, chunks):
@@ -95,5 +109,85 @@ class DrafterChain(Drafter):
         return max(d.cost_per_token(batch_size) for d in self.drafters)
 
     def graph_step(self, max_rows, max_tokens):
-        """The lookup's device twin's part of the runner's graph step, where there is one."""
-        return None if self.lookup is None else self.lookup.graph_step(max_rows, max_tokens)
+        """The lookup's device twin's part of the runner's graph step, where there is one, with
+        the paying drafter's where it has one (ChainGraphStep)."""
+        if self.lookup is None:
+            return None
+        lookup = self.lookup.graph_step(max_rows, max_tokens)
+        paying = [d for d in self.drafters if not d.priced_after_drafting]
+        step = paying[0].graph_step(max_rows, max_tokens) if len(paying) == 1 else None
+        return lookup if step is None else ChainGraphStep(lookup, step, paying[0].lookup_yields_below)
+
+
+class ChainGraphStep:
+    """The runner's graph step of a chain whose lookup twin (ngram_device.GraphDrafting) and
+    paying drafter (a head's HeadGraphStep) both draft inside it: before the forward, a row takes
+    the lookup's draft where it has one (up to its room) from a match of at least `yields_below`
+    tokens or where the head has no room for the row, and the head's chain (up to its room, paid)
+    where the head has room; after it, the twin's greedy verification and append. The head's
+    chain runs only as deep as its rows' rooms reach, and not at all in a step where every row
+    takes the lookup's draft (conditional nodes, where the graph can hold them: fused.only_if).
+    Host inputs [4, rows]: the twin's three (row to draft from, row to append to, room), then the
+    head's room."""
+
+    drafts_paid = True          # GraphStep: a step the paying drafter drafts in stays in the graph
+
+    def __init__(self, lookup, head, yields_below: int):
+        self.lookup, self.head, self.yields_below = lookup, head, yields_below
+        self.width = lookup.width + head.width
+        self.result = lookup.result
+        self.inputs_view: torch.Tensor | None = None
+
+    def inputs(self, seq_ids, room, claim=None, paid=None) -> list[tuple[int, ...]]:
+        """Per row: the twin's inputs for `room` (its lookup's lengths) and the head's room, paid
+        (none where not given)."""
+        paid = paid or [0] * len(seq_ids)
+        return [a + b for a, b in zip(self.lookup.inputs(seq_ids, room, claim), self.head.inputs(seq_ids, paid))]
+
+    def has_row(self, seq_id: int) -> bool:
+        return self.lookup.has_row(seq_id)
+
+    def bind(self, inputs: torch.Tensor, starts: torch.Tensor) -> None:
+        self.inputs_view = view = inputs.view(self.width, -1)
+        self.lookup.bind(view[:self.lookup.width], starts)
+        self.head.bind(view[self.lookup.width:], starts)
+
+    def neutral(self) -> tuple[int, ...]:
+        return self.lookup.neutral() + self.head.neutral()
+
+    def before(self, b: int, t: int, input_ids: torch.Tensor) -> None:
+        d, num_draft = self.lookup.drafter, self.lookup.num_draft[:b]
+        d.lengths[d.scratch:].zero_()                   # the scratch row restarts empty every step
+        if t == 1:
+            num_draft.zero_()
+            return
+        src, room, paid = self.inputs_view[0, :b], self.inputs_view[2, :b], self.inputs_view[3, :b]
+        draft, num, by_lookup = _lookup_rows(src, d.tokens, d.lengths, room, paid, t - 1, d.min_ngram, d.max_ngram,
+                                             d.match, self.yields_below)
+        by_head = ~by_lookup & (paid > 0)
+        chains = self.head.drafts[:b, :t - 1]
+        self.head.graphs.chain(b, t - 1, self.head.starts[:b], by_head[:, None], chains, paid)
+        _choose(input_ids, draft, num, by_lookup, chains, by_head, paid, num_draft)
+
+    def after(self, b: int, t: int, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
+        self.lookup.after(b, t, input_ids, logits)
+
+
+@cuda_compiled
+def _lookup_rows(src, tokens, lengths, room, paid, K: int, min_ngram: int, max_ngram: int, match: str,
+                 yields_below: int):
+    """The lookup's drafts [b, K] and lengths [b] (within room) from buffer rows src, and the rows
+    that take them: a draft from a match of yields_below tokens or more, or any draft where the
+    paying drafter has no room."""
+    draft, num, matched = ngram_gpu.propose_matched(tokens, lengths, src, K, min_ngram, max_ngram, match)
+    num = torch.minimum(num, room)
+    return draft, num, (num > 0) & ((matched >= yields_below) | (paid == 0))
+
+
+@cuda_compiled
+def _choose(input_ids, draft, num, by_lookup, chains, by_head, paid, num_draft) -> None:
+    """Each row's draft into input_ids[:, 1:] and its length into num_draft: the lookup's, the
+    head's chain, or none (what the host wrote stays)."""
+    K = input_ids.shape[1] - 1
+    num_draft.copy_(torch.where(by_lookup, num, torch.where(by_head, paid.clamp(max=K), 0)))
+    input_ids[:, 1:] = torch.where(by_lookup[:, None], draft, torch.where(by_head[:, None], chains, input_ids[:, 1:]))

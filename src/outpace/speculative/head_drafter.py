@@ -67,6 +67,9 @@ HeadLoader = Callable[[DraftContext, int], DraftHead]
 class HeadDrafter(Drafter):
     name = "head"
     priced_after_drafting = False       # every draft position costs a head forward
+    # behind n-gram lookup: the shipped head's drafts beat a 1-token match's, a 2-token match's beat
+    # the head's (benchmarks/head_acceptance.py; docs/BENCHMARKS.md, the EAGLE-3 head)
+    lookup_yields_below = 2
 
     def __init__(self, load: HeadLoader, tree_width: int = 1):
         self.load = load

@@ -104,15 +104,21 @@ class HeadGraphs:
     def _draft(self, b: int, K: int) -> None:
         self.chain(b, K, self.starts[:b], self.active[:b, None].bool(), self.drafts[:b])
 
-    def chain(self, b: int, K: int, starts: torch.Tensor, active: torch.Tensor, drafts: torch.Tensor) -> None:
+    def chain(self, b: int, K: int, starts: torch.Tensor, active: torch.Tensor, drafts: torch.Tensor,
+              rooms: torch.Tensor | None = None) -> None:
         """Chains of K tokens into drafts [b, >= K] for graph rows [0, b) whose last tokens sit at
-        starts [b] (active [b, 1]: a real row), from their stored outputs."""
+        starts [b] (active [b, 1]: a real row), from their stored outputs. rooms [b]: the tokens
+        each row verifies, where they vary by row: a graph being captured then drafts a depth only
+        where an active row's room reaches it (fused.only_if); past its room a row's drafts are
+        unused, and stale where a depth did not run."""
         head = self.drafter.head
         out = self.drafter.last_out[:b, None]                                       # [b, 1, H]
         for depth in range(K):
-            if depth:           # the token drafted last, at the position after the one before it
-                out = self._forward(out, drafts[:, depth - 1:depth], starts[:, None] + depth - 1, active)
-            drafts[:, depth] = head.to_target(head.logits(out[:, 0]).argmax(-1))
+            needed = None if rooms is None else lambda d=depth: (active[:, 0] & (rooms > d)).any()
+            with fused.only_if(needed):
+                if depth:       # the token drafted last, at the position after the one before it
+                    out = self._forward(out, drafts[:, depth - 1:depth], starts[:, None] + depth - 1, active)
+                drafts[:, depth] = head.to_target(head.logits(out[:, 0]).argmax(-1))
 
     def _run(self, kind: str, b: int, n: int) -> None:
         graph = self.graphs.get((kind, b, n))
