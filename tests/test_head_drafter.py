@@ -13,6 +13,7 @@ import torch
 
 from outpace import LLM, SamplingParams, SpecConfig
 from outpace.engine.graph_step import GraphStep
+from outpace.kernels import fused
 from outpace.model.draft_head import attend
 from outpace.runner.cuda_graphs import CudaGraphRunner
 from outpace.runner.model_runner import ModelRunner, Row
@@ -475,8 +476,40 @@ def test_the_heads_cuda_graphs_keep_greedy_output(folders, ngram_first):
     assert [o.token_ids for o in out] == plain
     assert len(calls) > 20 and all(calls)
     assert sum(o.spec["num_draft_tokens"] for o in out) > 0
-    # alone, the head drafts inside the target's graph steps (HeadGraphStep)
-    assert ngram_first or llm.engine.runner.extension is drafter.step is not None
+    # the head drafts inside the target's graph steps: alone (HeadGraphStep), or beside the
+    # lookup's device twin (ChainGraphStep)
+    extension = llm.engine.runner.extension
+    assert drafter.step is not None
+    assert extension.head is drafter.step if ngram_first else extension is drafter.step
+
+
+@pytest.mark.skipif(not fused.has_conditional_nodes(), reason="needs a CUDA GPU and PyTorch's conditional graph nodes")
+def test_a_captured_chain_runs_only_the_depths_its_rooms_reach(folders):
+    """HeadGraphs.chain with rows' rooms, captured in a CUDA graph: each depth is a conditional
+    node, so a replay drafts only as deep as an active row's room reaches (the deeper entries
+    keep what they held) and nothing where no row has room; the depths it drafts are those of the
+    chain captured without rooms."""
+    llm = LLM(str(folders[0]), spec=SpecConfig(method="eagle3", draft_head=str(folders[1]), num_draft_tokens=4),
+              **OPTIONS | dict(device="cuda"))
+    graphs = llm.engine.drafter.graphs
+    b, K, device = 2, 4, graphs.rows.device
+    starts = torch.tensor([20, 30], device=device)
+    active = torch.ones(b, 1, dtype=torch.bool, device=device)
+    rooms = torch.zeros(b, dtype=torch.long, device=device)
+    full, drafts = torch.zeros(b, K, dtype=torch.long, device=device), torch.zeros(b, K, dtype=torch.long, device=device)
+    with torch.inference_mode(), fused.for_graphs():
+        graphs.chain(b, K, starts, active, full)                # every depth, as the head alone drafts
+        graphs.chain(b, K, starts, active, drafts, rooms)       # warm-up
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graphs.chain(b, K, starts, active, drafts, rooms)
+    for room in (0, 2, 1, 4):
+        rooms.copy_(torch.tensor([room, room // 2], device=device))
+        drafts.fill_(-1)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = torch.where(torch.arange(K, device=device) < room, full, -1)
+        assert torch.equal(drafts, want), (room, drafts, full)
 
 
 def test_tree_nodes_are_best_children_along_their_paths(folders, plain):

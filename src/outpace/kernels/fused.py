@@ -62,12 +62,17 @@ def only_if(predicate):
 
 def _capturing_graph():
     """The CUDA graph the current stream captures where conditional nodes can go in it, else None."""
-    if not (_capturing and CONDITIONAL_NODES and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    if not (_capturing and has_conditional_nodes() and torch.cuda.is_current_stream_capturing()):
         return None
-    current = getattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph", None)
-    if current is None or not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
-        return None
-    return current()
+    return torch.cuda.CUDAGraph.get_currently_capturing_graph()
+
+
+def has_conditional_nodes() -> bool:
+    """Whether only_if makes conditional nodes in graphs captured here (CONDITIONAL_NODES on, CUDA
+    present, PyTorch's CUDAGraph exposing them)."""
+    return (CONDITIONAL_NODES and torch.cuda.is_available()
+            and hasattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph")
+            and hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"))
 
 
 # whether only_if makes conditional nodes where it can (off: the work is captured unconditionally)
