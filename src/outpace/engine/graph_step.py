@@ -66,11 +66,14 @@ class GraphStep(EagerStep):
         return super()._draft(seqs, budget, room)
 
     def _chain_lengths(self, seqs: list[Sequence], paid: list[int], room: list[int]):
-        """A chain's lengths in the graph: (its lookup's, its paying drafter's or None where that
-        drafts for no row), or (None, None) where the paying drafter drafts outside the graph."""
-        if any(paid) and not self.extension.drafts_paid:
+        """A chain's lengths in the graph: (its lookup's, its paying drafter's, at most what the
+        graph step drafts for it, or None where it drafts for no row), or (None, None) where the
+        paying drafter drafts outside the graph."""
+        limit = self.extension.max_paid
+        if any(paid) and not limit:
             return None, None
-        return [min(r, k) for r, k in zip(room, self.lengths(seqs, paid=False))], paid if any(paid) else None
+        lookup = [min(r, k) for r, k in zip(room, self.lengths(seqs, paid=False))]
+        return lookup, [min(k, limit) for k in paid] if any(paid) else None
 
     def _inputs(self, seqs: list[Sequence], lengths: list[int], paid: list[int] | None,
                 claim: list[bool] | None = None) -> list[tuple]:

@@ -119,18 +119,26 @@ class DrafterChain(Drafter):
         return lookup if step is None else ChainGraphStep(lookup, step, paying[0].lookup_yields_below)
 
 
+# the deepest chain a head drafts inside a chain's graph step: a captured step drafts that deep
+# whatever its rows need (where the graph cannot skip depths, fused.only_if), and on the H200 a
+# head's third draft in a row was accepted 21% of the times it was reached, its fourth less
+# (docs/BENCHMARKS.md, "GPU: EAGLE-3 head")
+CHAIN_HEAD_DEPTH = 3
+
+
 class ChainGraphStep:
     """The runner's graph step of a chain whose lookup twin (ngram_device.GraphDrafting) and
     paying drafter (a head's HeadGraphStep) both draft inside it: before the forward, a row takes
     the lookup's draft where it has one (up to its room) from a match of at least `yields_below`
-    tokens or where the head has no room for the row, and the head's chain (up to its room, paid)
-    where the head has room; after it, the twin's greedy verification and append. The head's
-    chain runs only as deep as its rows' rooms reach, and not at all in a step where every row
-    takes the lookup's draft (conditional nodes, where the graph can hold them: fused.only_if).
+    tokens or where the head has no room for the row, and the head's chain (up to its room, paid,
+    at most max_paid) where the head has room; after it, the twin's greedy verification and
+    append. The head's chain is max_paid deep at most; where the graph can hold conditional
+    nodes (fused.only_if) it runs only as deep as its rows' rooms reach, and not at all in a step
+    where every row takes the lookup's draft.
     Host inputs [4, rows]: the twin's three (row to draft from, row to append to, room), then the
     head's room."""
 
-    drafts_paid = True          # GraphStep: a step the paying drafter drafts in stays in the graph
+    max_paid = CHAIN_HEAD_DEPTH     # GraphStep: the paying drafter drafts in this step, this many at most
 
     def __init__(self, lookup, head, yields_below: int):
         self.lookup, self.head, self.yields_below = lookup, head, yields_below
@@ -165,8 +173,8 @@ class ChainGraphStep:
         draft, num, by_lookup = _lookup_rows(src, d.tokens, d.lengths, room, paid, t - 1, d.min_ngram, d.max_ngram,
                                              d.match, self.yields_below)
         by_head = ~by_lookup & (paid > 0)
-        chains = self.head.drafts[:b, :t - 1]
-        self.head.graphs.chain(b, t - 1, self.head.starts[:b], by_head[:, None], chains, paid)
+        chains = self.head.drafts[:b, :t - 1]         # past the chain's depth: unused (paid is within it)
+        self.head.graphs.chain(b, min(t - 1, self.max_paid), self.head.starts[:b], by_head[:, None], chains, paid)
         _choose(input_ids, draft, num, by_lookup, chains, by_head, paid, num_draft)
 
     def after(self, b: int, t: int, input_ids: torch.Tensor, logits: torch.Tensor) -> None:

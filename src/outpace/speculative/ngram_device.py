@@ -129,7 +129,7 @@ class GraphDrafting:
     without inputs) get neutral() values: the scratch row and room 0."""
 
     width = 3
-    drafts_paid = False         # a chain's paying drafter drafts outside this step (GraphStep)
+    max_paid = 0                # a chain's paying drafter drafts outside this step (GraphStep)
 
     def __init__(self, drafter: DeviceNgramDrafter, max_rows: int, max_tokens: int):
         self.drafter = drafter
