@@ -251,7 +251,7 @@ def test_a_chains_lookup_drafts_in_the_graph_where_the_model_would_not(folders, 
     ngram, model = engine.drafter.drafters
     model.cost_per_token = lambda batch_size: 10.0
     chain = engine.drafter = DrafterChain([ngram, model], lookup_twin(spec, 3, 256, "cpu", use_graph=False))
-    assert (chain.lookup.min_ngram, ngram.min_ngram, model.lookup_yields_below) == (1, 1, 3)
+    assert (chain.lookup.min_ngram, ngram.min_ngram) == (1, 3)
     engine.runner = CudaGraphRunner(engine.model, 3, 256, 16, num_draft_tokens=4, progress=False,
                                     extension=chain.graph_step(3, 5))
     engine.steps = steps = GraphStep(engine.runner, chain, engine.controller, 256, 4, scheduler=engine.scheduler,
@@ -285,6 +285,14 @@ def test_a_chains_lookup_drafts_in_the_graph_where_the_model_would_not(folders, 
     assert 0 < counts["model"] <= PROBE_DRAFTS + len(PROMPTS)      # probes only
     assert sum(s.stats.num_accepted_tokens for s in seqs) > 0
     assert not chain.lookup.rows and not model.tokens
+
+
+def test_ngram_ahead_of_a_draft_model_matches_three_tokens_unless_told():
+    from outpace.config import DRAFT_CHAIN_MIN_NGRAM
+    assert SpecConfig().min_ngram == 1
+    assert SpecConfig(method="draft", draft_model="d").min_ngram == 1
+    assert SpecConfig(method="draft", draft_model="d", ngram_first=True).min_ngram == DRAFT_CHAIN_MIN_NGRAM == 3
+    assert SpecConfig(method="draft", draft_model="d", ngram_first=True, min_ngram=1).min_ngram == 1
 
 
 def test_a_draft_vocabulary_drafts_its_first_ids_alone(folders, plain):

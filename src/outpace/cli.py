@@ -70,7 +70,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="with --spec draft, eagle3 or mtp: n-gram lookup drafts where the tail matches, the model "
                         "or head elsewhere")
     p.add_argument("--num-draft-tokens", type=int, default=8, help="most tokens drafted per step (default 8)")
-    p.add_argument("--min-ngram", type=int, default=1, help="shortest suffix matched (default 1)")
+    p.add_argument("--min-ngram", type=int, default=None,
+                   help="shortest suffix matched (default 1; 3 with --spec draft --ngram-first)")
     p.add_argument("--max-ngram", type=int, default=4, help="longest suffix matched, tried first (default 4)")
     p.add_argument("--exact", action="store_true",
                    help="numerically exact mode: speculative greedy output bit-identical to plain greedy")

@@ -55,6 +55,10 @@ class SamplingParams:
 SPEC_METHODS = ("none", "ngram", "draft", "eagle3", "mtp")
 MAX_TREE_WIDTH = 8              # the most candidates a head drafts per tree node
 MAX_NUM_DRAFT_TOKENS = 32       # the most tokens drafted per step, wherever a bound is needed
+# the shortest n-gram match that drafts ahead of a draft model (SpecConfig.min_ngram): a row the
+# lookup drafts is one the model does not, and shorter matches' drafts are accepted less often
+# than a draft model's (docs/BENCHMARKS.md, the draft model)
+DRAFT_CHAIN_MIN_NGRAM = 3
 
 
 @dataclass
@@ -75,9 +79,12 @@ class SpecConfig:
         best candidates, n-gram lookup of the matched suffix's several earlier continuations.
 
     num_draft_tokens: most tokens drafted per step (TensorRT-LLM's max_draft_len).
-    min_ngram / max_ngram: suffix lengths tried, longest first (max_matching_ngram_size). Ahead of
-        a model or head (ngram_first), a draft from a shorter match than the drafter's own
-        threshold gives way to its draft where it drafts (Drafter.lookup_yields_below).
+    min_ngram / max_ngram: suffix lengths tried, longest first (max_matching_ngram_size). min_ngram
+        None: 1, or DRAFT_CHAIN_MIN_NGRAM where n-gram lookup drafts ahead of a draft model
+        (method 'draft' with ngram_first): a short match's drafts are accepted less often than the
+        model's, and a row the lookup drafts is one the model does not. Ahead of a head, a draft
+        from a shorter match than the head's threshold gives way to the head's where it drafts
+        (Drafter.lookup_yields_below).
     match: which earlier occurrence of the suffix drafts: 'recent' (the last one) or 'first'.
     exact: every forward is numerically independent of how many tokens it holds, so speculative
         greedy output is bit-identical to plain greedy output in the same mode.
@@ -85,7 +92,7 @@ class SpecConfig:
 
     method: str = "ngram"
     num_draft_tokens: int = 8
-    min_ngram: int = 1
+    min_ngram: int | None = None
     max_ngram: int = 4
     match: str = "recent"
     exact: bool = False
@@ -101,6 +108,8 @@ class SpecConfig:
         _check(self.method in SPEC_METHODS, f"spec method must be one of {SPEC_METHODS}, got {self.method!r}")
         _check(1 <= self.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS,
                f"num_draft_tokens must be in [1, {MAX_NUM_DRAFT_TOKENS}], got {self.num_draft_tokens}")
+        if self.min_ngram is None:
+            self.min_ngram = DRAFT_CHAIN_MIN_NGRAM if self.method == "draft" and self.ngram_first else 1
         _check(self.min_ngram >= 1, f"min_ngram must be >= 1, got {self.min_ngram}")
         _check(self.max_ngram >= self.min_ngram,
                f"max_ngram ({self.max_ngram}) must be >= min_ngram ({self.min_ngram})")

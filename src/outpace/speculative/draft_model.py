@@ -60,9 +60,6 @@ from outpace.weights.tokenizer import Tokenizer
 class DraftModelDrafter(Drafter):
     name = "draft"
     priced_after_drafting = False       # every drafted token costs a forward: the controller's budget first
-    # behind n-gram lookup: matches shorter than 3 tokens draft less well than the Qwen pair's model
-    # (docs/BENCHMARKS.md, the draft model)
-    lookup_yields_below = 3
 
     def __init__(self, model: str, p_min: float = 0.0, draft_vocab: int = 0, window: int = 0):
         """model: a known name, a Hugging Face folder or a .gguf file of the draft model;

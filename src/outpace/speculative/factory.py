@@ -1,6 +1,8 @@
 """Build the drafter a SpecConfig names: adding a drafter is its file plus one line here."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from outpace.config import SpecConfig
 from outpace.speculative.chain import DrafterChain
 from outpace.speculative.draft_model import DraftModelDrafter
@@ -38,5 +40,6 @@ def _after_lookup(drafter: Drafter, spec: SpecConfig, device: str, max_seqs: int
 
 def lookup_twin(spec: SpecConfig, max_seqs: int, max_len: int, device: str, use_graph: bool) -> DeviceNgramDrafter:
     """A chain's lookup on the device (DrafterChain.lookup), which drafts inside the graph step
-    where the paying drafter (a draft model, a head) drafts nowhere, as n-gram lookup alone does."""
-    return DeviceNgramDrafter(spec, max_seqs, max_len, device, use_graph=use_graph)
+    where the paying drafter (a draft model, a head) drafts nowhere, as n-gram lookup alone does:
+    from a 1-token match up (the host lookup ahead of the model keeps the chain's min_ngram)."""
+    return DeviceNgramDrafter(replace(spec, min_ngram=1), max_seqs, max_len, device, use_graph=use_graph)
