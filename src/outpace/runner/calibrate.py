@@ -22,7 +22,7 @@ from outpace.paths import outpace_home
 CONTEXT = 128   # positions the timing rows sit at: a typical short context
 # part of the key a measurement is kept under: raised when what a forward runs changes outside the
 # CPU kernels' source (2: decode and verify forwards of more than 64 tokens moved onto the kernels)
-VERSION = 2
+VERSION = 3
 
 
 def batch_buckets(max_seqs: int) -> list[int]:
@@ -42,9 +42,14 @@ def measure_verify_cost(runner: ModelRunner, max_seqs: int, num_draft_tokens: in
     shape = dataclasses.asdict(runner.model.cfg)
     kernels = cpu_kernels.build_key() if runner.device.type == "cpu" and cpu_kernels.has_library() else None
     quantized = sorted({m.qtype for m in runner.model.modules() if isinstance(m, QuantizedLinear)})
+    # a graph step's drafter part (a head's chains, a lookup) and the hidden states it writes cost
+    # time in every forward measured here: an engine with another drafter measures its own
+    extension = getattr(runner, "extension", None)
+    drafting = [extension.cost_key, list(runner.hidden_layers)] if extension is not None else list(
+        getattr(runner, "hidden_layers", ()))
     key = json.dumps([shape, str(runner.dtype), str(runner.device), torch.get_num_threads(), torch.__version__,
                       type(runner).__name__, runner.packs_rows, max_seqs, num_draft_tokens + 1, kernels, VERSION]
-                     + ([quantized] if quantized else []),
+                     + ([quantized] if quantized else []) + ([drafting] if drafting else []),
                      sort_keys=True, default=str)
     path = outpace_home() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.exists():

@@ -142,6 +142,7 @@ class ChainGraphStep:
 
     def __init__(self, lookup, head, yields_below: int):
         self.lookup, self.head, self.yields_below = lookup, head, yields_below
+        self.cost_key = f"chain {self.max_paid} {yields_below} {lookup.cost_key} {head.cost_key}"
         self.width = lookup.width + head.width
         self.result = lookup.result
         self.inputs_view: torch.Tensor | None = None

@@ -25,6 +25,7 @@ Token trees (tree_width > 1) draft eagerly; their catch-up replays these graphs 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import sys
 import time
 
@@ -237,6 +238,8 @@ class HeadGraphStep:
     def __init__(self, graphs: HeadGraphs, max_rows: int, max_tokens: int):
         self.graphs = graphs
         device = graphs.rows.device
+        # what its work in a step depends on (calibrate.measure_verify_cost's key)
+        self.cost_key = f"head {sorted(dataclasses.asdict(graphs.drafter.head.cfg).items())}"
         self.inputs_view: torch.Tensor | None = None    # [1, rows]: room
         self.starts: torch.Tensor | None = None         # the runner's [rows]
         self.num_draft = torch.zeros(max_rows, dtype=torch.long, device=device)

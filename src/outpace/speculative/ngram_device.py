@@ -134,6 +134,8 @@ class GraphDrafting:
     def __init__(self, drafter: DeviceNgramDrafter, max_rows: int, max_tokens: int):
         self.drafter = drafter
         device = drafter.device
+        # what its work in a step depends on (calibrate.measure_verify_cost's key)
+        self.cost_key = f"ngram {drafter.max_ngram} {drafter.tokens.shape[1]}"
         self.inputs_view: torch.Tensor | None = None    # [3, rows], bound by the runner
         self.num_draft = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.result = torch.zeros(max_rows, 2 + max_tokens, dtype=torch.long, device=device)
