@@ -197,6 +197,41 @@ def test_calibration_times_the_rows_each_runner_runs(tmp_path, monkeypatch):
             assert [[1, 1], [2, 2], [3, 3]] == [s for s in shapes if len(s) == 2]
 
 
+def test_each_graph_steps_drafter_part_is_calibrated_apart(tmp_path, monkeypatch):
+    """The calibration cache keeps one measure per drafter part of a graph step (its cost_key) and
+    hidden layers: every measured forward runs that work, so an engine with a head's chains in its
+    step must not read the costs an n-gram engine measured (regression: the key ignored it, and a
+    head alone on the H200 priced its 8-deep chains at a chain step's 3 forwards). The same part
+    reads its cached measure."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import torch
+
+    from outpace.runner.calibrate import measure_verify_cost
+
+    @dataclasses.dataclass
+    class Shape:
+        hidden: int = 8
+
+    monkeypatch.setenv("OUTPACE_HOME", str(tmp_path))
+    measured = []
+
+    def runner(cost_key, layers=()):
+        return SimpleNamespace(model=SimpleNamespace(cfg=Shape(), modules=lambda: []), dtype=torch.float32,
+                               device=torch.device("cpu"), packs_rows=False, hidden_layers=layers,
+                               extension=None if cost_key is None else SimpleNamespace(cost_key=cost_key),
+                               forward=lambda rows: measured.append(cost_key),
+                               cache=SimpleNamespace(commit=lambda slots, num_accepted: None))
+    ran = []
+    for key, layers in [("ngram", ()), ("head", (0, 1)), ("head", (0, 2)), (None, ()), ("ngram", ()), ("head", (0, 1))]:
+        measured.clear()
+        measure_verify_cost(runner(key, layers), max_seqs=1, num_draft_tokens=2, reps=1)
+        ran.append(bool(measured))
+    assert ran == [True, True, True, True, False, False]
+    assert len(list(tmp_path.glob("calibration/*.json"))) == 4
+
+
 def test_packed_rows_verify_only_their_promising_tokens():
     """Where rows are packed a step costs the tokens it holds, so one accepting row drafts among
     rejecting ones (which draft nothing), where padded rows would make it pay for all eight."""
