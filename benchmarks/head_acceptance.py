@@ -83,16 +83,17 @@ def main() -> None:
                     row[2] += n
                     row[3] += lookup > 0
                     row[4] += n > 0
-        results[folder] = {c: {"mean_accepted": a / max(n, 1), "first_right": f / max(n, 1), "positions": n}
-                           for c, (a, f, n) in by_category.items()}
+        results[folder] = {"by_category": {c: {"mean_accepted": a / max(n, 1), "first_right": f / max(n, 1),
+                                               "positions": n} for c, (a, f, n) in by_category.items()}}
         results[folder]["by_match"] = {str(m): {"positions": n, "ngram_accepted": a / n, "head_accepted": h / n,
                                                 "ngram_first_right": af / n, "head_first_right": hf / n}
                                        for m, (n, a, h, af, hf) in by_match.items()}
     print("| category | positions | " + " | ".join(f"{Path(h).name}: accepted in a row, 1st right" for h in heads) + " |")
     print("|---|---|" + "---|" * len(heads))
     for c in list(dict.fromkeys(r.category for r in chosen)) + ["overall"]:
-        cells = " | ".join(f"{results[h][c]['mean_accepted']:.2f}, {results[h][c]['first_right']:.0%}" for h in heads)
-        print(f"| {c} | {results[heads[0]][c]['positions']} | {cells} |")
+        rows = [results[h]["by_category"][c] for h in heads]
+        cells = " | ".join(f"{r['mean_accepted']:.2f}, {r['first_right']:.0%}" for r in rows)
+        print(f"| {c} | {rows[0]['positions']} | {cells} |")
     for h in heads:
         print(f"\n{Path(h).name} against n-gram lookup, by the lookup's match length (0: no draft):")
         print("| match length | positions | n-gram: accepted in a row, 1st right | head: accepted in a row, 1st right |")

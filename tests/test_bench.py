@@ -213,7 +213,8 @@ def test_ab_revisions_runs_a_command_in_both_revisions(monkeypatch, capsys):
 def test_head_acceptance_counts_every_category(tmp_path, dataset, default_model_dir, monkeypatch, capsys):
     """benchmarks/head_acceptance.py on a tiny target and a random head: a row per category and
     overall, the overall's positions those of the categories, a first draft right at no more
-    positions than drafts accepted in a row (each right first draft is one of them)."""
+    positions than drafts accepted in a row (each right first draft is one of them); by the
+    lookup's match length, the same positions split, and the same bound for each drafter."""
     import sys
     from pathlib import Path
 
@@ -229,12 +230,20 @@ def test_head_acceptance_counts_every_category(tmp_path, dataset, default_model_
     monkeypatch.setattr(sys, "argv", ["head_acceptance.py", "--dataset", str(dataset), "--model", str(target),
                                       "--draft-head", str(head), "--max-tokens", "12", "--out", str(out)])
     head_acceptance.main()
-    figures = json.loads(out.read_text())[str(head)]
+    results = json.loads(out.read_text())[str(head)]
+    figures, by_match = results["by_category"], results["by_match"]
     assert set(figures) == {"writing", "summarization", "overall"}
     assert figures["overall"]["positions"] == figures["writing"]["positions"] + figures["summarization"]["positions"] > 0
     for f in figures.values():
         assert 0 <= f["first_right"] <= f["mean_accepted"]
-    assert "| overall |" in capsys.readouterr().out
+    assert by_match["all"]["positions"] == figures["overall"]["positions"]
+    assert sum(row["positions"] for m, row in by_match.items() if m != "all") == by_match["all"]["positions"]
+    assert by_match.get("0", {"ngram_accepted": 0})["ngram_accepted"] == 0
+    for row in by_match.values():
+        assert 0 <= row["ngram_first_right"] <= row["ngram_accepted"] and 0 <= row["head_first_right"] <= row["head_accepted"]
+    assert by_match["all"]["head_accepted"] == pytest.approx(figures["overall"]["mean_accepted"])
+    printed = capsys.readouterr().out
+    assert "| overall |" in printed and "| all |" in printed
 
 
 def test_head_costs_times_every_drafting_step(tmp_path, dataset, default_model_dir, monkeypatch, capsys):
