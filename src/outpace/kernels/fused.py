@@ -46,9 +46,10 @@ def for_graphs():
 @contextlib.contextmanager
 def only_if(predicate):
     """Within: work that a CUDA graph being captured runs only where predicate() (a scalar bool
-    CUDA tensor the graph computes) holds at replay, as a conditional node (CUDA 12.4 and a
-    PyTorch that exposes them). Elsewhere (warm-up, eager steps, the CPU, older builds) the work
-    always runs, so it must be harmless where it is not needed. predicate None: always runs."""
+    CUDA tensor the graph computes) holds at replay, as a conditional node, where
+    has_conditional_nodes() found them working on this device before the capture began. Elsewhere
+    (warm-up, eager steps, the CPU, builds without them) the work always runs, so it must be
+    harmless where it is not needed. predicate None: always runs."""
     graph = _capturing_graph() if predicate is not None else None
     if graph is None:
         yield
@@ -60,23 +61,55 @@ def only_if(predicate):
         graph.end_capture_to_conditional_node()
 
 
+_conditional_nodes: dict[int, bool] = {}       # CUDA device index -> whether its probe passed
+
+
+def has_conditional_nodes(device: torch.device | str | None = None) -> bool:
+    """Whether graphs captured on `device` (default: the current CUDA device) can hold
+    conditional nodes: CUDA 12.4 and a PyTorch whose CUDAGraph exposes them (torch 2.13 does, 2.11
+    not), checked once per device by capturing a product and an add in one and replaying it with
+    the predicate false and true. Call it before a capture begins: a probe cannot run inside one."""
+    if not (torch.cuda.is_available() and hasattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph")
+            and hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")):
+        return False
+    index = torch.device(device).index if device is not None else None
+    index = torch.cuda.current_device() if index is None else index
+    if index not in _conditional_nodes:
+        _conditional_nodes[index] = _probe_conditional_nodes(torch.device("cuda", index))
+    return _conditional_nodes[index]
+
+
+def _probe_conditional_nodes(device: torch.device) -> bool:
+    try:
+        x = torch.ones(8, 8, device=device)
+        out = x @ x                                     # the product's library loaded outside the capture
+        taken = torch.zeros((), dtype=torch.bool, device=device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            capturing = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+            capturing.begin_capture_to_if_node(taken)
+            out.copy_(x @ x + 1)
+            capturing.end_capture_to_conditional_node()
+        results = []
+        for value in (False, True):
+            out.zero_()
+            taken.fill_(value)
+            graph.replay()
+            results.append(float(out.sum()))
+        torch.cuda.synchronize(device)
+        return results == [0.0, 9.0 * 64]
+    except RuntimeError:            # a driver, build or capture that refuses them: graphs do without
+        return False
+
+
 def _capturing_graph():
-    """The CUDA graph the current stream captures where conditional nodes can go in it, else None."""
-    if not (_capturing and has_conditional_nodes() and torch.cuda.is_current_stream_capturing()):
+    """The CUDA graph the current stream captures where conditional nodes were found to work on
+    this device (has_conditional_nodes, called before the capture), else None."""
+    if not (_capturing and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return None
+    if not _conditional_nodes.get(torch.cuda.current_device()):
         return None
     return torch.cuda.CUDAGraph.get_currently_capturing_graph()
-
-
-def has_conditional_nodes() -> bool:
-    """Whether only_if makes conditional nodes in graphs captured here (CONDITIONAL_NODES on, CUDA
-    present, PyTorch's CUDAGraph exposing them)."""
-    return (CONDITIONAL_NODES and torch.cuda.is_available()
-            and hasattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph")
-            and hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"))
-
-
-# whether only_if makes conditional nodes where it can (off: the work is captured unconditionally)
-CONDITIONAL_NODES = True
 
 
 def cuda_compiled(eager):

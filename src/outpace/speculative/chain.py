@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from outpace.kernels.fused import cuda_compiled
+from outpace.kernels.fused import cuda_compiled, has_conditional_nodes
 from outpace.speculative import ngram_gpu
 from outpace.speculative.drafter import DraftBatch, Drafter, Drafts
 
@@ -142,7 +142,9 @@ class ChainGraphStep:
 
     def __init__(self, lookup, head, yields_below: int):
         self.lookup, self.head, self.yields_below = lookup, head, yields_below
-        self.cost_key = f"chain {self.max_paid} {yields_below} {lookup.cost_key} {head.cost_key}"
+        # probed before the runner captures its graphs: whether the head's depths can be skipped
+        conditional = lookup.drafter.device.type == "cuda" and has_conditional_nodes(lookup.drafter.device)
+        self.cost_key = f"chain {self.max_paid} {yields_below} {conditional} {lookup.cost_key} {head.cost_key}"
         self.width = lookup.width + head.width
         self.result = lookup.result
         self.inputs_view: torch.Tensor | None = None
