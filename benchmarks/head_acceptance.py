@@ -29,7 +29,7 @@ from outpace.bench.dataset import load_spec_bench
 from outpace.llm import LLM
 from outpace.model.eagle3 import load_eagle3_head
 from outpace.speculative import ngram_gpu
-from outpace.train.answers import Answers
+from outpace.train.answers import Answers, run_counts
 from outpace.train.head_data import Recorder, generate_shards, load_shards
 from outpace.weights.hub import shipped_head
 
@@ -72,11 +72,11 @@ def main() -> None:
         by_category = defaultdict(lambda: [0, 0, 0])
         by_match = defaultdict(lambda: [0, 0, 0, 0, 0])     # [positions, n-gram run, head run, first right each]
         for r, seq, run in zip(chosen, seqs, runs):
-            counts = (sum(run.values()), sum(n > 0 for n in run.values()), len(run))
             for total in (by_category[r.category], by_category["overall"]):
-                for j, c in enumerate(counts):
+                for j, c in enumerate(run_counts(run)):
                     total[j] += c
-            for m, lookup, (p, n) in zip(*lookup_runs(seq.tokens, sorted(run), args.steps), sorted(run.items())):
+            positions = sorted(run)
+            for m, lookup, n in zip(*lookup_runs(seq.tokens, positions, args.steps), (run[p] for p in positions)):
                 for row in (by_match[m], by_match["all"]):
                     row[0] += 1
                     row[1] += lookup
@@ -111,11 +111,11 @@ def lookup_runs(tokens: torch.Tensor, positions: list[int], steps: int) -> tuple
     """At each position p of a sequence's tokens: the match length of n-gram lookup's draft over
     tokens[:p] (0: none) and how many of its first `steps` tokens equal tokens[p:] in a row."""
     tokens = torch.as_tensor(tokens, dtype=torch.long)
-    at = torch.tensor(positions)
+    at, ahead = torch.tensor(positions), torch.arange(steps)
     buffer = tokens[None].expand(len(positions), -1)
     draft, num, match = ngram_gpu.propose_matched(buffer, at, torch.arange(len(positions)), steps, 1, 4)
-    index = (at[:, None] + torch.arange(steps)).clamp(max=len(tokens) - 1)
-    right = (draft == tokens[index]) & (torch.arange(steps) < num[:, None]) & (at[:, None] + torch.arange(steps) < len(tokens))
+    index = at[:, None] + ahead
+    right = (draft == tokens[index.clamp(max=len(tokens) - 1)]) & (ahead < num[:, None]) & (index < len(tokens))
     return match.tolist(), right.long().cumprod(1).sum(1).tolist()
 
 

@@ -58,8 +58,7 @@ class Answers:
         """Per sequence: drafts accepted in a row summed over its answer positions (chains of
         `steps`, teacher forced), the positions whose first draft was accepted, and the positions
         counted. autocast: makes the forwards' context."""
-        runs = [list(r.values()) for r in self.runs(head, seqs, batch_size, autocast)]
-        return [(sum(r), sum(n > 0 for n in r), len(r)) for r in runs]
+        return [run_counts(r) for r in self.runs(head, seqs, batch_size, autocast)]
 
     @torch.no_grad()
     def runs(self, head: DraftHead, seqs: list[Recorded], batch_size: int,
@@ -72,12 +71,18 @@ class Answers:
             with autocast():
                 _, run, counted = unrolled_loss(head, self._embed(head), self.batch(seqs[i:i + batch_size]),
                                                 self.steps, self.in_vocab)
-            for b, (row, mask) in enumerate(zip(run.tolist(), counted.tolist())):
+            for row, mask in zip(run.tolist(), counted.tolist()):
                 out.append({s + 2: n for s, (n, ok) in enumerate(zip(row, mask)) if ok})
         return out
 
     def _embed(self, head: DraftHead) -> torch.nn.Module:
         return head.embed if head.embed is not None else self.target.embed
+
+
+def run_counts(runs: dict[int, int]) -> tuple[int, int, int]:
+    """One sequence's Answers.runs as (drafts accepted in a row summed, positions whose first
+    draft was right, positions)."""
+    return sum(runs.values()), sum(n > 0 for n in runs.values()), len(runs)
 
 
 def lm_head_rows(target, ids: torch.Tensor) -> torch.Tensor:
