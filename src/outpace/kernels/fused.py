@@ -224,6 +224,12 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 
 @cuda_compiled
+def rms_norm_cat(a: torch.Tensor, a_weight: torch.Tensor, b: torch.Tensor, b_weight: torch.Tensor, eps: float):
+    """cat(rms_norm(a), rms_norm(b)) on the last dim: an EAGLE-3 head's attention input in one pass."""
+    return torch.cat([_rms_norm(a, a_weight, eps), _rms_norm(b, b_weight, eps)], dim=-1)
+
+
+@cuda_compiled
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's silu(gate) * up from the fused [gate | up] product."""
     gate, up = gate_up.chunk(2, dim=-1)

@@ -25,7 +25,7 @@ from torch import nn
 
 from outpace.errors import InvalidParameterError
 from outpace.kernels import cpu_kernels
-from outpace.kernels.fused import rope
+from outpace.kernels.fused import linear, rope
 from outpace.model.layers import MLP, RMSNorm, planless_attention
 from outpace.model.rope import rope_tables
 
@@ -148,7 +148,7 @@ class DraftHead(nn.Module):
 
     def finish(self, residual: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         """The layer's output [..., H] from its residual and the heads' outputs [..., Hq * D]."""
-        h, x = self.add_normed(self.post_norm, residual, self.o(attention))
+        h, x = self.add_normed(self.post_norm, residual, linear(attention, self.o))
         return h + self.mlp(x, self.kernels)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:

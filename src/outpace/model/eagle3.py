@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from outpace.errors import CorruptModelError, IncompatibleModelsError, ModelNotFoundError
+from outpace.kernels.fused import linear, rms_norm_cat
 from outpace.model.config import ModelConfig
 from outpace.model.draft_head import DraftHead, HeadConfig
 from outpace.model.layers import RMSNorm
@@ -62,9 +63,12 @@ class Eagle3Head(DraftHead):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.fc(hidden.flatten(-2))                               # [..., 3, Ht] -> [..., H]
+        return linear(hidden.flatten(-2), self.fc)                       # [..., 3, Ht] -> [..., H]
 
     def attention_input(self, feature, embed):
+        if feature.is_cuda:     # one kernel inside CUDA graphs
+            return feature, rms_norm_cat(embed, self.input_norm.weight, feature, self.hidden_norm.weight,
+                                         self.input_norm.eps)
         return feature, torch.cat([self.normed(self.input_norm, embed), self.normed(self.hidden_norm, feature)], dim=-1)
 
 

@@ -49,6 +49,7 @@ import torch
 
 from outpace.config import MAX_NUM_DRAFT_TOKENS
 from outpace.kernels import cpu_kernels
+from outpace.kernels.fused import linear, rope_store
 from outpace.kernels.cpu_linear import QuantizedLinear, QuantizedParts, pack_linears, quantize_linears
 from outpace.model.draft_head import DraftHead, attend
 from outpace.model.eagle3 import load_eagle3_head
@@ -86,9 +87,9 @@ class HeadDrafter(Drafter):
         # past the context: a verify row's positions, and the entries of a tree's nodes
         self.cache_len = context.max_len + context.max_step_tokens + MAX_NUM_DRAFT_TOKENS * self.tree_width
         self.head = head = self.load(context, self.cache_len)
+        head.fuse_qkv()
         if context.device.type == "cpu":        # its products in the CPU kernels, as the target's
             is_quantized = any(isinstance(m, (QuantizedLinear, QuantizedParts)) for m in context.target.modules())
-            head.fuse_qkv()
             (quantize_linears if is_quantized else pack_linears)(head)
             head.kernels = cpu_kernels.pointwise_fits(context.dtype, context.device)
         cfg = head.cfg
@@ -100,6 +101,10 @@ class HeadDrafter(Drafter):
         self.last_out = torch.zeros(context.num_slots, cfg.hidden_size, dtype=context.dtype, device=context.device)
         self.device = context.device
         self._heads = torch.arange(cfg.num_kv_heads, device=self.device)[None, :, None]
+        # on a GPU: the rotary tables in the activations' dtype, read by project_store's one kernel
+        self.rope_tables = None
+        if context.device.type == "cuda" and not cfg.qk_norm:
+            self.rope_tables = (head.rope_cos.to(context.dtype), head.rope_sin.to(context.dtype))
         # where the target replays graphs the head's catch-up and chains do too (head_graphs.py)
         self.graphs = None
         if context.graphs:
@@ -154,6 +159,17 @@ class HeadDrafter(Drafter):
     def project_store(self, feature, tokens, slots, rope_positions, write_positions):
         """Pairs of B rows: feature [B, S, H], tokens [B, S] (the target's ids), slots [B], rotary
         and cache positions [B, S]. Writes the pairs' keys and values, returns (residual, q)."""
+        if self.rope_tables is not None:
+            # one product for q, k and v, then the rotation and both cache writes in one kernel
+            # inside CUDA graphs (fused.rope_store), as the target's attention does
+            head, cfg = self.head, self.head.cfg
+            residual, x = head.attention_input(feature, self.embed(tokens))
+            qkv = linear(x, head.qkv).unflatten(-1, (-1, cfg.head_dim))                 # [B, S, H+2KVH, D]
+            cos, sin = (table[rope_positions].unsqueeze(-2) for table in self.rope_tables)
+            split = cfg.num_heads + cfg.num_kv_heads
+            q = rope_store(qkv[:, :, :split], qkv[:, :, split:], cos, sin, self.k_cache, self.v_cache, slots,
+                           self._heads, write_positions)
+            return residual, q.transpose(1, 2)
         residual, q, k, v = self.head.project(feature, self.embed(tokens), rope_positions)
         index = (slots[:, None, None], self._heads, write_positions[:, None, :])        # [B, KVH, S]
         self.k_cache.index_put_(index, k.transpose(1, 2).to(self.k_cache.dtype))

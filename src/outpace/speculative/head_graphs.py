@@ -30,9 +30,11 @@ import sys
 import time
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from outpace.kernels import fused
+from outpace.kernels.fused import cuda_compiled, linear
 from outpace.model.draft_head import attend
 from outpace.runner.calibrate import batch_buckets
 from outpace.runner.staging import HostSide, slot_rows
@@ -68,7 +70,7 @@ class HeadGraphs:
         self.rows = torch.arange(R, device=device)
         self._arange = torch.arange(max(max_verify, max_draft), device=device)
         self.keys = torch.arange(d.cache_len, device=device)
-        self.spare = spare
+        self.spare_positions = spare + self._arange
         self.catch_up_shapes = [(b, s) for b in self.buckets for s in range(1, max_verify + 1)]
         self.draft_shapes = [(b, k) for b in self.buckets for k in range(1, max_draft + 1)] if chains else []
         self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}
@@ -82,9 +84,8 @@ class HeadGraphs:
         real): their entries written, their outputs [b, S, H] returned."""
         d = self.drafter
         b, S = tokens.shape
-        write = torch.where(active, positions, self.spare + self._arange[:S])
+        write, seen = _write_and_seen(positions, active, self.spare_positions[:S])
         residual, q = d.project_store(feature, tokens, self.rows[:b], write, write)
-        seen = torch.where(active, positions, 0)
         cfg = d.head.cfg
         if fused.graph_attention(q.dtype, cfg.head_dim, q.device, cfg.num_heads // cfg.num_kv_heads * S):
             out = fused.decode_attention(q.transpose(1, 2), d.k_cache, d.v_cache, seen, d.cache_len, 0, None)
@@ -119,7 +120,19 @@ class HeadGraphs:
             with fused.only_if(needed):
                 if depth:       # the token drafted last, at the position after the one before it
                     out = self._forward(out, drafts[:, depth - 1:depth], starts[:, None] + depth - 1, active)
-                drafts[:, depth] = head.to_target(head.logits(out[:, 0]).argmax(-1))
+                drafts[:, depth] = self._next_token(out[:, 0])
+
+    def _next_token(self, out: torch.Tensor) -> torch.Tensor:
+        """Target ids of the head's greedy draft from outputs [b, H]: a head's own LM head over the
+        draft vocabulary as one product (fused.linear) and the argmax with its map to target ids
+        as one kernel inside graphs. The argmax of the model dtype's logits is that of their
+        float32 values (head.logits): the cast is exact."""
+        head = self.drafter.head
+        if type(head.lm_head) is nn.Linear:
+            logits = linear(head.normed(head.norm, out), head.lm_head)
+        else:
+            logits = head.logits(out)
+        return _argmax_to_target(logits, head.d2t)
 
     def _run(self, kind: str, b: int, n: int) -> None:
         graph = self.graphs.get((kind, b, n))
@@ -216,6 +229,20 @@ class HeadGraphs:
             depth = times[-1] - times[0] if K > 1 and times[-1] > times[0] else times[-1] / K
             per_token[b] = depth / b
         return per_token
+
+
+@cuda_compiled
+def _write_and_seen(positions: torch.Tensor, active: torch.Tensor, spare: torch.Tensor):
+    """Where graph rows' pairs at positions [b, S] write their entries (the spare region's [S]
+    for a row not active) and the last key each of their queries sees (key 0 for such a row)."""
+    return torch.where(active, positions, spare), torch.where(active, positions, 0)
+
+
+@cuda_compiled
+def _argmax_to_target(logits: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
+    """The draft ids' argmax over the last dim, as target ids (DraftHead.to_target)."""
+    ids = logits.argmax(-1)
+    return ids + d2t[ids]
 
 
 class HeadGraphStep:
