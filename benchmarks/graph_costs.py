@@ -1,0 +1,77 @@
+"""What each drafter's CUDA graphs cost on this GPU at batch 1: replays timed on the device.
+
+    python benchmarks/graph_costs.py [--model smollm2-135m] [--spec ngram eagle3 chain] [--keys 512]
+
+For each drafter (`chain`: the EAGLE-3 head with n-gram lookup first) one engine of one slot is
+built without calibration and its captured graphs are replayed with every row inactive (the
+inputs the capture left: the target's dummy rows, the head's rows writing the spare region), so
+the figures are the graphs' device time at fixed shapes, not a speedup:
+  - the target's step graph of t tokens a row (t = 1 plain, t > 1 verifying t - 1 drafts; for the
+    n-gram twin and the chain this includes their drafting inside the step), at --keys keys;
+  - a head's catch-up graph of S verified pairs (replayed at the read of every step);
+  - a head's chain graph of K drafts (the head alone outside the target's step: its first draft
+    is a product and an argmax, each later one a forward of the head).
+Each figure is the mean of --reps replays after one untimed replay, in microseconds; --rounds
+repeats the step graphs' line to show the spread.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from outpace.config import SpecConfig
+from outpace.llm import LLM
+
+SPECS = {"ngram": dict(method="ngram"), "eagle3": dict(method="eagle3"),
+         "chain": dict(method="eagle3", ngram_first=True)}
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--spec", nargs="+", default=list(SPECS), choices=list(SPECS))
+    p.add_argument("--draft-head", default=None, help="EAGLE-3 head folder (default: the one that ships for the model)")
+    p.add_argument("--keys", type=int, default=512, help="the step graphs' key length (a captured bucket)")
+    p.add_argument("--reps", type=int, default=300)
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("graph_costs.py times CUDA graphs: it needs a CUDA GPU")
+    for name in args.spec:
+        extra = dict(draft_head=args.draft_head) if name != "ngram" else {}
+        llm = LLM(args.model, spec=SpecConfig(**SPECS[name], **extra), device="cuda", max_num_seqs=1, calibrate=False)
+        runner = llm.engine.runner
+        tiers = [t for t in runner.tiers if (1, t, args.keys) in runner.graphs]
+        if not tiers:
+            raise SystemExit(f"no step graph has {args.keys} keys; captured key lengths: {runner.kv_lens}")
+        for round_ in range(args.rounds):
+            steps = " ".join(f"t{t} {replay_us(runner.graphs[(1, t, args.keys)], args.reps):.0f}" for t in tiers)
+            print(f"{name}: step graphs, round {round_}: {steps}", flush=True)
+        drafter = llm.engine.drafter
+        heads = [d for d in getattr(drafter, "drafters", [drafter]) if getattr(d, "graphs", None) is not None]
+        for head in heads:
+            graphs = head.graphs.graphs
+            for kind in ("catch_up", "draft"):
+                sizes = sorted(n for k, b, n in graphs if k == kind and b == 1)
+                times = " ".join(f"{n} {replay_us(graphs[(kind, 1, n)], args.reps):.0f}" for n in sizes)
+                print(f"{name}: head {kind.replace('_', '-')} graphs by {'pairs' if kind == 'catch_up' else 'drafts'}: {times}",
+                      flush=True)
+        llm.close()
+        del llm, runner, drafter, heads
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
