@@ -120,10 +120,12 @@ class DrafterChain(Drafter):
 
 
 # the deepest chain a head drafts inside a chain's graph step: a captured step drafts that deep
-# whatever its rows need (where the graph cannot skip depths, fused.only_if), and on the H200 a
-# head's third draft in a row was accepted 21% of the times it was reached, its fourth less
-# (docs/BENCHMARKS.md, "GPU: EAGLE-3 head")
-CHAIN_HEAD_DEPTH = 3
+# whatever its rows need (where the graph cannot skip depths, fused.only_if). On the H200 the
+# chain with its head 2 deep gave 1.86x plain against 1.78x 3 deep in the same session, at about
+# the same acceptance (2.84 and 2.87 tokens a step): the third draft, right 28-31% of the times it
+# was reached, did not pay for the head forward every step ran for it (docs/BENCHMARKS.md,
+# "GPU: EAGLE-3 head")
+CHAIN_HEAD_DEPTH = 2
 
 
 class ChainGraphStep:
