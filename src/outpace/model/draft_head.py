@@ -151,10 +151,14 @@ class DraftHead(nn.Module):
         h, x = self.add_normed(self.post_norm, residual, linear(attention, self.o))
         return h + self.mlp(x, self.kernels)
 
-    def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """[..., draft_vocab_size] float32 logits of the head's outputs."""
+    def logits(self, out: torch.Tensor, wide: bool = True) -> torch.Tensor:
+        """[..., draft_vocab_size] logits of the head's outputs, in float32 (wide) or the model
+        dtype (their argmax is the float32 logits': the cast is exact). The head's own LM head is
+        one product through fused.linear (a one-row product inside CUDA graphs)."""
         normed = self.normed(self.norm, out)
-        return self.lm_head(normed.reshape(-1, normed.shape[-1])).float().view(*out.shape[:-1], -1)
+        normed = normed.reshape(-1, normed.shape[-1])
+        logits = linear(normed, self.lm_head) if type(self.lm_head) is nn.Linear else self.lm_head(normed)
+        return (logits.float() if wide else logits).view(*out.shape[:-1], -1)
 
     def normed(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """norm(x), as add_normed computes it."""

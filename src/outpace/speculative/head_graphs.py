@@ -30,11 +30,10 @@ import sys
 import time
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from outpace.kernels import fused
-from outpace.kernels.fused import cuda_compiled, linear
+from outpace.kernels.fused import cuda_compiled
 from outpace.model.draft_head import attend
 from outpace.runner.calibrate import batch_buckets
 from outpace.runner.staging import HostSide, slot_rows
@@ -120,19 +119,8 @@ class HeadGraphs:
             with fused.only_if(needed):
                 if depth:       # the token drafted last, at the position after the one before it
                     out = self._forward(out, drafts[:, depth - 1:depth], starts[:, None] + depth - 1, active)
-                drafts[:, depth] = self._next_token(out[:, 0])
-
-    def _next_token(self, out: torch.Tensor) -> torch.Tensor:
-        """Target ids of the head's greedy draft from outputs [b, H]: a head's own LM head over the
-        draft vocabulary as one product (fused.linear) and the argmax with its map to target ids
-        as one kernel inside graphs. The argmax of the model dtype's logits is that of their
-        float32 values (head.logits): the cast is exact."""
-        head = self.drafter.head
-        if type(head.lm_head) is nn.Linear:
-            logits = linear(head.normed(head.norm, out), head.lm_head)
-        else:
-            logits = head.logits(out)
-        return _argmax_to_target(logits, head.d2t)
+                # the greedy draft: its argmax and the map to target ids one kernel inside graphs
+                drafts[:, depth] = _argmax_to_target(head.logits(out[:, 0], wide=False), head.d2t)
 
     def _run(self, kind: str, b: int, n: int) -> None:
         graph = self.graphs.get((kind, b, n))
