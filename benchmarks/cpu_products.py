@@ -124,6 +124,9 @@ def main() -> None:
             k, n = SHAPES[name]
             packed = {}
             for fmt in formats:
+                if fmt in KQUANT_BLOCKS and k % 256:
+                    print(f"{name}: {fmt} left out (its super-blocks need inputs a multiple of 256)")
+                    continue
                 packed |= _weights(fmt, k, n, args.stream_mb << 20, baseline)
             dense = [torch.randn(n, k) * 0.05 for _ in range(len(packed.get("fp32", [0, 0])))]
             for rows in map(int, args.rows.split(",")):

@@ -6,8 +6,11 @@ one process.
     python benchmarks/engine_ab.py --dataset ../shared/data/spec_bench_question.jsonl \
         --model qwen2.5-coder-1.5b-instruct --draft-model qwen2.5-coder-0.5b-instruct --ngram-first \
         --concurrency 16 --rounds 2 --max-tokens 96
+    python benchmarks/engine_ab.py --dataset spec_bench_question.jsonl --device cuda --spec eagle3 --ngram-first \
+        --concurrency 32 --rounds 2
 
-One LLMEngine (n-gram speculation, or a draft model with --draft-model; as many slots as clients) runs the prompts serve_bench.py runs
+One LLMEngine (n-gram speculation, a draft model with --draft-model, or an EAGLE-3 head with --spec
+eagle3; as many slots as clients) runs the prompts serve_bench.py runs
 at that concurrency (its level's place in `--concurrency 1 4 16 32`; chat template, greedy, 256
 tokens at most, EOS honoured) as a closed loop: every request is queued at once and the next
 joins as soon as one ends, as the benchmark's clients keep one request each in flight. Each round
@@ -83,15 +86,27 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over N GPUs (or CPU processes)")
+    p.add_argument("--spec", choices=["ngram", "eagle3"], default="ngram",
+                   help="n-gram lookup (default) or an EAGLE-3 head; --draft-model makes it a draft model")
     p.add_argument("--draft-model", help="speculate with this draft model instead of n-gram lookup")
-    p.add_argument("--ngram-first", action="store_true", help="with --draft-model: n-gram lookup first, the draft model where no tail matches")
+    p.add_argument("--draft-head", help="with --spec eagle3: the head's folder (default: the one that ships for the model)")
+    p.add_argument("--ngram-first", action="store_true",
+                   help="with --draft-model or --spec eagle3: n-gram lookup first, the model or head elsewhere")
     args = p.parse_args()
     if args.concurrency < 1 or args.rounds < 1:
         p.error("--concurrency and --rounds must be at least 1")
-    if args.ngram_first and not args.draft_model:
-        p.error("--ngram-first goes with --draft-model")
-    spec = (SpecConfig(method="draft", draft_model=args.draft_model, ngram_first=args.ngram_first) if args.draft_model
-            else SpecConfig(method="ngram"))
+    if args.draft_model and args.spec == "eagle3":
+        p.error("--draft-model and --spec eagle3 are two drafters: give one")
+    if args.ngram_first and not (args.draft_model or args.spec == "eagle3"):
+        p.error("--ngram-first goes with --draft-model or --spec eagle3")
+    if args.draft_head and args.spec != "eagle3":
+        p.error("--draft-head goes with --spec eagle3")
+    if args.draft_model:
+        spec = SpecConfig(method="draft", draft_model=args.draft_model, ngram_first=args.ngram_first)
+    elif args.spec == "eagle3":
+        spec = SpecConfig(method="eagle3", draft_head=args.draft_head, ngram_first=args.ngram_first)
+    else:
+        spec = SpecConfig(method="ngram")
     c = args.concurrency
     texts = first_turns(args.dataset)
     start = 7 * (STANDARD_LEVELS.index(c) if c in STANDARD_LEVELS else 0)
