@@ -2,9 +2,9 @@
 
     python benchmarks/head_acceptance.py --dataset ../shared/data/spec_bench_question.jsonl --limit-per-category 2 --max-tokens 96 [--draft-head DIR ...]
 
-The target answers each category's first questions (first turns, greedy, its chat template)
-while the trainer's Recorder keeps its hidden states; each head (default: the one that ships for
-the model) is then unrolled over those answers as `outpace train-head` measures its held-back
+The target answers each category's first questions (first turns, greedy, its chat template);
+each head (default: the one that ships for the model) is then unrolled over those answers, their
+hidden states computed as the trainer computes its batches as `outpace train-head` measures its held-back
 prompts: chains of --steps drafts, teacher forced, a draft counting while every one before it
 was right. Prints per category and overall the mean drafts accepted in a row at an answer
 position (a verify step's mean acceptance length less one, had it drafted --steps tokens at
@@ -30,7 +30,7 @@ from outpace.llm import LLM
 from outpace.model.eagle3 import load_eagle3_head
 from outpace.speculative import ngram_gpu
 from outpace.train.answers import Answers, run_counts
-from outpace.train.head_data import Recorder, generate_shards, load_shards
+from outpace.train.head_data import generate_shards, load_shards
 from outpace.weights.hub import shipped_head
 
 
@@ -48,27 +48,23 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     chosen = load_spec_bench(args.dataset, None, args.limit_per_category)
-    recorder = Recorder()
     max_prompt = 4096
-    llm = LLM(args.model, spec="none", drafter=recorder, device="cpu", max_num_seqs=8, calibrate=False,
+    llm = LLM(args.model, spec="none", device="cpu", max_num_seqs=8, calibrate=False,
               max_model_len=max_prompt + args.max_tokens + 1)
     target = llm.engine.model
     with tempfile.TemporaryDirectory() as folder:
-        generate_shards(llm, recorder, [r.turns[0] for r in chosen], Path(folder), "answers", args.max_tokens,
-                        max_prompt, len(chosen))
-        seqs, recorded = load_shards(Path(folder), "answers")
+        generate_shards(llm, [r.turns[0] for r in chosen], Path(folder), "answers", args.max_tokens, max_prompt,
+                        len(chosen))
+        seqs = load_shards(Path(folder), "answers")
     if len(seqs) != len(chosen):
         sys.exit(f"{len(chosen) - len(seqs)} prompts were over {max_prompt} tokens and not answered")
     heads = args.draft_head or [str(shipped_head(args.model))]
     results = {}
     for folder in heads:
-        head = load_eagle3_head(Path(folder), target.cfg, torch.float32, "cpu",
-                                max(len(s.tokens) for s in seqs) + args.steps + 1)
-        missing = set(head.cfg.target_layers) - set(recorded)
-        if missing:
-            sys.exit(f"{folder} reads target layers {sorted(missing)}, which the Recorder does not keep")
+        longest = max(len(s.tokens) for s in seqs)
+        head = load_eagle3_head(Path(folder), target.cfg, torch.float32, "cpu", longest + args.steps + 1)
         ids = torch.arange(len(head.d2t)) + head.d2t.cpu()
-        runs = Answers(target, recorded, head.cfg.target_layers, ids, args.steps, "cpu").runs(head.eval(), seqs, 8)
+        runs = Answers(target, head.cfg.target_layers, ids, args.steps, "cpu", longest, 8).runs(head.eval(), seqs, 8)
         by_category = defaultdict(lambda: [0, 0, 0])
         by_match = defaultdict(lambda: [0, 0, 0, 0, 0])     # [positions, n-gram run, head run, first right each]
         for r, seq, run in zip(chosen, seqs, runs):

@@ -2,8 +2,8 @@
 
 Guards: a few steps of training must raise acceptance on held-back prompts above the untrained
 head's, both as the trainer measures it and through the engine drafting with the saved head (so
-the trainer trains what the drafter drafts, and the head it writes loads); the recorded hidden
-states must be the target's own; a fixed seed must give the same head bit for bit, whether the run
+the trainer trains what the drafter drafts, and the head it writes loads); the hidden states and
+target logits a batch computes must be the target's own; a fixed seed must give the same head bit for bit, whether the run
 was paused and resumed or not; a resumed run with other settings is refused.
 """
 import gzip
@@ -16,6 +16,8 @@ import torch
 from outpace import LLM, SamplingParams, SpecConfig
 from outpace.errors import InvalidParameterError
 from outpace.runner.model_runner import ModelRunner, Row
+from outpace.model.eagle3 import default_layers
+from outpace.train.answers import Answers
 from outpace.train.head_data import load_shards
 from outpace.train.head_trainer import TrainConfig, train_head
 from safetensors.torch import load_file
@@ -47,7 +49,7 @@ def test_training_raises_acceptance_on_held_back_prompts(trained):
     # the untrained head: the same run stopped before its first step
     shutil.copytree(root / "a" / "data", root / "untrained" / "data")
     train_head(TrainConfig(**{**vars(config), "out": str(root / "untrained"), "max_steps": 0}))
-    held, _ = load_shards(root / "a" / "data", "heldout")
+    held = load_shards(root / "a" / "data", "heldout")
     prompts = [s.tokens[:s.prompt_len].tolist() for s in held]
     accepted = {}
     for name in ("untrained", "a"):
@@ -60,15 +62,26 @@ def test_training_raises_acceptance_on_held_back_prompts(trained):
     assert accepted["a"] > accepted["untrained"]
 
 
-def test_recorded_hidden_states_are_the_targets(trained):
+def test_a_batchs_features_are_the_targets_own(trained):
+    """A batch's answers of different lengths read in one packed forward: each one's hidden states
+    at the head's layers and its target logits over the draft vocabulary are the target's for
+    that answer alone, and nothing past its end."""
     root, config, _ = trained
     llm = LLM(str(root / "target"), spec="none", dtype="float32", device="cpu", calibrate=False, max_model_len=128)
-    sequences, layers = load_shards(root / "a" / "data", "train")
-    runner = ModelRunner(llm.engine.model, 1, 128, 8)
-    for seq in sequences[:4]:
-        _, want = runner.forward([Row(0, seq.tokens[:-1].tolist(), 0)], hidden_layers=tuple(layers))
-        torch.testing.assert_close(seq.hidden, want[0], rtol=1e-4, atol=1e-4)
-    assert layers == [0, 1, 3]                          # the head's three layers; the last one for the targets
+    target = llm.engine.model
+    seqs = load_shards(root / "a" / "data", "train")[:6]
+    assert len({len(s.tokens) for s in seqs}) > 1
+    ids = torch.arange(0, 2048, 2)
+    answers = Answers(target, default_layers(4), ids, 3, "cpu", max(len(s.tokens) for s in seqs), len(seqs))
+    assert answers.layers == (0, 1, 3)                  # the head's three layers; the last one for the targets
+    batch = answers.batch(seqs)
+    runner = ModelRunner(target, 1, 128, 8)
+    for b, seq in enumerate(seqs):
+        n = len(seq.tokens) - 1
+        logits, want = runner.forward([Row(0, seq.tokens[:-1].tolist(), 0)], hidden_layers=answers.layers)
+        torch.testing.assert_close(batch.hidden[b, :n], want[0][:, answers.features], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(batch.target_logits[b, :n], logits[0][:, ids], rtol=1e-4, atol=1e-4)
+        assert not batch.hidden[b, n:].any()
 
 
 def test_a_fixed_seed_gives_the_same_head_paused_or_not(trained):
@@ -89,14 +102,9 @@ def test_a_fixed_seed_gives_the_same_head_paused_or_not(trained):
 def test_the_target_writes_its_own_prompts(tmp_path, default_model_dir):
     """--self-prompts: the default model, opened at a user turn of its chat template, writes
     distinct finished prompts; the same seed gives the same ones, and a rerun reads them back from
-    the output folder rather than sampling again. The trainer's Recorder, paused, keeps none of
-    those sequences (generate_shards pairs the sequences it holds with a shard's prompts)."""
-    from outpace.train.head_data import Recorder
+    the output folder rather than sampling again."""
     from outpace.train.self_prompts import self_prompts, user_turn_prefix
-    recorder = Recorder()
-    llm = LLM(str(default_model_dir), spec="none", drafter=recorder, device="cpu", max_num_seqs=8, calibrate=False,
-              max_model_len=256)
-    recorder.is_recording = False
+    llm = LLM(str(default_model_dir), spec="none", device="cpu", max_num_seqs=8, calibrate=False, max_model_len=256)
     prefix = llm.tokenizer.decode(user_turn_prefix(llm.tokenizer), skip_special_tokens=False)
     assert prefix.endswith("<|im_start|>user\n")
     first = self_prompts(llm, 6, seed=1, path=tmp_path / "a.jsonl")
@@ -106,7 +114,6 @@ def test_the_target_writes_its_own_prompts(tmp_path, default_model_dir):
     assert self_prompts(llm, 6, seed=2, path=tmp_path / "c.jsonl") != first
     (tmp_path / "a.jsonl").write_text((tmp_path / "a.jsonl").read_text().replace(first[0], "kept from the file"))
     assert self_prompts(llm, 6, seed=1, path=tmp_path / "a.jsonl")[0] == "kept from the file"
-    assert recorder.parts == {}
 
 
 def test_file_prompts_draws_that_many_of_the_file(trained):
@@ -116,40 +123,11 @@ def test_file_prompts_draws_that_many_of_the_file(trained):
     summary = train_head(TrainConfig(**{**vars(config), "out": str(root / "drawn"), "file_prompts": 20,
                                         "max_steps": 0}))
     assert summary["held_out_sequences"] == 8 and summary["train_sequences"] == 12
-    held, _ = load_shards(root / "drawn" / "data", "heldout")
-    train, _ = load_shards(root / "drawn" / "data", "train")
+    held = load_shards(root / "drawn" / "data", "heldout")
+    train = load_shards(root / "drawn" / "data", "train")
     assert len({tuple(s.tokens[:s.prompt_len].tolist()) for s in held + train}) == 20
 
 
 def test_no_prompts_is_refused():
     with pytest.raises(InvalidParameterError, match="no prompts"):
         TrainConfig(model="smollm2-135m", prompts=None, out="x")
-
-
-def test_the_recorder_keeps_every_position_on_the_gpus_path(trained, tmp_path):
-    """On the GPU's path (its static-shape runner and graph step, built here on the CPU, steps
-    launched ahead), plain requests' decode steps reach the Recorder too: a graph step once called
-    the drafter only where a row speculated, and the trainer's answers, all plain, lost every
-    decoded position's hidden state. The shards match the eager path's."""
-    from outpace.engine.graph_step import GraphStep
-    from outpace.runner.cuda_graphs import CudaGraphRunner
-    from outpace.train.head_data import Recorder, generate_shards
-    root, config, _ = trained
-    held, _ = load_shards(root / "a" / "data", "heldout")
-    prompts = [f"Question {i}: what is {i} plus {3 * i + 1}?" for i in range(5)]
-    for name in ("eager", "graphs"):
-        recorder = Recorder()
-        llm = LLM(str(root / "target"), spec="none", drafter=recorder, dtype="float32", device="cpu", max_num_seqs=4,
-                  calibrate=False, max_model_len=128)
-        engine = llm.engine
-        if name == "graphs":
-            engine.runner = CudaGraphRunner(engine.model, 4, 128, 16, progress=False,
-                                            hidden_layers=recorder.hidden_layers)
-            engine.steps = GraphStep(engine.runner, recorder, engine.controller, 128, 0, scheduler=engine.scheduler,
-                                     overlap=True)
-        generate_shards(llm, recorder, prompts, tmp_path / name, "train", 12, 512, 16)
-    eager, _ = load_shards(tmp_path / "eager", "train")
-    graphs, _ = load_shards(tmp_path / "graphs", "train")
-    assert [s.tokens.tolist() for s in graphs] == [s.tokens.tolist() for s in eager]
-    for a, b in zip(graphs, eager):
-        torch.testing.assert_close(a.hidden, b.hidden, rtol=1e-4, atol=1e-4)

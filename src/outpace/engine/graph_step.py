@@ -119,7 +119,7 @@ class GraphStep(EagerStep):
         drafter to copy before a launched step overwrites them.
         A drafted step's rows hold the target's token at every position, which at an accepted
         one is the draft's."""
-        heard = speculating_rows(seqs, self.drafter)
+        heard = speculating_rows(seqs)
         seqs, budget = [seqs[i] for i in heard], [budget[i] for i in heard]
         index = slot_rows([s.slot for s in seqs], result.device)
         rows = result[index]
@@ -135,7 +135,7 @@ class GraphStep(EagerStep):
         runner = self.runner
         result = runner.step_result(shape)
         runner.start_read(result)
-        if self.drafter.hidden_layers and speculating_rows(seqs, self.drafter):
+        if self.drafter.hidden_layers and speculating_rows(seqs):
             self._catch_up(seqs, budget, shape, result)
         if may_launch and self.overlap:
             self.launched = self._launch_next(seqs, shape, result)

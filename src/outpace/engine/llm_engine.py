@@ -245,8 +245,8 @@ class LLMEngine:
             c.seq.num_cached = c.end
             c.seq.prefill_s += elapsed
         # a plain request (speculate=False: a baseline in the same engine) costs a drafter with a
-        # cache of its own nothing: that drafter never drafts for it (Drafter.hears_plain)
-        mine = [i for i, c in enumerate(chunks) if c.seq.speculate or self.drafter.hears_plain]
+        # cache of its own nothing: that drafter never drafts for it
+        mine = [i for i, c in enumerate(chunks) if c.seq.speculate]
         if not mine:
             return
         if len(mine) < len(chunks):

@@ -270,7 +270,7 @@ class EagerStep:
         """drafter.verified with the step's outcome (out [B, S], num_out [B], hidden [B, S, ...])
         for the rows that speculate, or for all where the drafter hears plain requests: a plain
         request (a baseline in the same engine) costs a head's catch-up nothing."""
-        rows = speculating_rows(seqs, self.drafter)
+        rows = speculating_rows(seqs)
         if not rows:
             return
         if len(rows) < len(seqs):
@@ -308,10 +308,10 @@ class EagerStep:
         """Nobody will read the launched step (all its sequences ended)."""
 
 
-def speculating_rows(seqs: list[Sequence], drafter: Drafter) -> list[int]:
-    """The rows a drafter hears of after verification: those that speculate, or every row where
-    it hears plain requests too (Drafter.hears_plain)."""
-    return list(range(len(seqs))) if drafter.hears_plain else [i for i, s in enumerate(seqs) if s.speculate]
+def speculating_rows(seqs: list[Sequence]) -> list[int]:
+    """The rows a drafter hears of after verification: those that speculate (a plain request
+    costs a drafter nothing)."""
+    return [i for i, s in enumerate(seqs) if s.speculate]
 
 
 def chunk_rows(chunks: list[PrefillChunk]) -> list[Row]:

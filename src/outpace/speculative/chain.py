@@ -45,7 +45,6 @@ class DrafterChain(Drafter):
         # a paying drafter in the chain: the controller's budget comes first
         self.priced_after_drafting = all(d.priced_after_drafting for d in self.drafters)
         self.uses_room = not self.priced_after_drafting and any(d.priced_after_drafting for d in self.drafters)
-        self.hears_plain = any(d.hears_plain for d in self.drafters)
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:

@@ -186,9 +186,6 @@ class Drafter:
       lookup_yields_below: in a chain behind n-gram lookup (chain.py), the match length below
         which the lookup's draft of a row gives way to this drafter's where it drafts the row: a
         shorter match's drafts are accepted less often than this drafter's (0: never).
-      hears_plain: whether `prefilled` and `verified` also hear of plain requests (speculate=False:
-        a drafter that records the target's states of every request, as the head trainer's); by
-        default a plain request costs a drafter with a cache of its own nothing.
     """
 
     name = "drafter"
@@ -196,7 +193,6 @@ class Drafter:
     priced_after_drafting = True
     uses_room = False
     lookup_yields_below = 0
-    hears_plain = False
 
     def bind(self, context: DraftContext) -> None:
         """Called once before the first request: allocate device state here."""

@@ -1,10 +1,11 @@
-"""Recorded answers as a head's unrolled steps read them, and the drafts it gets accepted on them.
+"""Answers as a head's unrolled steps read them, and the drafts it gets accepted on them.
 
 The trainer batches its training answers through `Answers.batch` and measures acceptance on its
 held-back ones through `Answers.accepted`; benchmarks/head_acceptance.py measures a finished head
-the same way on Spec-Bench's answers. A batch holds the features' target layers (their columns in
-the recorded layers) and the target's logits over the head's draft vocabulary (its last layer's
-hidden state through the final norm and its LM head's rows of that vocabulary).
+the same way on Spec-Bench's answers. A batch's features are computed there: the target reads the
+batch's sequences (one forward, no logits) and returns the hidden states of the head's layers and
+of its last layer, whose final norm and LM head's rows of the draft vocabulary give the target's
+logits over that vocabulary.
 """
 from __future__ import annotations
 
@@ -15,45 +16,54 @@ import torch
 
 from outpace.kernels.fused import linear
 from outpace.model.draft_head import DraftHead
-from outpace.train.head_data import Recorded
+from outpace.runner.model_runner import ModelRunner, Row
+from outpace.train.head_data import Answer
 from outpace.train.unroll import Batch, unrolled_loss
 
 
 class Answers:
-    def __init__(self, target, recorded_layers: list[int], head_layers: tuple[int, ...], ids: torch.Tensor,
-                 steps: int, device):
-        """recorded_layers: the layers the shards hold, in order; head_layers: those the head
-        reads; ids [Vd]: the draft vocabulary's target ids; steps: unrolled steps (chain length)."""
+    def __init__(self, target, head_layers: tuple[int, ...], ids: torch.Tensor, steps: int, device, max_len: int,
+                 max_rows: int):
+        """head_layers: the target layers the head reads; ids [Vd]: the draft vocabulary's target
+        ids; steps: unrolled steps (chain length); max_len: the longest answer's tokens; max_rows:
+        the most answers a batch holds."""
         last = target.cfg.num_layers - 1
-        self.features, self.last = [recorded_layers.index(i) for i in head_layers], recorded_layers.index(last)
+        self.layers = tuple(sorted(set(head_layers) | {last}))
+        self.features, self.last = [self.layers.index(i) for i in head_layers], self.layers.index(last)
         self.target, self.steps, self.device = target, steps, device
+        # a cache of its own: the batch's rows written from position 0, whatever the engine's hold
+        self.runner = ModelRunner(target, max_rows, max_len, 1)
         ids = ids.to(device)
         self.lm_rows = lm_head_rows(target, ids).float()                                        # [Vd, H]
         self.in_vocab = torch.zeros(target.cfg.vocab_size, dtype=torch.bool, device=device).index_fill_(0, ids, True)
 
-    def batch(self, seqs: list[Recorded]) -> Batch:
-        """seqs padded into a Batch on the device."""
+    def batch(self, seqs: list[Answer]) -> Batch:
+        """seqs padded into a Batch on the device, with the target's hidden states at every
+        position but each sequence's last (never fed)."""
         T = max(len(s.tokens) for s in seqs)
         S, steps = T - 1, self.steps
         width = S + steps + 1
         tokens = torch.zeros(len(seqs), width, dtype=torch.long)
         is_answer = torch.zeros(len(seqs), width, dtype=torch.bool)
-        hidden = seqs[0].hidden.new_zeros(len(seqs), S + steps, seqs[0].hidden.shape[1], seqs[0].hidden.shape[2])
         for b, s in enumerate(seqs):
             n = len(s.tokens)
             tokens[b, :n] = s.tokens
             is_answer[b, s.prompt_len:n] = True
-            hidden[b, :n - 1] = s.hidden
-        hidden = hidden.to(self.device)
+        _, read = self.runner.forward([Row(b, s.tokens[:-1].tolist(), 0) for b, s in enumerate(seqs)],
+                                      logits="none", hidden_layers=self.layers)           # [B, S, layers, H]
+        # outside inference mode (the head's gradients reach its inputs' products), padded with
+        # zeros past each sequence and to the unrolled steps' width
+        hidden = read.new_zeros(len(seqs), S + steps, *read.shape[2:])
+        hidden[:, :S] = read
         with torch.no_grad():
             target_logits = self.target.norm(hidden[:, :, self.last]).float() @ self.lm_rows.T     # [B, S + steps, Vd]
         return Batch(tokens.to(self.device), is_answer.to(self.device), hidden[:, :S, self.features].float(),
                      target_logits)
 
-    def loss(self, head: DraftHead, seqs: list[Recorded]) -> torch.Tensor:
+    def loss(self, head: DraftHead, seqs: list[Answer]) -> torch.Tensor:
         return unrolled_loss(head, self._embed(head), self.batch(seqs), self.steps, self.in_vocab)[0]
 
-    def accepted(self, head: DraftHead, seqs: list[Recorded], batch_size: int,
+    def accepted(self, head: DraftHead, seqs: list[Answer], batch_size: int,
                  autocast: Callable[[], ContextManager] = nullcontext) -> list[tuple[int, int, int]]:
         """Per sequence: drafts accepted in a row summed over its answer positions (chains of
         `steps`, teacher forced), the positions whose first draft was accepted, and the positions
@@ -61,7 +71,7 @@ class Answers:
         return [run_counts(r) for r in self.runs(head, seqs, batch_size, autocast)]
 
     @torch.no_grad()
-    def runs(self, head: DraftHead, seqs: list[Recorded], batch_size: int,
+    def runs(self, head: DraftHead, seqs: list[Answer], batch_size: int,
              autocast: Callable[[], ContextManager] = nullcontext) -> list[dict[int, int]]:
         """Per sequence, {p: drafts accepted in a row} at each answer position p that a first
         draft predicts (tokens[p], from the sequence's third token on): the chain drafted after

@@ -1,15 +1,14 @@
-"""A head's training data: the target's own greedy answers to prompts, with its hidden states.
+"""A head's training data: the target's own greedy answers to prompts.
 
-The target answers through the engine (batched, greedy, its chat template) while a Recorder, a
-drafter that drafts nothing, keeps the hidden states of the layers asked for at every position
-the target is fed: the prompt's chunks, then each decode step's last token. A sequence of T tokens
-(prompt, then answer) has hidden states at positions 0 .. T - 2 (its last token is never fed).
+The target answers through the engine (batched, greedy, its chat template). Only the tokens are
+kept: the hidden states a head reads are computed again from them, a batch at a time, when it
+trains (answers.py), so the data's size does not grow with the target's width and depth: kept,
+the four layers the default model's head learns from would take 4.6 kB a token (30 GB for 6.8M
+tokens), a 1.5B model's 12 kB, where the tokens take a few bytes.
 
 Prompts are answered in shards of `shard_size`, each saved to <dir>/<name>-<index>.pt once
 complete (written to a temporary file, then renamed), so an interrupted run resumes at the first
-missing shard. A shard holds: tokens (a list of lists), prompt_lens, layers (the target layers
-recorded, in order), hidden ([sum of (T - 1)], layers, H] in the target's dtype, sequence after
-sequence).
+missing shard. A shard holds tokens (a list of lists, prompt then answer) and prompt_lens.
 """
 from __future__ import annotations
 
@@ -25,60 +24,14 @@ from tqdm import tqdm
 from outpace.config import SamplingParams
 from outpace.errors import InvalidParameterError
 from outpace.llm import LLM
-from outpace.model.eagle3 import default_layers
-from outpace.speculative.drafter import DraftContext, Drafter, Prefilled, Verified
 
 
 @dataclass
-class Recorded:
-    """One answered prompt: tokens [T] (prompt then answer), hidden [T - 1, layers, H]."""
+class Answer:
+    """One answered prompt: tokens [T] (prompt then answer)."""
 
     tokens: torch.Tensor
     prompt_len: int
-    hidden: torch.Tensor
-
-
-class Recorder(Drafter):
-    """Drafts nothing; keeps the target's hidden states at each position it is fed (of plain
-    requests: the trainer's answers decode plainly): the layers an EAGLE-3 head reads and the last
-    one, learnt at bind, before the engine builds the CUDA graphs that write them. Sequences begun
-    while `is_recording` is False (the target writing its own prompts) are not kept."""
-
-    hears_plain = True
-
-    def __init__(self):
-        self.parts: dict[int, list[tuple[int, torch.Tensor]]] = {}      # seq_id -> (first position, [n, layers, H])
-        self.is_recording = True
-
-    def bind(self, context: DraftContext) -> None:
-        L = context.target.cfg.num_layers
-        self.head_layers = default_layers(L)
-        self.hidden_layers = tuple(sorted(set(self.head_layers) | {L - 1}))
-
-    def begin(self, seq_id, token_ids):
-        if self.is_recording:
-            self.parts[seq_id] = []
-
-    def prefilled(self, chunks: Prefilled) -> None:
-        for i, (seq_id, start, n) in enumerate(zip(chunks.seq_ids, chunks.starts, chunks.lengths)):
-            if seq_id in self.parts:
-                self.parts[seq_id].append((start, chunks.hidden[i, :n].to("cpu", copy=True)))
-
-    def verified(self, result: Verified) -> None:
-        # plain steps (no drafts): the hidden state of each row's last token, copied: on a graph
-        # step's path it is a view of the step's buffer, which the next step overwrites (and on
-        # the CPU .cpu() would keep the view)
-        rows = [i for i, seq_id in enumerate(result.batch.seq_ids) if seq_id in self.parts]
-        if not rows:
-            return
-        hidden = result.hidden[:, :1].to("cpu", copy=True)
-        for i in rows:
-            self.parts[result.batch.seq_ids[i]].append((result.batch.positions[i], hidden[i]))
-
-    def take(self, seq_id: int) -> torch.Tensor:
-        """The sequence's hidden states in position order [positions, layers, H], forgotten here."""
-        parts = sorted(self.parts.pop(seq_id), key=lambda p: p[0])
-        return torch.cat([h for _, h in parts])
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -94,8 +47,8 @@ def read_prompts(path: Path) -> list[str]:
     return prompts
 
 
-def generate_shards(llm: LLM, recorder: Recorder, prompts: list[str], folder: Path, name: str, max_tokens: int,
-                    max_prompt_tokens: int, shard_size: int) -> None:
+def generate_shards(llm: LLM, prompts: list[str], folder: Path, name: str, max_tokens: int, max_prompt_tokens: int,
+                    shard_size: int) -> None:
     """Answer `prompts` (their chat-formatted ids over max_prompt_tokens are skipped) in shards,
     skipping shards already on disk."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -113,32 +66,22 @@ def generate_shards(llm: LLM, recorder: Recorder, prompts: list[str], folder: Pa
         bar.update(len(ids) - len(kept))
         outputs = llm.generate(kept, params, on_tokens=lambda seq: bar.update(1) if seq.is_finished else None,
                                speculate=False)
-        seq_ids = sorted(recorder.parts)            # the engine numbers sequences in the order they were added
-        tokens, hidden = [], []
-        for seq_id, prompt, out in zip(seq_ids, kept, outputs):
-            tokens.append(prompt + out.token_ids)
-            hidden.append(recorder.take(seq_id))
-            assert len(hidden[-1]) == len(tokens[-1]) - 1, "a position's hidden state was not recorded"
-        shard = {"tokens": tokens, "prompt_lens": [len(p) for p in kept], "layers": list(recorder.hidden_layers),
-                 "hidden": torch.cat(hidden) if hidden else torch.empty(0)}
+        shard = {"tokens": [prompt + out.token_ids for prompt, out in zip(kept, outputs)],
+                 "prompt_lens": [len(p) for p in kept]}
         path = _shard_path(folder, name, s)
         torch.save(shard, path.with_suffix(".tmp"))
         os.replace(path.with_suffix(".tmp"), path)
     bar.close()
 
 
-def load_shards(folder: Path, name: str) -> tuple[list[Recorded], list[int]]:
-    """Every sequence of the shards named `name`, in shard order, and the layers recorded."""
-    sequences, layers = [], []
+def load_shards(folder: Path, name: str) -> list[Answer]:
+    """Every answer of the shards named `name`, in shard order."""
+    answers = []
     for path in sorted(folder.glob(f"{name}-*.pt")):
         shard = torch.load(path, weights_only=True)
-        layers = shard["layers"]
-        offset = 0
-        for tokens, prompt_len in zip(shard["tokens"], shard["prompt_lens"]):
-            n = len(tokens) - 1
-            sequences.append(Recorded(torch.tensor(tokens), prompt_len, shard["hidden"][offset:offset + n]))
-            offset += n
-    return sequences, layers
+        answers += [Answer(torch.tensor(tokens), prompt_len)
+                    for tokens, prompt_len in zip(shard["tokens"], shard["prompt_lens"])]
+    return answers
 
 
 def _shard_path(folder: Path, name: str, index: int) -> Path:

@@ -7,8 +7,9 @@ Steps, each resumable in the output folder:
      the first `held_out` are held back (acceptance is measured on them while training, never
      trained on), the next `num_prompts` train.
   2. The target answers both sets (head_data.py: greedy, its chat template, batched through the
-     engine), recording its hidden states at the head's three layers and its last layer (whose
-     final norm and LM head give the target's distributions); data/ holds the shards.
+     engine); data/ holds the answers' tokens. Each batch's hidden states at the head's three
+     layers and at its last layer (whose final norm and LM head give the target's distributions)
+     are computed from them as it trains (answers.py).
   3. The draft vocabulary: the `draft_vocab` target tokens most frequent in the training answers.
   4. Training (unroll.py): `ttt_steps` unrolled steps a batch, AdamW, linear warm-up then cosine
      decay to a tenth, gradients clipped at 0.5. The head's LM head starts from the target's rows
@@ -40,10 +41,10 @@ from outpace.engine.llm_engine import resolve_device
 from outpace.errors import InvalidParameterError
 from outpace.llm import LLM
 from outpace.model.draft_head import HeadConfig
-from outpace.model.eagle3 import Eagle3Head, save_eagle3_head
+from outpace.model.eagle3 import Eagle3Head, default_layers, save_eagle3_head
 from outpace.train.draft_vocab import answer_counts, coverage, draft_vocab
 from outpace.train.answers import Answers, lm_head_rows
-from outpace.train.head_data import Recorder, generate_shards, load_shards, read_prompts
+from outpace.train.head_data import generate_shards, load_shards, read_prompts
 from outpace.train.self_prompts import self_prompts
 
 GRAD_CLIP = 0.5
@@ -117,17 +118,13 @@ def train_head(config: TrainConfig) -> dict:
 
     # ---- the target's answers -------------------------------------------------------------------
     t0 = time.perf_counter()
-    # on a GPU the target answers in CUDA graphs, which write the hidden states the Recorder keeps
-    llm = LLM(config.model, spec=SpecConfig(method="none"), drafter=Recorder(), device=device, dtype=config.dtype,
-                max_num_seqs=config.max_num_seqs, max_model_len=config.max_prompt_tokens + config.max_tokens + 1,
-                calibrate=False)
+    llm = LLM(config.model, spec=SpecConfig(method="none"), device=device, dtype=config.dtype,
+              max_num_seqs=config.max_num_seqs, max_model_len=config.max_prompt_tokens + config.max_tokens + 1,
+              calibrate=False)
     target = llm.engine.model
-    recorder = llm.engine.drafter
-    layers = recorder.head_layers
+    layers = default_layers(target.cfg.num_layers)
     if config.self_prompts:
-        recorder.is_recording = False
         prompts = prompts + self_prompts(llm, config.self_prompts, config.seed, out / "self_prompts.jsonl")
-        recorder.is_recording = True
     order = list(range(len(prompts)))
     random.Random(config.seed).shuffle(order)
     held = [prompts[i] for i in order[:config.held_out]]
@@ -135,18 +132,17 @@ def train_head(config: TrainConfig) -> dict:
     if not train:
         raise InvalidParameterError(f"{len(prompts)} prompts, all held out: lower --held-out or give more prompts")
     for name, part in (("heldout", held), ("train", train)):
-        generate_shards(llm, recorder, part, out / "data", name, config.max_tokens, config.max_prompt_tokens,
-                        config.shard_size)
+        generate_shards(llm, part, out / "data", name, config.max_tokens, config.max_prompt_tokens, config.shard_size)
     data_s = time.perf_counter() - t0
-    train_seqs, recorded = load_shards(out / "data", "train")
-    held_seqs, _ = load_shards(out / "data", "heldout")
+    train_seqs = load_shards(out / "data", "train")
+    held_seqs = load_shards(out / "data", "heldout")
 
     # ---- the head -------------------------------------------------------------------------------
     counts = answer_counts(train_seqs, target.cfg.vocab_size)
     ids = draft_vocab(counts, config.draft_vocab)
-    max_len = max(len(s.tokens) for s in train_seqs + held_seqs) + config.ttt_steps + 1
-    head = _new_head(target, layers, ids, max_len, config.seed).to(device)
-    answers = Answers(target, recorded, layers, ids, config.ttt_steps, device)
+    longest = max(len(s.tokens) for s in train_seqs + held_seqs)
+    head = _new_head(target, layers, ids, longest + config.ttt_steps + 1, config.seed).to(device)
+    answers = Answers(target, layers, ids, config.ttt_steps, device, longest, config.batch_size)
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
     per_epoch = -(-len(train_seqs) // config.batch_size)
     schedule = config.epochs * per_epoch                # the steps the learning rate's schedule spans
