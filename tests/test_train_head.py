@@ -84,6 +84,27 @@ def test_a_batchs_features_are_the_targets_own(trained):
         assert not batch.hidden[b, n:].any()
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
+def test_a_hybrid_targets_batch_features_are_its_own(tmp_path, family):
+    """A hybrid target (recurrent layers) reads a batch's answers packed, each row's recurrent
+    state starting from zero at position 0: the features equal each answer read alone, so a head
+    trains on a hybrid target's own states."""
+    from outpace.train.head_data import Answer
+    from outpace.weights.loader import load_model
+    from tiny import make_tiny
+    make_tiny(family, tmp_path)
+    target = load_model(tmp_path, torch.float32, "cpu", max_len=64)
+    g = torch.Generator().manual_seed(0)
+    seqs = [Answer(torch.randint(0, 256, (n,), generator=g), 3) for n in (9, 14, 5)]
+    answers = Answers(target, default_layers(target.cfg.num_layers), torch.arange(64), 2, "cpu", 14, len(seqs))
+    batch = answers.batch(seqs)
+    runner = ModelRunner(target, 1, 64, 8)
+    for b, seq in enumerate(seqs):
+        n = len(seq.tokens) - 1
+        _, want = runner.forward([Row(0, seq.tokens[:-1].tolist(), 0)], logits="none", hidden_layers=answers.layers)
+        torch.testing.assert_close(batch.hidden[b, :n], want[0][:, answers.features], rtol=1e-4, atol=1e-4)
+
+
 def test_a_fixed_seed_gives_the_same_head_paused_or_not(trained):
     root, config, summary = trained
     shutil.copytree(root / "a" / "data", root / "b" / "data")
