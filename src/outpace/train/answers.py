@@ -51,8 +51,8 @@ class Answers:
             is_answer[b, s.prompt_len:n] = True
         _, read = self.runner.forward([Row(b, s.tokens[:-1].tolist(), 0) for b, s in enumerate(seqs)],
                                       logits="none", hidden_layers=self.layers)           # [B, S, layers, H]
-        # outside inference mode (the head's gradients reach its inputs' products), padded with
-        # zeros past each sequence and to the unrolled steps' width
+        # copied out of the runner's inference-mode tensor (autograd keeps the features for the
+        # head's backward), zero past each sequence's end and up to the unrolled steps' width
         hidden = read.new_zeros(len(seqs), S + steps, *read.shape[2:])
         hidden[:, :S] = read
         with torch.no_grad():
