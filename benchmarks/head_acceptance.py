@@ -3,9 +3,9 @@
     python benchmarks/head_acceptance.py --dataset ../shared/data/spec_bench_question.jsonl --limit-per-category 2 --max-tokens 96 [--draft-head DIR ...]
 
 The target answers each category's first questions (first turns, greedy, its chat template);
-each head (default: the one that ships for the model) is then unrolled over those answers, their
-hidden states computed as the trainer computes its batches as `outpace train-head` measures its held-back
-prompts: chains of --steps drafts, teacher forced, a draft counting while every one before it
+each head (default: the one that ships for the model) is then unrolled over those answers as
+`outpace train-head` measures its held-back prompts (the target's hidden states computed as the
+trainer's batches compute them): chains of --steps drafts, teacher forced, a draft counting while every one before it
 was right. Prints per category and overall the mean drafts accepted in a row at an answer
 position (a verify step's mean acceptance length less one, had it drafted --steps tokens at
 every position) and how often the first draft was right. Then, at the same positions, n-gram
@@ -59,9 +59,9 @@ def main() -> None:
     if len(seqs) != len(chosen):
         sys.exit(f"{len(chosen) - len(seqs)} prompts were over {max_prompt} tokens and not answered")
     heads = args.draft_head or [str(shipped_head(args.model))]
+    longest = max(len(s.tokens) for s in seqs)
     results = {}
     for folder in heads:
-        longest = max(len(s.tokens) for s in seqs)
         head = load_eagle3_head(Path(folder), target.cfg, torch.float32, "cpu", longest + args.steps + 1)
         ids = torch.arange(len(head.d2t)) + head.d2t.cpu()
         runs = Answers(target, head.cfg.target_layers, ids, args.steps, "cpu", longest, 8).runs(head.eval(), seqs, 8)

@@ -268,8 +268,8 @@ class EagerStep:
     def _tell_verified(self, seqs: list[Sequence], budget: list[int], out: torch.Tensor, num_out: torch.Tensor,
                        hidden: torch.Tensor | None) -> None:
         """drafter.verified with the step's outcome (out [B, S], num_out [B], hidden [B, S, ...])
-        for the rows that speculate, or for all where the drafter hears plain requests: a plain
-        request (a baseline in the same engine) costs a head's catch-up nothing."""
+        for the rows that speculate: a plain request (a baseline in the same engine) costs a
+        head's catch-up nothing."""
         rows = speculating_rows(seqs)
         if not rows:
             return

@@ -1,6 +1,6 @@
 """EAGLE-3's training-time test: the head unrolled over whole sequences as it drafts.
 
-A batch holds B recorded sequences padded to T tokens; S = T - 1 pairs. Step 0 reads pair t
+A batch holds B answered sequences padded to T tokens; S = T - 1 pairs. Step 0 reads pair t
 (the target's features at t, token t + 1) at rotary position t, attending causally over the
 pairs, and predicts token t + 2: a first draft after the sequence's first t + 2 tokens. Step
 k > 0 reads, at index t, (step k - 1's output at t, token t + 1 + k) at rotary position t + k,
