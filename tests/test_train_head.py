@@ -19,7 +19,7 @@ from outpace.runner.model_runner import ModelRunner, Row
 from outpace.model.eagle3 import default_layers
 from outpace.train.answers import Answers
 from outpace.train.head_data import load_shards
-from outpace.train.head_trainer import TrainConfig, train_head
+from outpace.train.head_trainer import GROUP_BATCHES, TrainConfig, epoch_batches, train_head
 from safetensors.torch import load_file
 from tiny import make_tiny
 
@@ -147,6 +147,19 @@ def test_file_prompts_draws_that_many_of_the_file(trained):
     held = load_shards(root / "drawn" / "data", "heldout")
     train = load_shards(root / "drawn" / "data", "train")
     assert len({tuple(s.tokens[:s.prompt_len].tolist()) for s in held + train}) == 20
+
+
+def test_an_epochs_batches_hold_every_sequence_once_with_like_lengths():
+    """epoch_batches: every sequence once an epoch, each batch's lengths from a sorted run of its
+    group (so a batch's padding is what its group's spread leaves), the same order for the same
+    (seed, epoch) and another for another epoch."""
+    lengths = torch.randint(20, 800, (3 * 8 * GROUP_BATCHES + 5,), generator=torch.Generator().manual_seed(0)).tolist()
+    batches = epoch_batches(lengths, 8, seed=3, epoch=0)
+    assert sorted(j for b in batches for j in b) == list(range(len(lengths)))
+    assert len(batches) == -(-len(lengths) // 8) and sorted(map(len, batches))[1:] == [8] * (len(batches) - 1)
+    padded = sum(len(b) * max(lengths[j] for j in b) for b in batches)
+    assert padded < 1.1 * sum(lengths)                     # random batches of 8 here: about 1.6x
+    assert epoch_batches(lengths, 8, seed=3, epoch=0) == batches != epoch_batches(lengths, 8, seed=3, epoch=1)
 
 
 def test_no_prompts_is_refused():

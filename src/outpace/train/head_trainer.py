@@ -11,7 +11,8 @@ Steps, each resumable in the output folder:
      layers and at its last layer (whose final norm and LM head give the target's distributions)
      are computed from them as it trains (answers.py).
   3. The draft vocabulary: the `draft_vocab` target tokens most frequent in the training answers.
-  4. Training (unroll.py): `ttt_steps` unrolled steps a batch, AdamW, linear warm-up then cosine
+  4. Training (unroll.py): batches of like lengths (epoch_batches), `ttt_steps` unrolled steps a
+     batch, AdamW, linear warm-up then cosine
      decay to a tenth, gradients clipped at 0.5. The head's LM head starts from the target's rows
      of the draft vocabulary; its embedding is the target's, frozen and not saved. Every
      `eval_every` steps (and before the first) the held-back answers give the mean number of
@@ -48,6 +49,7 @@ from outpace.train.head_data import generate_shards, load_shards, read_prompts
 from outpace.train.self_prompts import self_prompts
 
 GRAD_CLIP = 0.5
+GROUP_BATCHES = 64      # batches whose sequences are sorted by length together (epoch_batches)
 MIN_LR_FRACTION = 0.1
 # settings a resumed run must share with the checkpoint it continues
 SAME_RUN = ("model", "self_prompts", "file_prompts", "num_prompts", "held_out", "max_tokens", "max_prompt_tokens", "draft_vocab",
@@ -135,7 +137,7 @@ def train_head(config: TrainConfig) -> dict:
         generate_shards(llm, part, out / "data", name, config.max_tokens, config.max_prompt_tokens, config.shard_size)
     data_s = time.perf_counter() - t0
     train_seqs = load_shards(out / "data", "train")
-    held_seqs = load_shards(out / "data", "heldout")
+    held_seqs = sorted(load_shards(out / "data", "heldout"), key=lambda s: len(s.tokens))  # batches of like lengths
 
     # ---- the head -------------------------------------------------------------------------------
     counts = answer_counts(train_seqs, target.cfg.vocab_size)
@@ -167,11 +169,13 @@ def train_head(config: TrainConfig) -> dict:
         log.append(evaluate())
         tqdm.write(f"step {step}: {log[-1]['mean_accepted']:.3f} drafts accepted a position (held back)")
     head.train()
+    lengths = [len(s.tokens) for s in train_seqs]
+    batches: dict[int, list[list[int]]] = {}
     while step < total:
         epoch, i = divmod(step, per_epoch)
-        generator = torch.Generator().manual_seed(config.seed * 1000003 + epoch)
-        perm = torch.randperm(len(train_seqs), generator=generator).tolist()
-        seqs = [train_seqs[j] for j in perm[i * config.batch_size:(i + 1) * config.batch_size]]
+        if epoch not in batches:
+            batches = {epoch: epoch_batches(lengths, config.batch_size, config.seed, epoch)}
+        seqs = [train_seqs[j] for j in batches[epoch][i]]
         for group in optimizer.param_groups:
             group["lr"] = _lr(config, step, schedule)
         with _autocast(device):
@@ -208,6 +212,21 @@ def train_head(config: TrainConfig) -> dict:
     with open(out / "log.jsonl", "w") as f:
         f.writelines(json.dumps(entry) + "\n" for entry in log)
     return summary
+
+
+def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """One epoch's batches of sequence indices, a function of (seed, epoch) alone: the sequences
+    shuffled, sorted by length within runs of GROUP_BATCHES batches, cut into batches, and the
+    batches shuffled. A batch is padded to its longest sequence and the unrolled attention costs
+    the square of that, so batches of like lengths train faster than random ones (on the default
+    model's data, whose lengths run from about 40 to 770 tokens, a random batch of 32 is mostly
+    padding)."""
+    generator = torch.Generator().manual_seed(seed * 1000003 + epoch)
+    perm = torch.randperm(len(lengths), generator=generator).tolist()
+    run = batch_size * GROUP_BATCHES
+    ordered = [j for r in range(0, len(perm), run) for j in sorted(perm[r:r + run], key=lengths.__getitem__)]
+    out = [ordered[b:b + batch_size] for b in range(0, len(ordered), batch_size)]
+    return [out[b] for b in torch.randperm(len(out), generator=generator).tolist()]
 
 
 def _new_head(target, layers: tuple[int, ...], ids: torch.Tensor, max_len: int, seed: int) -> Eagle3Head:

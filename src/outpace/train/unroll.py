@@ -83,14 +83,14 @@ def unrolled_loss(head: DraftHead, embed: torch.nn.Module, batch: Batch, steps: 
     loss = 0.0
     run = torch.ones(batch.tokens.shape[0], S, dtype=torch.bool, device=batch.tokens.device)     # all right so far
     accepted = torch.zeros(run.shape, dtype=torch.long, device=run.device)
+    target = batch.target_logits.softmax(-1)                # step k reads positions k + 1 .. k + S
     for k in range(steps):
         out = unroll.step(feature, batch.tokens[:, k + 1:k + 1 + S])
         logits = head.logits(out)                                                           # [B, S, Vd]
         labels = batch.tokens[:, k + 2:k + 2 + S]
         answer = batch.is_answer[:, k + 2:k + 2 + S]
         counted = answer & in_vocab[labels]
-        p = batch.target_logits[:, k + 1:k + 1 + S].softmax(-1)
-        cross = -(p * F.log_softmax(logits, -1)).sum(-1)
+        cross = -(target[:, k + 1:k + 1 + S] * F.log_softmax(logits, -1)).sum(-1)
         loss = loss + STEP_DECAY ** k * (cross * counted).sum() / counted.sum().clamp(min=1)
         with torch.no_grad():
             run &= answer & (head.to_target(logits.argmax(-1)) == labels)
