@@ -1,14 +1,16 @@
 """A head's acceptance offline, by the trainer's own measure, on Spec-Bench's answers by category.
 
-    python benchmarks/head_acceptance.py --dataset ../shared/data/spec_bench_question.jsonl --limit-per-category 2 --max-tokens 96 [--draft-head DIR ...]
+    python benchmarks/head_acceptance.py --dataset ../shared/data/spec_bench_question.jsonl --limit-per-category 2 --max-tokens 96 [--draft-head DIR ...] [--turns all]
 
-The target answers each category's first questions (first turns, greedy, its chat template);
+The target answers each category's first questions (first turns, or with --turns all every turn
+of a multi-turn question with its own earlier answers in context, as Spec-Bench runs them;
+greedy, its chat template);
 each head (default: the one that ships for the model) is then unrolled over those answers as
 `outpace train-head` measures its held-back prompts (the target's hidden states computed as the
 trainer's batches compute them): chains of --steps drafts, teacher forced, a draft counting while every one before it
 was right. Prints per category and overall the mean drafts accepted in a row at an answer
 position (a verify step's mean acceptance length less one, had it drafted --steps tokens at
-every position) and how often the first draft was right. Then, at the same positions, n-gram
+every position) and how often the first draft was right (with --turns all, also by turn). Then, at the same positions, n-gram
 lookup (prompt plus answer so far, 1- to 4-token suffixes, the most recent match, chains of --steps)
 by the length of the suffix its draft matched (0: no draft): which drafter is the better one where,
 the rule a chain of the two (`--ngram-first`) drafts by. No timing: the figures depend on the heads
@@ -43,6 +45,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--steps", type=int, default=7, help="drafts a chain holds (default 7, the trainer's)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--turns", choices=("first", "all"), default="first",
+                   help="first turns only, or every turn of multi-turn questions (default: first)")
     p.add_argument("--out", default=None, help="a JSON file for the figures")
     args = p.parse_args()
     if args.threads:
@@ -53,11 +57,11 @@ def main() -> None:
               max_model_len=max_prompt + args.max_tokens + 1)
     target = llm.engine.model
     with tempfile.TemporaryDirectory() as folder:
-        generate_shards(llm, [r.turns[0] for r in chosen], Path(folder), "answers", args.max_tokens, max_prompt,
-                        len(chosen))
+        prompts = [r.turns[:1] if args.turns == "first" else r.turns for r in chosen]
+        generate_shards(llm, prompts, Path(folder), "answers", args.max_tokens, max_prompt, len(chosen))
         seqs = load_shards(Path(folder), "answers")
-    if len(seqs) != len(chosen):
-        sys.exit(f"{len(chosen) - len(seqs)} prompts were over {max_prompt} tokens and not answered")
+    if len(seqs) != sum(map(len, prompts)):
+        sys.exit(f"{sum(map(len, prompts)) - len(seqs)} turns were over {max_prompt} tokens and not answered")
     heads = args.draft_head or [str(shipped_head(args.model))]
     longest = max(len(s.tokens) for s in seqs)
     results = {}
@@ -67,8 +71,9 @@ def main() -> None:
         runs = Answers(target, head.cfg.target_layers, ids, args.steps, "cpu", longest, 8).runs(head.eval(), seqs, 8)
         by_category = defaultdict(lambda: [0, 0, 0])
         by_match = defaultdict(lambda: [0, 0, 0, 0, 0])     # [positions, n-gram run, head run, first right each]
-        for r, seq, run in zip(chosen, seqs, runs):
-            for total in (by_category[r.category], by_category["overall"]):
+        for seq, run in zip(seqs, runs):
+            r = chosen[seq.source]
+            for total in (by_category[r.category], by_category["overall"], by_category[f"turn {seq.turn + 1}"]):
                 for j, c in enumerate(run_counts(run)):
                     total[j] += c
             positions = sorted(run)
@@ -86,7 +91,8 @@ def main() -> None:
                                        for m, (n, a, h, af, hf) in by_match.items()}
     print("| category | positions | " + " | ".join(f"{Path(h).name}: accepted in a row, 1st right" for h in heads) + " |")
     print("|---|---|" + "---|" * len(heads))
-    for c in list(dict.fromkeys(r.category for r in chosen)) + ["overall"]:
+    turns = [f"turn {t + 1}" for t in range(max(s.turn for s in seqs) + 1)] if args.turns == "all" else []
+    for c in list(dict.fromkeys(r.category for r in chosen)) + ["overall"] + turns:
         rows = [results[h]["by_category"][c] for h in heads]
         cells = " | ".join(f"{r['mean_accepted']:.2f}, {r['first_right']:.0%}" for r in rows)
         print(f"| {c} | {rows[0]['positions']} | {cells} |")

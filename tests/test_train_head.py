@@ -18,7 +18,7 @@ from outpace.errors import InvalidParameterError
 from outpace.runner.model_runner import ModelRunner, Row
 from outpace.model.eagle3 import default_layers
 from outpace.train.answers import Answers
-from outpace.train.head_data import load_shards
+from outpace.train.head_data import generate_shards, load_shards
 from outpace.train.head_trainer import GROUP_BATCHES, TrainConfig, epoch_batches, train_head
 from safetensors.torch import load_file
 from tiny import make_tiny
@@ -160,6 +160,28 @@ def test_an_epochs_batches_hold_every_sequence_once_with_like_lengths():
     padded = sum(len(b) * max(lengths[j] for j in b) for b in batches)
     assert padded < 1.1 * sum(lengths)                     # random batches of 8 here: about 1.6x
     assert epoch_batches(lengths, 8, seed=3, epoch=0) == batches != epoch_batches(lengths, 8, seed=3, epoch=1)
+
+
+def test_a_conversations_turns_are_answered_with_the_answers_before_them(trained):
+    """A prompt given as a list of user turns: each turn is answered with the conversation so far
+    (the target's own earlier answers) as its context, each answer kept with its source and
+    turn; a turn whose context is over max_prompt_tokens is skipped with the rest of its
+    conversation."""
+    root, config, _ = trained
+    llm = LLM(str(root / "target"), spec="none", device="cpu", dtype="float32", max_num_seqs=4, calibrate=False,
+              max_model_len=512)
+    prompts = ["What is 2 plus 2?", ["Name a colour.", "And another one?"], ["x " * 100, "never asked"]]
+    generate_shards(llm, prompts, root / "conversations", "c", 8, 120, 8)
+    answers = load_shards(root / "conversations", "c")
+    assert [(a.source, a.turn) for a in answers] == [(0, 0), (1, 0), (1, 1)]
+    first, second = answers[1], answers[2]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    text = llm.generate([first.tokens[:first.prompt_len].tolist()], params, speculate=False)[0].text
+    context = llm.tokenizer.encode_chat([{"role": "user", "content": "Name a colour."},
+                                         {"role": "assistant", "content": text},
+                                         {"role": "user", "content": "And another one?"}])
+    assert second.tokens[:second.prompt_len].tolist() == context
+    assert second.tokens[second.prompt_len:].tolist() == llm.generate([context], params, speculate=False)[0].token_ids
 
 
 def test_no_prompts_is_refused():

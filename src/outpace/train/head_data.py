@@ -6,9 +6,14 @@ trains (answers.py), so the data's size does not grow with the target's width an
 the four layers the default model's head learns from would take 4.6 kB a token (30 GB for 6.8M
 tokens), a 1.5B model's 12 kB, where the tokens take a few bytes.
 
+A prompt may be a conversation (a list of user turns): each turn is answered with the
+conversation so far in its context, the target's own earlier answers included, as Spec-Bench
+runs its multi-turn questions, and each answer is kept with its context.
+
 Prompts are answered in shards of `shard_size`, each saved to <dir>/<name>-<index>.pt once
 complete (written to a temporary file, then renamed), so an interrupted run resumes at the first
-missing shard. A shard holds tokens (a list of lists, prompt then answer) and prompt_lens.
+missing shard. A shard holds tokens (a list of lists, context then answer), prompt_lens, and
+for each answer the index of its prompt in the list answered (sources) and its turn (turns).
 """
 from __future__ import annotations
 
@@ -28,10 +33,12 @@ from outpace.llm import LLM
 
 @dataclass
 class Answer:
-    """One answered prompt: tokens [T] (prompt then answer)."""
+    """One answered turn: tokens [T] (its context, then the answer)."""
 
     tokens: torch.Tensor
     prompt_len: int
+    source: int = 0         # the index of its prompt in the list answered
+    turn: int = 0           # which of the prompt's user turns it answers
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -47,27 +54,44 @@ def read_prompts(path: Path) -> list[str]:
     return prompts
 
 
-def generate_shards(llm: LLM, prompts: list[str], folder: Path, name: str, max_tokens: int, max_prompt_tokens: int,
-                    shard_size: int) -> None:
-    """Answer `prompts` (their chat-formatted ids over max_prompt_tokens are skipped) in shards,
-    skipping shards already on disk."""
+def generate_shards(llm: LLM, prompts: list[str | list[str]], folder: Path, name: str, max_tokens: int,
+                    max_prompt_tokens: int, shard_size: int) -> None:
+    """Answer `prompts` (each one user turn, or a conversation's user turns) in shards, skipping
+    shards already on disk. A turn whose chat-formatted context is over max_prompt_tokens is
+    skipped with the rest of its conversation."""
     folder.mkdir(parents=True, exist_ok=True)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    tokenizer = llm.tokenizer
-    num_shards = -(-len(prompts) // shard_size)
+    conversations = [[p] if isinstance(p, str) else list(p) for p in prompts]
+    num_shards = -(-len(conversations) // shard_size)
     todo = [s for s in range(num_shards) if not _shard_path(folder, name, s).exists()]
-    bar = tqdm(total=sum(len(prompts[s * shard_size:(s + 1) * shard_size]) for s in todo), desc=f"answering ({name})",
-               unit="prompt")
+    bar = tqdm(total=sum(len(c) for s in todo for c in conversations[s * shard_size:(s + 1) * shard_size]),
+               desc=f"answering ({name})", unit="turn")
     for s in todo:
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}])
-                 for p in prompts[s * shard_size:(s + 1) * shard_size]]
-        ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-        kept = [i for i in ids if len(i) <= max_prompt_tokens]
-        bar.update(len(ids) - len(kept))
-        outputs = llm.generate(kept, params, on_tokens=lambda seq: bar.update(1) if seq.is_finished else None,
-                               speculate=False)
-        shard = {"tokens": [prompt + out.token_ids for prompt, out in zip(kept, outputs)],
-                 "prompt_lens": [len(p) for p in kept]}
+        first = s * shard_size
+        part = conversations[first:first + shard_size]
+        history: list[list[dict] | None] = [[] for _ in part]       # None: dropped (a context too long)
+        shard = {"tokens": [], "prompt_lens": [], "sources": [], "turns": []}
+        for turn in range(max(map(len, part))):
+            kept, ids = [], []
+            for i, turns in enumerate(part):
+                if turn >= len(turns) or history[i] is None:
+                    continue
+                history[i].append({"role": "user", "content": turns[turn]})
+                context = llm.tokenizer.encode_chat(history[i], add_generation_prompt=True)
+                if len(context) > max_prompt_tokens:
+                    bar.update(len(turns) - turn)
+                    history[i] = None
+                    continue
+                kept.append(i)
+                ids.append(context)
+            outputs = llm.generate(ids, params, on_tokens=lambda seq: bar.update(1) if seq.is_finished else None,
+                                   speculate=False) if ids else []
+            for i, context, out in zip(kept, ids, outputs):
+                history[i].append({"role": "assistant", "content": out.text})
+                shard["tokens"].append(context + out.token_ids)
+                shard["prompt_lens"].append(len(context))
+                shard["sources"].append(first + i)
+                shard["turns"].append(turn)
         path = _shard_path(folder, name, s)
         torch.save(shard, path.with_suffix(".tmp"))
         os.replace(path.with_suffix(".tmp"), path)
@@ -79,8 +103,10 @@ def load_shards(folder: Path, name: str) -> list[Answer]:
     answers = []
     for path in sorted(folder.glob(f"{name}-*.pt")):
         shard = torch.load(path, weights_only=True)
-        answers += [Answer(torch.tensor(tokens), prompt_len)
-                    for tokens, prompt_len in zip(shard["tokens"], shard["prompt_lens"])]
+        n = len(shard["tokens"])
+        answers += [Answer(torch.tensor(tokens), prompt_len, source, turn)
+                    for tokens, prompt_len, source, turn in zip(shard["tokens"], shard["prompt_lens"],
+                                                                shard.get("sources", [0] * n), shard.get("turns", [0] * n))]
     return answers
 
 
