@@ -73,7 +73,8 @@ def main() -> None:
         by_match = defaultdict(lambda: [0, 0, 0, 0, 0])     # [positions, n-gram run, head run, first right each]
         for seq, run in zip(seqs, runs):
             r = chosen[seq.source]
-            for total in (by_category[r.category], by_category["overall"], by_category[f"turn {seq.turn + 1}"]):
+            keys = (r.category, "overall") + ((f"turn {seq.turn + 1}",) if args.turns == "all" else ())
+            for total in (by_category[k] for k in keys):
                 for j, c in enumerate(run_counts(run)):
                     total[j] += c
             positions = sorted(run)

@@ -210,11 +210,13 @@ def test_ab_revisions_runs_a_command_in_both_revisions(monkeypatch, capsys):
         ab_revisions.main()
 
 
-def test_head_acceptance_counts_every_category(tmp_path, dataset, default_model_dir, monkeypatch, capsys):
+@pytest.mark.parametrize("turns", ["first", "all"])
+def test_head_acceptance_counts_every_category(tmp_path, dataset, default_model_dir, monkeypatch, capsys, turns):
     """benchmarks/head_acceptance.py on a tiny target and a random head: a row per category and
-    overall, the overall's positions those of the categories, a first draft right at no more
-    positions than drafts accepted in a row (each right first draft is one of them); by the
-    lookup's match length, the same positions split, and the same bound for each drafter."""
+    overall (and with --turns all per turn), the overall's positions those of the categories and
+    of the turns, a first draft right at no more positions than drafts accepted in a row (each
+    right first draft is one of them); by the lookup's match length, the same positions split,
+    and the same bound for each drafter."""
     import sys
     from pathlib import Path
 
@@ -228,12 +230,17 @@ def test_head_acceptance_counts_every_category(tmp_path, dataset, default_model_
     write_eagle3_head(head, target_config(target), layer_ids=(1, 2, 4), dtype=torch.float32)
     out = tmp_path / "acceptance.json"
     monkeypatch.setattr(sys, "argv", ["head_acceptance.py", "--dataset", str(dataset), "--model", str(target),
-                                      "--draft-head", str(head), "--max-tokens", "12", "--out", str(out)])
+                                      "--draft-head", str(head), "--max-tokens", "12", "--out", str(out),
+                                      "--turns", turns])
     head_acceptance.main()
     results = json.loads(out.read_text())[str(head)]
     figures, by_match = results["by_category"], results["by_match"]
-    assert set(figures) == {"writing", "summarization", "overall"}
+    by_turn = {"turn 1", "turn 2"} if turns == "all" else set()
+    assert set(figures) == {"writing", "summarization", "overall"} | by_turn
     assert figures["overall"]["positions"] == figures["writing"]["positions"] + figures["summarization"]["positions"] > 0
+    if turns == "all":
+        assert figures["overall"]["positions"] == figures["turn 1"]["positions"] + figures["turn 2"]["positions"]
+        assert figures["turn 2"]["positions"] > 0
     for f in figures.values():
         assert 0 <= f["first_right"] <= f["mean_accepted"]
     assert by_match["all"]["positions"] == figures["overall"]["positions"]
