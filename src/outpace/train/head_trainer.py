@@ -12,8 +12,7 @@ Steps, each resumable in the output folder:
      are computed from them as it trains (answers.py).
   3. The draft vocabulary: the `draft_vocab` target tokens most frequent in the training answers.
   4. Training (unroll.py): batches of like lengths (epoch_batches), `ttt_steps` unrolled steps a
-     batch, AdamW, linear warm-up then cosine
-     decay to a tenth, gradients clipped at 0.5. The head's LM head starts from the target's rows
+     batch, AdamW, linear warm-up then cosine decay to a tenth, gradients clipped at 0.5. The head's LM head starts from the target's rows
      of the draft vocabulary; its embedding is the target's, frozen and not saved. Every
      `eval_every` steps (and before the first) the held-back answers give the mean number of
      drafts accepted in a row at each answer position with chains of `ttt_steps` drafts.
@@ -218,9 +217,9 @@ def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) ->
     """One epoch's batches of sequence indices, a function of (seed, epoch) alone: the sequences
     shuffled, sorted by length within runs of GROUP_BATCHES batches, cut into batches, and the
     batches shuffled. A batch is padded to its longest sequence and the unrolled attention costs
-    the square of that, so batches of like lengths train faster than random ones (on the default
-    model's data, whose lengths run from about 40 to 770 tokens, a random batch of 32 is mostly
-    padding)."""
+    the square of that; on the default model's data, whose lengths run from about 40 to 770
+    tokens, a random batch of 32 is mostly padding. (On an H200 that padding was about a tenth of
+    a step's time: most of it lies elsewhere.)"""
     generator = torch.Generator().manual_seed(seed * 1000003 + epoch)
     perm = torch.randperm(len(lengths), generator=generator).tolist()
     run = batch_size * GROUP_BATCHES
