@@ -18,7 +18,7 @@ from outpace.errors import InvalidParameterError
 from outpace.runner.model_runner import ModelRunner, Row
 from outpace.model.eagle3 import default_layers
 from outpace.train.answers import Answers
-from outpace.train.head_data import generate_shards, load_shards
+from outpace.train.head_data import Answer, generate_shards, load_shards
 from outpace.train.head_trainer import GROUP_BATCHES, TrainConfig, epoch_batches, train_head
 from safetensors.torch import load_file
 from tiny import make_tiny
@@ -89,9 +89,7 @@ def test_a_hybrid_targets_batch_features_are_its_own(tmp_path, family):
     """A hybrid target (recurrent layers) reads a batch's answers packed, each row's recurrent
     state starting from zero at position 0: the features equal each answer read alone, so a head
     trains on a hybrid target's own states."""
-    from outpace.train.head_data import Answer
     from outpace.weights.loader import load_model
-    from tiny import make_tiny
     make_tiny(family, tmp_path)
     target = load_model(tmp_path, torch.float32, "cpu", max_len=64)
     g = torch.Generator().manual_seed(0)

@@ -169,12 +169,12 @@ def train_head(config: TrainConfig) -> dict:
         tqdm.write(f"step {step}: {log[-1]['mean_accepted']:.3f} drafts accepted a position (held back)")
     head.train()
     lengths = [len(s.tokens) for s in train_seqs]
-    batches: dict[int, list[list[int]]] = {}
+    batches_epoch, batches = -1, []                     # the current epoch's epoch_batches
     while step < total:
         epoch, i = divmod(step, per_epoch)
-        if epoch not in batches:
-            batches = {epoch: epoch_batches(lengths, config.batch_size, config.seed, epoch)}
-        seqs = [train_seqs[j] for j in batches[epoch][i]]
+        if epoch != batches_epoch:
+            batches_epoch, batches = epoch, epoch_batches(lengths, config.batch_size, config.seed, epoch)
+        seqs = [train_seqs[j] for j in batches[i]]
         for group in optimizer.param_groups:
             group["lr"] = _lr(config, step, schedule)
         with _autocast(device):
