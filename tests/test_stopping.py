@@ -107,3 +107,25 @@ def test_checker_releases_held_text_at_the_end():
 def test_stop_limits(stop, words):
     with pytest.raises(InvalidParameterError, match=words):
         SamplingParams(stop=stop)
+
+
+@pytest.mark.parametrize("max_tokens, stop_ids, reason, kept", [(4, [], "length", 4), (100, [ord("r")], "stop", 9)])
+def test_without_detokenizing_tokens_stop_alike_and_text_stays_empty(max_tokens, stop_ids, reason, kept):
+    ids = [ord(c) for c in "hello world, again"]
+    ends = []
+    for detokenize in (True, False):
+        params = SamplingParams(max_tokens=max_tokens, stop_token_ids=stop_ids, detokenize=detokenize, ignore_eos=True)
+        seq = Sequence(0, [ord(">")], params)
+        checker = StopChecker(CharTokenizer(), params, [], max_model_len=1000)
+        for i in range(0, len(ids), 3):
+            checker.append(seq, ids[i:i + 3])
+            if seq.finish_reason:
+                break
+        ends.append((seq.output_ids, seq.finish_reason, seq.text))
+    assert ends[0][:2] == ends[1][:2] == (ids[:kept], reason)
+    assert ends[0][2] == "".join(map(chr, ids[:kept]))[:len(ends[0][2])] != "" and ends[1][2] == ""
+
+
+def test_stop_strings_need_detokenizing():
+    with pytest.raises(InvalidParameterError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)

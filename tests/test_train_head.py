@@ -63,7 +63,7 @@ def test_training_raises_acceptance_on_held_back_prompts(trained):
 
 
 def test_a_batchs_features_are_the_targets_own(trained):
-    """A batch's answers of different lengths read in one packed forward: each one's hidden states
+    """A batch's answers of different lengths read in one padded forward: each one's hidden states
     at the head's layers and its target logits over the draft vocabulary are the target's for
     that answer alone, and nothing past its end."""
     root, config, _ = trained
@@ -86,7 +86,7 @@ def test_a_batchs_features_are_the_targets_own(trained):
 
 @pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
 def test_a_hybrid_targets_batch_features_are_its_own(tmp_path, family):
-    """A hybrid target (recurrent layers) reads a batch's answers packed, each row's recurrent
+    """A hybrid target (recurrent layers) reads a batch's answers padded, each row's recurrent
     state starting from zero at position 0: the features equal each answer read alone, so a head
     trains on a hybrid target's own states."""
     from outpace.weights.loader import load_model

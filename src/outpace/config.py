@@ -29,6 +29,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    detokenize: bool = True         # False: outputs hold token ids alone, text "" (no stop strings then)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +47,8 @@ class SamplingParams:
                f"a stop string is longer than {MAX_STOP_CHARS} characters: shorten it")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers")
+        _check(self.detokenize or not self.stop, "stop strings need the output's text: drop stop, or keep "
+                                                 "detokenize on")
 
     @property
     def is_greedy(self) -> bool:

@@ -93,18 +93,28 @@ class StopChecker:
             if token in self.stop_ids:
                 seq.finish_reason = "stop"
                 break
-            new_text = self.decoder.step([token])
-            self.full_text += new_text
-            if self.stop_strings is not None:
-                at = self.stop_strings.feed(new_text)
-                if at is not None:
-                    self.full_text = self.full_text[:at]
-                    seq.finish_reason = "stop"
-                    self.is_stopped_by_string = True
-                    break
+            if self.params.detokenize and self._feed_text(token):
+                seq.finish_reason = "stop"
+                break
             if seq.num_output_tokens >= self.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 seq.finish_reason = "length"
                 break
+        if self.params.detokenize:
+            self._set_text(seq)
+        return appended
+
+    def _feed_text(self, token: int) -> bool:
+        """Detokenize one more token; True where a stop string ends the text."""
+        new_text = self.decoder.step([token])
+        self.full_text += new_text
+        at = self.stop_strings.feed(new_text) if self.stop_strings is not None else None
+        if at is not None:
+            self.full_text = self.full_text[:at]
+            self.is_stopped_by_string = True
+        return at is not None
+
+    def _set_text(self, seq) -> None:
+        """seq.text: the text so far, less what a stop string may yet claim."""
         if seq.finish_reason and not self.is_stopped_by_string:
             last = self.decoder.finish()                # a character held back at the very end
             self.full_text += last
@@ -113,4 +123,3 @@ class StopChecker:
                 self.full_text, seq.finish_reason = self.full_text[:at], "stop"
         held = 0 if seq.finish_reason or self.stop_strings is None else self.stop_strings.num_held
         seq.text = self.full_text[:len(self.full_text) - held]
-        return appended

@@ -49,12 +49,15 @@ class Answers:
             n = len(s.tokens)
             tokens[b, :n] = s.tokens
             is_answer[b, s.prompt_len:n] = True
-        _, read = self.runner.forward([Row(b, s.tokens[:-1].tolist(), 0) for b, s in enumerate(seqs)],
+        # every row padded to S from position 0: one causal forward, no mask, nothing packed; a
+        # sequence's padding comes after its tokens, so it changes none of their hidden states
+        _, read = self.runner.forward([Row(b, tokens[b, :S].tolist(), 0) for b in range(len(seqs))],
                                       logits="none", hidden_layers=self.layers)           # [B, S, layers, H]
         # copied out of the runner's inference-mode tensor (autograd keeps the features for the
         # head's backward), zero past each sequence's end and up to the unrolled steps' width
+        ends = torch.tensor([len(s.tokens) - 1 for s in seqs], device=read.device)
         hidden = read.new_zeros(len(seqs), S + steps, *read.shape[2:])
-        hidden[:, :S] = read
+        hidden[:, :S] = read.masked_fill((torch.arange(S, device=read.device) >= ends[:, None])[..., None, None], 0)
         with torch.no_grad():
             target_logits = self.target.norm(hidden[:, :, self.last]).float() @ self.lm_rows.T     # [B, S + steps, Vd]
         return Batch(tokens.to(self.device), is_answer.to(self.device), hidden[:, :S, self.features].float(),

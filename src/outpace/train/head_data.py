@@ -60,7 +60,8 @@ def generate_shards(llm: LLM, prompts: list[str | list[str]], folder: Path, name
     shards already on disk. A turn whose chat-formatted context is over max_prompt_tokens is
     skipped with the rest of its conversation."""
     folder.mkdir(parents=True, exist_ok=True)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    # an answer's text is needed only where its conversation goes on (the next turn's context)
+    params = {more: SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=more) for more in (False, True)}
     conversations = [[p] if isinstance(p, str) else list(p) for p in prompts]
     num_shards = -(-len(conversations) // shard_size)
     todo = [s for s in range(num_shards) if not _shard_path(folder, name, s).exists()]
@@ -84,7 +85,8 @@ def generate_shards(llm: LLM, prompts: list[str | list[str]], folder: Path, name
                     continue
                 kept.append(i)
                 ids.append(context)
-            outputs = llm.generate(ids, params, on_tokens=lambda seq: bar.update(1) if seq.is_finished else None,
+            outputs = llm.generate(ids, [params[turn + 1 < len(part[i])] for i in kept],
+                                   on_tokens=lambda seq: bar.update(1) if seq.is_finished else None,
                                    speculate=False) if ids else []
             for i, context, out in zip(kept, ids, outputs):
                 history[i].append({"role": "assistant", "content": out.text})

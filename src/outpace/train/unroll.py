@@ -60,18 +60,21 @@ class Unroll:
         return self.head.finish(residual, self._attend(q))
 
     def _attend(self, q: torch.Tensor) -> torch.Tensor:
-        """q [B, S, Hq, D] over step 0's keys (causal) and later steps' keys at the same index."""
-        S, groups, scale = q.shape[1], q.shape[2] // self.keys[0].shape[2], q.shape[-1] ** -0.5
-        wide = [(k.repeat_interleave(groups, 2), v.repeat_interleave(groups, 2)) for k, v in zip(self.keys, self.values)]
-        scores = torch.einsum("bshd,bthd->bhst", q, wide[0][0]) * scale                    # [B, Hq, S, S]
+        """q [B, S, Hq, D] over step 0's keys (causal) and later steps' keys at the same index.
+        Query head h reads key/value head h // groups: the queries are viewed as [B, S, KVH,
+        groups, D] rather than the keys repeated, so a step copies no keys or values."""
+        B, S, Hq, D = q.shape
+        KVH = self.keys[0].shape[2]
+        q, scale = q.view(B, S, KVH, Hq // KVH, D), D ** -0.5
+        scores = torch.einsum("bskgd,btkd->bkgst", q, self.keys[0]) * scale                 # [B, KVH, G, S, S]
         causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
-        diagonal = [((q * k).sum(-1) * scale).transpose(1, 2)[..., None] for k, _ in wide[1:]]   # [B, Hq, S, 1]
+        diagonal = [torch.einsum("bskgd,bskd->bkgs", q, k)[..., None] * scale for k in self.keys[1:]]
         weights = torch.cat([scores, *diagonal], -1).float().softmax(-1).to(q.dtype)
-        out = torch.einsum("bhst,bthd->bshd", weights[..., :S], wide[0][1])
-        for j, (_, v) in enumerate(wide[1:]):
-            out = out + weights[..., S + j].transpose(1, 2)[..., None] * v
-        return out.flatten(-2)
+        out = torch.einsum("bkgst,btkd->bskgd", weights[..., :S], self.values[0])
+        for j, v in enumerate(self.values[1:]):
+            out = out + weights[..., S + j].permute(0, 3, 1, 2)[..., None] * v[:, :, :, None]
+        return out.flatten(-3)
 
 
 def unrolled_loss(head: DraftHead, embed: torch.nn.Module, batch: Batch, steps: int, in_vocab: torch.Tensor):
