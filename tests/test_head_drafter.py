@@ -570,6 +570,39 @@ def test_on_the_cpu_the_heads_products_run_in_the_kernels(folders):
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain32
 
 
+def test_on_the_cpu_causal_forwards_run_in_the_attention_kernel(folders):
+    """On the CPU a float32 head's catch-ups and chains attend in the target's attention kernel
+    (rotation, cache writes and attention in one call): their outputs, and the keys and values
+    they write, are the PyTorch path's through a causal mask, over entries written before."""
+    from outpace.kernels import cpu_kernels
+    if not cpu_kernels.has_library():
+        pytest.skip("no C compiler: the CPU kernels are not built")
+    llm = LLM(str(folders[0]), spec=SpecConfig(method="eagle3", draft_head=str(folders[1]), num_draft_tokens=4),
+              **dict(OPTIONS, dtype="float32"))
+    drafter = llm.engine.drafter
+    assert drafter.kernel_attention
+    torch.manual_seed(0)
+    B, S = 2, 5
+    feature = torch.randn(B, S, drafter.head.cfg.hidden_size)
+    tokens = torch.randint(0, 49152, (B, S))
+    slots = torch.tensor([2, 0])
+    positions = torch.tensor([[3], [0]]) + torch.arange(S)
+    drafter.k_cache.normal_()
+    drafter.v_cache.normal_()
+    before = drafter.k_cache.clone(), drafter.v_cache.clone()
+    results = []
+    for kernel in (True, False):
+        drafter.kernel_attention = kernel
+        drafter.k_cache.copy_(before[0])
+        drafter.v_cache.copy_(before[1])
+        with torch.inference_mode():
+            out = drafter._causal_forward(feature, tokens, slots, positions, 3 + S)
+        results.append((out, drafter.k_cache.clone(), drafter.v_cache.clone()))
+    for kernel, torch_path in zip(*results):
+        torch.testing.assert_close(kernel, torch_path, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(results[0][1], before[0])        # the pairs' keys were written
+
+
 def test_on_the_cpu_drafting_is_priced_at_what_it_takes(folders, plain):
     """A head whose drafting takes far longer than its load-time measure (here each propose
     sleeps ten of the target's calibrated plain steps, so that it holds on a fast CPU and a slow

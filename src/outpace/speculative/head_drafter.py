@@ -92,6 +92,8 @@ class HeadDrafter(Drafter):
             is_quantized = any(isinstance(m, (QuantizedLinear, QuantizedParts)) for m in context.target.modules())
             (quantize_linears if is_quantized else pack_linears)(head)
             head.kernels = cpu_kernels.pointwise_fits(context.dtype, context.device)
+        # causal forwards (catch-ups, chains) in the target's attention kernel (_causal_forward)
+        self.kernel_attention = cpu_kernels.attention_fits(head.cfg, context.dtype, context.device)
         cfg = head.cfg
         self.hidden_layers = cfg.target_layers
         self.embed = head.embed if head.embed is not None else context.target.embed
@@ -131,8 +133,7 @@ class HeadDrafter(Drafter):
             best = float("inf")
             for _ in range(3):
                 t0 = time.perf_counter()
-                out = self._forward(self.last_out.new_zeros(b, 1, H), zeros, slots, zeros, zeros,
-                                    torch.ones(b, 1, 1, 1, dtype=torch.bool, device=self.device))
+                out = self._causal_forward(self.last_out.new_zeros(b, 1, H), zeros, slots, zeros, 1)
                 self.head.logits(out)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
@@ -185,6 +186,28 @@ class HeadDrafter(Drafter):
         values = self.v_cache[:, :, :L].index_select(0, slots)
         return self.head.finish(residual, attend(q, keys, values, mask))
 
+    def _causal_forward(self, feature, tokens, slots, positions, kv_len: int) -> torch.Tensor:
+        """Pairs at positions [B, S] (rotary and cache positions alike, all below kv_len), each
+        attending to its slot's entries up to its own position: their outputs [B, S, H]. On the CPU
+        one call of the target's attention kernel rotates, writes and attends, where PyTorch takes
+        a mask and a dozen calls (a head forward there is mostly such calls' overhead)."""
+        if not self.kernel_attention:
+            mask = torch.arange(kv_len, device=self.device) <= positions[:, :, None]
+            return self._forward(feature, tokens, slots, positions, positions, mask[:, None])
+        head, cfg = self.head, self.head.cfg
+        residual, x = head.attention_input(feature, self.embed(tokens))
+        qkv = head.qkv(x).contiguous()                                          # [B, S, (H + 2 KVH) D]
+        qk = None
+        if head.q_norm is not None:
+            heads = qkv.unflatten(-1, (-1, cfg.head_dim))
+            qk = torch.cat([head.normed(head.q_norm, heads[..., :cfg.num_heads, :]),
+                            head.normed(head.k_norm, heads[..., cfg.num_heads:cfg.num_heads + cfg.num_kv_heads, :])],
+                           -2).contiguous()
+        cos, sin = (table[positions].to(qkv.dtype) for table in (head.rope_cos, head.rope_sin))
+        out = cpu_kernels.rope_attend(qkv, cfg.num_heads, cos, sin, self.k_cache, self.v_cache, slots, positions,
+                                      None, qk)
+        return head.finish(residual, out.view(*tokens.shape, -1))
+
     def _catch_up(self, hidden, tokens, slots: list[int], starts: list[int], last) -> None:
         """Pairs at positions starts[i] + j of B rows in slots (the target's hidden states
         [B, S, layers, H] there, tokens [B, S] the tokens after them), each attending causally to
@@ -193,8 +216,7 @@ class HeadDrafter(Drafter):
         device = self.device
         slots = torch.tensor(slots, device=device)
         positions = torch.tensor(starts, device=device)[:, None] + torch.arange(S, device=device)    # [B, S]
-        mask = torch.arange(max(starts) + S, device=device)[None, None, :] <= positions[:, :, None]
-        out = self._forward(self.head.features(hidden), tokens, slots, positions, positions, mask[:, None])
+        out = self._causal_forward(self.head.features(hidden), tokens, slots, positions, max(starts) + S)
         self.last_out[slots] = out[torch.arange(B, device=device), last]
 
     # ---- sequences ------------------------------------------------------------------------------
@@ -335,11 +357,9 @@ class HeadDrafter(Drafter):
         out = self.last_out[slots]                                              # [R, H]
         ids = self.head.logits(out).argmax(-1)                                  # [R] draft ids
         chain = [self.head.to_target(ids)]
-        keys = torch.arange(max_start + depth - 1, device=self.device)
         for d in range(1, depth):
             at = (starts + d - 1)[:, None]                                      # [R, 1]
-            mask = (keys <= at)[:, None, None, :]                               # [R, 1, 1, L]
-            out = self._forward(out[:, None], chain[-1][:, None], slots, at, at, mask)[:, 0]
+            out = self._causal_forward(out[:, None], chain[-1][:, None], slots, at, max_start + d)[:, 0]
             chain.append(self.head.to_target(self.head.logits(out).argmax(-1)))
         return torch.stack(chain, 1)
 
