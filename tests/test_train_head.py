@@ -118,6 +118,30 @@ def test_a_fixed_seed_gives_the_same_head_paused_or_not(trained):
         train_head(TrainConfig(**{**paused, "lr": 1e-3}))
 
 
+def test_a_head_trains_further_from_a_saved_one(trained):
+    """--init-head: the run starts from the saved head (stopped before its first step it writes
+    that head back bit for bit, and acceptance starts where the first run ended, not at the
+    untrained head's), keeps its draft vocabulary whatever --draft-vocab says, and its steps
+    change it; a resumed continuation must name the same head."""
+    root, config, summary = trained
+    first = load_file(str(root / "a" / "head" / "model.safetensors"))
+    runs = {}
+    for name, steps in (("again0", 0), ("again", 3)):
+        shutil.copytree(root / "a" / "data", root / name / "data")
+        runs[name] = train_head(TrainConfig(**{**vars(config), "out": str(root / name), "init_head": str(root / "a" / "head"),
+                                               "draft_vocab": 512, "max_steps": steps}))
+    start = runs["again0"]["acceptance"][0]["mean_accepted"]
+    assert abs(start - summary["acceptance"][-1]["mean_accepted"]) < 0.05
+    assert start > summary["acceptance"][0]["mean_accepted"] + 0.05
+    kept = load_file(str(root / "again0" / "head" / "model.safetensors"))
+    assert kept.keys() == first.keys() and all(torch.equal(kept[k], first[k]) for k in first)
+    assert runs["again"]["draft_vocab"] == len(first["d2t"]) == 1024
+    trained_further = load_file(str(root / "again" / "head" / "model.safetensors"))
+    assert torch.equal(trained_further["d2t"], first["d2t"]) and not torch.equal(trained_further["fc.weight"], first["fc.weight"])
+    with pytest.raises(InvalidParameterError, match="other settings"):
+        train_head(TrainConfig(**{**vars(config), "out": str(root / "again")}))
+
+
 def test_the_target_writes_its_own_prompts(tmp_path, default_model_dir):
     """--self-prompts: the default model, opened at a user turn of its chat template, writes
     distinct finished prompts; the same seed gives the same ones, and a rerun reads them back from

@@ -10,7 +10,9 @@ Steps, each resumable in the output folder:
      engine); data/ holds the answers' tokens. Each batch's hidden states at the head's three
      layers and at its last layer (whose final norm and LM head give the target's distributions)
      are computed from them as it trains (answers.py).
-  3. The draft vocabulary: the `draft_vocab` target tokens most frequent in the training answers.
+  3. The draft vocabulary: the `draft_vocab` target tokens most frequent in the training answers;
+     with `init_head` the head starts from that head's weights and keeps its draft vocabulary and
+     layers (a head trained further on new prompts: data need not outlive a session).
   4. Training (unroll.py): batches of like lengths (epoch_batches), `ttt_steps` unrolled steps a
      batch, AdamW, linear warm-up then cosine decay to a tenth, gradients clipped at 0.5. The head's LM head starts from the target's rows
      of the draft vocabulary; its embedding is the target's, frozen and not saved. Every
@@ -41,18 +43,19 @@ from outpace.engine.llm_engine import resolve_device
 from outpace.errors import InvalidParameterError
 from outpace.llm import LLM
 from outpace.model.draft_head import HeadConfig
-from outpace.model.eagle3 import Eagle3Head, default_layers, save_eagle3_head
+from outpace.model.eagle3 import Eagle3Head, default_layers, load_eagle3_head, save_eagle3_head
 from outpace.train.draft_vocab import answer_counts, coverage, draft_vocab
 from outpace.train.answers import Answers, lm_head_rows
 from outpace.train.head_data import generate_shards, load_shards, read_prompts
 from outpace.train.self_prompts import self_prompts
+from outpace.weights.hub import shipped_head
 
 GRAD_CLIP = 0.5
 GROUP_BATCHES = 64      # batches whose sequences are sorted by length together (epoch_batches)
 MIN_LR_FRACTION = 0.1
 # settings a resumed run must share with the checkpoint it continues
 SAME_RUN = ("model", "self_prompts", "file_prompts", "num_prompts", "held_out", "max_tokens", "max_prompt_tokens", "draft_vocab",
-            "ttt_steps", "epochs", "batch_size", "lr", "warmup_steps", "seed")
+            "ttt_steps", "epochs", "batch_size", "lr", "warmup_steps", "seed", "init_head")
 
 
 @dataclass
@@ -72,6 +75,7 @@ class TrainConfig:
     # vocabulary's. The default model's head is then 9.8M parameters, 19.6 MB in bfloat16; 4096
     # makes it 14.9 MB
     draft_vocab: int = 8192
+    init_head: str | None = None    # start from this head's folder ("shipped": the model's shipped head)
     ttt_steps: int = 7              # unrolled steps (EAGLE-3's training-time test; SpecForge's default)
     epochs: int = 2                 # the learning rate's schedule spans them
     max_steps: int | None = None    # stop (or pause: a later run resumes) after this many steps; default: the epochs'
@@ -123,7 +127,6 @@ def train_head(config: TrainConfig) -> dict:
               max_num_seqs=config.max_num_seqs, max_model_len=config.max_prompt_tokens + config.max_tokens + 1,
               calibrate=False)
     target = llm.engine.model
-    layers = default_layers(target.cfg.num_layers)
     if config.self_prompts:
         prompts = prompts + self_prompts(llm, config.self_prompts, config.seed, out / "self_prompts.jsonl")
     order = list(range(len(prompts)))
@@ -140,9 +143,15 @@ def train_head(config: TrainConfig) -> dict:
 
     # ---- the head -------------------------------------------------------------------------------
     counts = answer_counts(train_seqs, target.cfg.vocab_size)
-    ids = draft_vocab(counts, config.draft_vocab)
     longest = max(len(s.tokens) for s in train_seqs + held_seqs)
-    head = _new_head(target, layers, ids, longest + config.ttt_steps + 1, config.seed).to(device)
+    if config.init_head is not None:
+        folder = shipped_head(config.model) if config.init_head == "shipped" else Path(config.init_head)
+        head = _loaded_head(folder, target, longest + config.ttt_steps + 1)
+        ids, layers = head.to_target(torch.arange(head.cfg.draft_vocab_size)), head.cfg.target_layers
+    else:
+        ids, layers = draft_vocab(counts, config.draft_vocab), default_layers(target.cfg.num_layers)
+        head = _new_head(target, layers, ids, longest + config.ttt_steps + 1, config.seed)
+    head = head.to(device)
     answers = Answers(target, layers, ids, config.ttt_steps, device, longest, config.batch_size)
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
     per_epoch = -(-len(train_seqs) // config.batch_size)
@@ -197,7 +206,7 @@ def train_head(config: TrainConfig) -> dict:
     # ---- the result -----------------------------------------------------------------------------
     save_eagle3_head(head.float(), out / "head", getattr(torch, config.save_dtype), config.model)
     summary = {
-        "target": config.model, "device": str(device), "seed": config.seed,
+        "target": config.model, "device": str(device), "seed": config.seed, "init_head": config.init_head,
         "train_sequences": len(train_seqs), "train_tokens": sum(len(s.tokens) for s in train_seqs),
         "train_answer_tokens": sum(len(s.tokens) - s.prompt_len for s in train_seqs),
         "held_out_sequences": len(held_seqs), "steps": step, "ttt_steps": config.ttt_steps,
@@ -242,6 +251,15 @@ def _new_head(target, layers: tuple[int, ...], ids: torch.Tensor, max_len: int, 
         head.lm_head.weight.copy_(lm_head_rows(target, ids.to(target.embed.weight.device)).float().cpu())
         head.d2t.copy_(ids - torch.arange(len(ids)))
     return head
+
+
+def _loaded_head(folder: Path, target, max_len: int) -> Eagle3Head:
+    """The head in `folder`, checked against the target, in float32 and trainable."""
+    head = load_eagle3_head(folder, target.cfg, torch.float32, "cpu", max_len)
+    if head.embed is not None:      # the trainer reads the target's embedding, frozen and not saved
+        raise InvalidParameterError(f"the head in {folder} has an embedding of its own; train-head continues only "
+                                    "heads that share the target's")
+    return head.train().requires_grad_(True)
 
 
 def _lr(config: TrainConfig, step: int, schedule: int) -> float:
