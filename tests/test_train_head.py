@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from outpace import LLM, SamplingParams, SpecConfig
-from outpace.errors import InvalidParameterError
+from outpace.errors import InvalidParameterError, ModelNotFoundError
 from outpace.runner.model_runner import ModelRunner, Row
 from outpace.model.eagle3 import default_layers
 from outpace.train.answers import Answers
@@ -122,7 +122,8 @@ def test_a_head_trains_further_from_a_saved_one(trained):
     """--init-head: the run starts from the saved head (stopped before its first step it writes
     that head back bit for bit, and acceptance starts where the first run ended, not at the
     untrained head's), keeps its draft vocabulary whatever --draft-vocab says, and its steps
-    change it; a resumed continuation must name the same head."""
+    change it; a resumed continuation must name the same head, and a missing one is refused
+    before any prompt is answered."""
     root, config, summary = trained
     first = load_file(str(root / "a" / "head" / "model.safetensors"))
     runs = {}
@@ -140,6 +141,9 @@ def test_a_head_trains_further_from_a_saved_one(trained):
     assert torch.equal(trained_further["d2t"], first["d2t"]) and not torch.equal(trained_further["fc.weight"], first["fc.weight"])
     with pytest.raises(InvalidParameterError, match="other settings"):
         train_head(TrainConfig(**{**vars(config), "out": str(root / "again")}))
+    with pytest.raises(ModelNotFoundError, match="no config.json"):     # before any prompt is answered
+        train_head(TrainConfig(**{**vars(config), "out": str(root / "nohead"), "init_head": str(root / "missing")}))
+    assert not (root / "nohead" / "data").exists()
 
 
 def test_the_target_writes_its_own_prompts(tmp_path, default_model_dir):

@@ -127,6 +127,10 @@ def train_head(config: TrainConfig) -> dict:
               max_num_seqs=config.max_num_seqs, max_model_len=config.max_prompt_tokens + config.max_tokens + 1,
               calibrate=False)
     target = llm.engine.model
+    start = None                                        # a head to train further, checked before the answers
+    if config.init_head is not None:
+        folder = shipped_head(config.model) if config.init_head == "shipped" else Path(config.init_head)
+        start = _loaded_head(folder, target, config.max_prompt_tokens + config.max_tokens + config.ttt_steps + 1)
     if config.self_prompts:
         prompts = prompts + self_prompts(llm, config.self_prompts, config.seed, out / "self_prompts.jsonl")
     order = list(range(len(prompts)))
@@ -144,9 +148,8 @@ def train_head(config: TrainConfig) -> dict:
     # ---- the head -------------------------------------------------------------------------------
     counts = answer_counts(train_seqs, target.cfg.vocab_size)
     longest = max(len(s.tokens) for s in train_seqs + held_seqs)
-    if config.init_head is not None:
-        folder = shipped_head(config.model) if config.init_head == "shipped" else Path(config.init_head)
-        head = _loaded_head(folder, target, longest + config.ttt_steps + 1)
+    if start is not None:
+        head = start
         ids, layers = head.to_target(torch.arange(head.cfg.draft_vocab_size)), head.cfg.target_layers
     else:
         ids, layers = draft_vocab(counts, config.draft_vocab), default_layers(target.cfg.num_layers)
