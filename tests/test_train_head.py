@@ -175,6 +175,19 @@ def test_file_prompts_draws_that_many_of_the_file(trained):
     assert len({tuple(s.tokens[:s.prompt_len].tolist()) for s in held + train}) == 20
 
 
+def test_shards_hold_tensors_and_older_shards_of_lists_still_load(trained, tmp_path):
+    root, _, _ = trained
+    answers = load_shards(root / "a" / "data", "train")
+    shard = torch.load(sorted((root / "a" / "data").glob("train-*.pt"))[0], weights_only=True)
+    assert shard["tokens"].dtype == torch.int32 and int(shard["lengths"].sum()) == len(shard["tokens"])
+    first = answers[:len(shard["lengths"])]
+    torch.save({"tokens": [a.tokens.tolist() for a in first], "prompt_lens": [a.prompt_len for a in first]},
+               tmp_path / "old-00000.pt")
+    old = load_shards(tmp_path, "old")
+    assert [(a.tokens.tolist(), a.prompt_len, a.source, a.turn) for a in old] == \
+        [(a.tokens.tolist(), a.prompt_len, 0, 0) for a in first]
+
+
 def test_an_epochs_batches_hold_every_sequence_once_with_like_lengths():
     """epoch_batches: every sequence once an epoch, each batch's lengths from a sorted run of its
     group (so a batch's padding is what its group's spread leaves), the same order for the same
