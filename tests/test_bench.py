@@ -253,11 +253,12 @@ def test_head_acceptance_counts_every_category(tmp_path, dataset, default_model_
     assert "| overall |" in printed and "| all |" in printed
 
 
-def test_head_costs_times_every_drafting_step(tmp_path, dataset, default_model_dir, monkeypatch, capsys):
+@pytest.mark.parametrize("tree_width", [1, 3])
+def test_head_costs_times_every_drafting_step(tmp_path, dataset, default_model_dir, monkeypatch, capsys, tree_width):
     """benchmarks/head_costs.py on a tiny target and a random head: the uncalibrated controller
-    drafts the asked tokens at every step (a random head's drafts are rarely right, so a
-    controller that priced them would stop), every output equals plain, and each figure it
-    prints was measured."""
+    drafts the asked tokens (chains, or trees of that many nodes) at every step (a random head's
+    drafts are rarely right, so a controller that priced them would stop), every output equals
+    plain, and each figure it prints was measured."""
     import sys
     from pathlib import Path
 
@@ -270,15 +271,20 @@ def test_head_costs_times_every_drafting_step(tmp_path, dataset, default_model_d
     make_tiny("llama-4-layers", target, vocab_size=49152, tokenizer_from=default_model_dir, dtype=torch.float32)
     write_eagle3_head(head, target_config(target), layer_ids=(1, 2, 4), dtype=torch.float32)
     monkeypatch.setattr(sys, "argv", ["head_costs.py", "--dataset", str(dataset), "--model", str(target),
-                                      "--draft-head", str(head), "--max-tokens", "10", "--num-draft-tokens", "3"])
+                                      "--draft-head", str(head), "--max-tokens", "10", "--num-draft-tokens", "3",
+                                      "--tree-width", str(tree_width), "--weights", "fp32"])
     head_costs.main()
     out = capsys.readouterr().out
+    assert ("trees of width 3" if tree_width == 3 else "(chains)") in out
     prompts = int(out.split(" prompts")[0])
     assert f"{prompts} of {prompts} outputs equal plain" in out
     calls = int(out.split(" median over ")[1].split(" calls")[0])
     drafted = int(out.split(" of ")[-1].split(" drafted tokens")[0])
     # three drafted at every step but where the room left in max_tokens is less
     assert calls > 0 and 2 * calls < drafted <= 3 * calls
+    accepted = int(out.split("accepted ")[-1].split(" of ")[0])
+    steps = int(out.split(" over ")[-1].split(" verify steps")[0])
+    assert steps >= calls and f"mean acceptance length {(accepted + steps) / steps:.2f}" in out
 
 
 def test_transformers_assisted_generation_is_a_peer(tiny_folder):
