@@ -570,11 +570,14 @@ def test_on_the_cpu_the_heads_products_run_in_the_kernels(folders):
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain32
 
 
-def test_on_the_cpu_causal_forwards_run_in_the_attention_kernel(folders):
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_on_the_cpu_causal_forwards_run_in_the_attention_kernel(folders, qk_norm):
     """On the CPU a float32 head's catch-ups and chains attend in the target's attention kernel
     (rotation, cache writes and attention in one call): their outputs, and the keys and values
-    they write, are the PyTorch path's through a causal mask, over entries written before."""
+    they write, are the PyTorch path's through a causal mask, over entries written before; also
+    where the head norms its queries and keys (random norms given to the same head here)."""
     from outpace.kernels import cpu_kernels
+    from outpace.model.layers import RMSNorm
     if not cpu_kernels.has_library():
         pytest.skip("no C compiler: the CPU kernels are not built")
     llm = LLM(str(folders[0]), spec=SpecConfig(method="eagle3", draft_head=str(folders[1]), num_draft_tokens=4),
@@ -582,6 +585,12 @@ def test_on_the_cpu_causal_forwards_run_in_the_attention_kernel(folders):
     drafter = llm.engine.drafter
     assert drafter.kernel_attention
     torch.manual_seed(0)
+    if qk_norm:
+        D = drafter.head.cfg.head_dim
+        drafter.head.q_norm, drafter.head.k_norm = RMSNorm(D, 1e-6), RMSNorm(D, 1e-6)
+        with torch.no_grad():
+            drafter.head.q_norm.weight.uniform_(0.5, 1.5)
+            drafter.head.k_norm.weight.uniform_(0.5, 1.5)
     B, S = 2, 5
     feature = torch.randn(B, S, drafter.head.cfg.hidden_size)
     tokens = torch.randint(0, 49152, (B, S))
