@@ -408,7 +408,8 @@ def test_the_heads_own_graph_bodies_keep_its_drafts(folders, plain, tree_width):
     inactive rows in the spare region, a mask over the whole cache; eagerly here, as the bodies
     of its CUDA graphs): output equals plain output, the chains are still the head's run from
     scratch and stay on the device until the step's synchronisation, and trees (drafted eagerly
-    over the graphs' catch-up) keep the output too."""
+    over the graphs' catch-up) keep the output too and are the head's best children along their
+    paths."""
     llm = _llm(folders, tree_width=tree_width)
     engine, drafter = llm.engine, llm.engine.drafter
     drafter.graphs = HeadGraphs(drafter, 3, 256, 5, 4, chains=tree_width == 1)
@@ -427,6 +428,8 @@ def test_the_heads_own_graph_bodies_keep_its_drafts(folders, plain, tree_width):
     assert len(caught_up) > 20 and all(caught_up)
     # the drafts' lengths the step's host read gives are those proposed
     assert sum(o.spec["num_draft_tokens"] for o in out) == sum(drafted) > 0
+    if tree_width > 1:      # each tree drafted from the stored outputs the catch-up bodies left
+        _assert_best_children(llm, recorded.calls[::3], tree_width)
     if tree_width == 1:
         assert all(p.num_draft_host is None for p in proposals if p.tokens.numel())
         assert len(recorded.calls) > 20
@@ -515,12 +518,32 @@ def test_a_captured_chain_runs_only_the_depths_its_rooms_reach(folders):
 def test_tree_nodes_are_best_children_along_their_paths(folders, plain):
     width = 3
     llm = _llm(folders, tree_width=width, num_draft_tokens=6)
-    drafter = llm.engine.drafter
-    recorded = Recorded(llm, drafter)
+    recorded = Recorded(llm, llm.engine.drafter)
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain
+    _assert_best_children(llm, recorded.calls[::3], width)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_tree_nodes_are_best_children_along_their_paths(folders):
+    """On a GPU trees draft eagerly from the stored outputs that the head's catch-up graphs leave:
+    each node is among the best children along its path, as the same head run from scratch on the
+    CPU gives them (a stored output left behind by a catch-up would give other trees)."""
+    width = 3
+    spec = SpecConfig(method="eagle3", draft_head=str(folders[1]), num_draft_tokens=6, tree_width=width)
+    gpu = LLM(str(folders[0]), spec=spec, **OPTIONS | dict(device="cuda"))
+    assert gpu.engine.drafter.graphs is not None
+    recorded = Recorded(gpu, gpu.engine.drafter)
+    gpu.generate(PROMPTS, PARAMS)
+    _assert_best_children(_llm(folders, tree_width=width, num_draft_tokens=6), recorded.calls[::3], width)
+
+
+def _assert_best_children(llm, calls, width: int):
+    """Each recorded tree (real trees among them) holds at each node one of the `width` best
+    children of its path, by llm's head run from scratch."""
+    drafter = llm.engine.drafter
     head = drafter.head
-    assert any(len(set(tree)) > 1 and tree.count(-1) > 1 for _, _, tree in recorded.calls)   # real trees
-    for tokens, nodes, tree in recorded.calls[::3]:
+    assert any(len(set(tree)) > 1 and tree.count(-1) > 1 for _, _, tree in calls)   # real trees
+    for tokens, nodes, tree in calls:
         hidden = _hidden(llm, tokens, drafter.hidden_layers)
         for j, (token, parent) in enumerate(zip(nodes, tree)):
             assert parent < j
