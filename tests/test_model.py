@@ -66,6 +66,21 @@ def test_ragged_batch_equals_rows_alone(pair):
         torch.testing.assert_close(batched[i, :tails[s]], alone[s], atol=1e-9, rtol=1e-9)
 
 
+def test_rows_of_one_length_from_the_start_equal_rows_alone(pair):
+    """Rows of one length from position 0 (a trainer's padded batch, prompts of equal length) in
+    one forward give each row's own logits: in consecutive slots (one causal attention, no mask)
+    and scattered over a slot range (idle slots between them)."""
+    _, ours = pair
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 256, (12,), generator=g).tolist() for _ in range(2)]
+    runner = ModelRunner(ours, num_slots=4, max_len=512, max_step_tokens=64)
+    alone = [runner.forward([Row(0, p, 0)])[0][0] for p in prompts]
+    for slots in ([0, 1], [2, 0]):
+        batched, _ = runner.forward([Row(s, p, 0) for s, p in zip(slots, prompts)])
+        for i in range(2):
+            torch.testing.assert_close(batched[i], alone[i], atol=1e-9, rtol=1e-9)
+
+
 def test_prompt_chunks_cache_inside_a_decode_forward(pair):
     """Prompt chunks riding in a decode forward (one from position 0, one continuing its prompt)
     fill the cache as a forward of their own does, and the decode rows' logits are their own."""

@@ -110,7 +110,7 @@ class ForwardBatch:
     # rows' offsets in the slot range slot_start.. that attention reads as one view; the range's
     # other slots are idle rows whose outputs are dropped (mask then has one row per slot of it)
     span_rows: torch.Tensor | None = None
-    causal: bool = False           # rows of one length from position 0: mask None, keys j <= query i (faster kernels)
+    causal: bool = False           # rows of one length from position 0, consecutive slots: mask None, keys j <= query i
     window: int | None = None      # GRAPH: the sliding window the kernel applies
     # a token tree's rotary positions (each node's depth past the row's start) where they differ
     # from `positions`, where its keys and values are written (one entry a node); None: the same

@@ -124,9 +124,10 @@ class ModelRunner:
         lowest, span = min(slots), max(slots) - min(slots) + 1
         prompt_tokens = sum(lengths) if logits == "none" else sum(len(c.token_ids) for c in chunks)
         compute = self.prefill_dtype if prompt_tokens >= FP32_PREFILL_MIN_TOKENS else None
-        # rows of one length from position 0 (one prompt, or a trainer's padded batch): keys j <= query i
-        causal = (S > 1 and not packed and all(r.start == 0 for r in rows) and not exact and not self.window
-                  and not chunks)
+        # rows of one length from position 0 in consecutive slots (one prompt, a trainer's padded
+        # batch): keys j <= query i, no mask (rows scattered over a slot span attend through one)
+        causal = (S > 1 and not packed and is_contiguous and all(r.start == 0 for r in rows) and not exact
+                  and not self.window and not chunks)
         kind = self._attention(packed, compute, bool(chunks))
         in_torch = kind in (AttentionKind.DENSE, AttentionKind.PACKED)     # attention reads a mask
         span_rows = None
