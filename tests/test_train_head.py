@@ -159,7 +159,9 @@ def test_the_target_writes_its_own_prompts(tmp_path, default_model_dir):
     assert all("<|im_end|>" not in p for p in first)
     assert self_prompts(llm, 6, seed=1, path=tmp_path / "b.jsonl") == first
     assert self_prompts(llm, 6, seed=2, path=tmp_path / "c.jsonl") != first
-    (tmp_path / "a.jsonl").write_text((tmp_path / "a.jsonl").read_text().replace(first[0], "kept from the file"))
+    lines = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    lines[0]["prompt"] = "kept from the file"       # edited as JSON: a prompt's quotes are escaped there
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert self_prompts(llm, 6, seed=1, path=tmp_path / "a.jsonl")[0] == "kept from the file"
 
 
