@@ -163,9 +163,9 @@ class HeadDrafter(Drafter):
         if self.rope_tables is not None:
             # one product for q, k and v, then the rotation and both cache writes in one kernel
             # inside CUDA graphs (fused.rope_store), as the target's attention does
-            head, cfg = self.head, self.head.cfg
-            residual, x = head.attention_input(feature, self.embed(tokens))
-            qkv = linear(x, head.qkv).unflatten(-1, (-1, cfg.head_dim))                 # [B, S, H+2KVH, D]
+            cfg = self.head.cfg
+            residual, qkv = self._qkv(feature, tokens)
+            qkv = qkv.unflatten(-1, (-1, cfg.head_dim))                                 # [B, S, H+2KVH, D]
             cos, sin = (table[rope_positions].unsqueeze(-2) for table in self.rope_tables)
             split = cfg.num_heads + cfg.num_kv_heads
             q = rope_store(qkv[:, :, :split], qkv[:, :, split:], cos, sin, self.k_cache, self.v_cache, slots,
@@ -176,6 +176,12 @@ class HeadDrafter(Drafter):
         self.k_cache.index_put_(index, k.transpose(1, 2).to(self.k_cache.dtype))
         self.v_cache.index_put_(index, v.transpose(1, 2).to(self.v_cache.dtype))
         return residual, q
+
+    def _qkv(self, feature, tokens):
+        """Pairs (feature [B, S, H], tokens [B, S]) -> (residual [B, S, H], their query, key and
+        value heads in one product [B, S, (H + 2 KVH) D], unrotated)."""
+        residual, x = self.head.attention_input(feature, self.embed(tokens))
+        return residual, linear(x, self.head.qkv)
 
     def _forward(self, feature, tokens, slots, rope_positions, write_positions, mask) -> torch.Tensor:
         """project_store's pairs, each query attending to its slot's entries through mask
@@ -195,8 +201,8 @@ class HeadDrafter(Drafter):
             mask = torch.arange(kv_len, device=self.device) <= positions[:, :, None]
             return self._forward(feature, tokens, slots, positions, positions, mask[:, None])
         head, cfg = self.head, self.head.cfg
-        residual, x = head.attention_input(feature, self.embed(tokens))
-        qkv = head.qkv(x).contiguous()                                          # [B, S, (H + 2 KVH) D]
+        residual, qkv = self._qkv(feature, tokens)
+        qkv = qkv.contiguous()
         qk = None
         if head.q_norm is not None:
             heads = qkv.unflatten(-1, (-1, cfg.head_dim))

@@ -14,8 +14,9 @@ Steps, each resumable in the output folder:
      with `init_head` the head starts from that head's weights and keeps its draft vocabulary and
      layers (a head trained further on new prompts: data need not outlive a session).
   4. Training (unroll.py): batches of like lengths (epoch_batches), `ttt_steps` unrolled steps a
-     batch, AdamW, linear warm-up then cosine decay to a tenth, gradients clipped at 0.5. The head's LM head starts from the target's rows
-     of the draft vocabulary; its embedding is the target's, frozen and not saved. Every
+     batch, AdamW, linear warm-up then cosine decay to a tenth, gradients clipped at 0.5. The
+     head's LM head starts from the target's rows of the draft vocabulary (a new head's); its
+     embedding is the target's, frozen and not saved. Every
      `eval_every` steps (and before the first) the held-back answers give the mean number of
      drafts accepted in a row at each answer position with chains of `ttt_steps` drafts.
   5. checkpoint.pt every `checkpoint_every` steps (head, optimizer, step); a run finds it and
@@ -230,8 +231,8 @@ def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) ->
     shuffled, sorted by length within runs of GROUP_BATCHES batches, cut into batches, and the
     batches shuffled. A batch is padded to its longest sequence and the unrolled attention costs
     the square of that; on the default model's data, whose lengths run from about 40 to 770
-    tokens, a random batch of 32 is mostly padding. (On an H200 that padding was about a tenth of
-    a step's time: most of it lies elsewhere.)"""
+    tokens, a random batch of 32 is mostly padding (on an H200 about a tenth of a step's time:
+    most of a step lies elsewhere)."""
     generator = torch.Generator().manual_seed(seed * 1000003 + epoch)
     perm = torch.randperm(len(lengths), generator=generator).tolist()
     run = batch_size * GROUP_BATCHES
