@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from outpace import LLM, SamplingParams, SpecConfig
+from outpace.kernels import cpu_kernels
 from outpace.runner.model_runner import ModelRunner, Row
 from outpace.sampling.rejection import verify_greedy
 from outpace.sampling.tree import verify_tree
@@ -157,25 +158,50 @@ def test_sampled_trees_give_plain_seeded_sampling(tiny_folder):
             assert sum(s.stats.num_accepted_tokens for s in seqs) > 0
 
 
-def test_trees_in_bfloat16_on_the_cpu_kernels_are_refused(tmp_path, default_model_dir):
-    """Plain steps attend in the CPU kernels, a tree in PyTorch: in bfloat16 their roundings part
-    (the default model's quantized trees changed most prompts' greedy output), so a tree width
-    above 1 there is an error that says what to use; float32 runs."""
-    from heads import target_config, write_eagle3_head
-    from outpace.errors import InvalidParameterError
-    from outpace.kernels import cpu_kernels
+@pytest.mark.skipif(not cpu_kernels.has_library(), reason="the CPU kernels did not build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_the_cpu_kernels_each_node_computes_its_paths_bits(default_model_dir, dtype):
+    """Where the CPU kernels attend, a tree forward reads each node's keys through its path's
+    table: every node's logits must be bit for bit those of its path verified as a chain (the
+    losslessness of quantized trees rests on it), for two rows of different trees and lengths."""
+    model = load_model(default_model_dir, dtype, "cpu", 256)
+    runner, chain = ModelRunner(model, 3, 256, 16), ModelRunner(model, 1, 256, 16)
+    assert runner._attention(True, None, False).value == "cpu_kernel"
+    prompts = [list(range(300, 340)), list(range(900, 917))]
+    trees = [([20, 21, 22, 23, 24, 25], [-1, -1, 1, 0, 2, 4]), ([30, 31, 32], [-1, 0, -1])]
+    for slot, prompt in zip((1, 2), prompts):
+        runner.forward([Row(slot, prompt[:-1], 0)], logits="none")
+    rows = [Row(slot, [p[-1]] + nodes, len(p) - 1) for slot, p, (nodes, _) in zip((1, 2), prompts, trees)]
+    tree, _ = runner.forward_tree(rows, [parents for _, parents in trees])
+    for b, (prompt, (nodes, parents)) in enumerate(zip(prompts, trees)):
+        chain.forward([Row(0, prompt[:-1], 0)], logits="none")
+        for j in range(len(nodes)):
+            path, at = [], j
+            while at >= 0:
+                path.insert(0, nodes[at])
+                at = parents[at]
+            want, _ = chain.forward([Row(0, [prompt[-1]] + path, len(prompt) - 1)])
+            assert torch.equal(tree[b, j + 1], want[0, -1]), (b, j)
+        assert torch.equal(tree[b, 0], want[0, 0])
 
-    target, head = tmp_path / "target", tmp_path / "head"
-    make_tiny("llama-4-layers", target, vocab_size=49152, tokenizer_from=default_model_dir)
-    write_eagle3_head(head, target_config(target), dtype=torch.float32)
-    assert cpu_kernels.attention_fits(load_model(target, torch.bfloat16, "cpu", 64).cfg, torch.bfloat16,
-                                      torch.device("cpu")) == cpu_kernels.has_library()
-    options = dict(OPTIONS, dtype="bfloat16")
-    spec = SpecConfig(method="eagle3", draft_head=str(head), tree_width=2, num_draft_tokens=4)
-    if cpu_kernels.has_library():
-        with pytest.raises(InvalidParameterError, match="float32 weights"):
-            LLM(str(target), spec=spec, **options)
-    LLM(str(target), spec=spec, **dict(OPTIONS, dtype="float32")).generate(PROMPTS[:1], PARAMS)
+
+@pytest.mark.skipif(not cpu_kernels.has_library(), reason="the CPU kernels did not build")
+@pytest.mark.parametrize("kind", ["true-branch", "random"])
+def test_bfloat16_trees_on_the_cpu_kernels_keep_greedy_output(default_model_dir, kind):
+    """The default model's quantized weights with bfloat16 activations, whose plain steps attend
+    in the CPU kernels: trees of decoys and true branches, batched with prompt chunks, keep every
+    greedy output."""
+    options = dict(OPTIONS, dtype="bfloat16", max_model_len=128)
+    prompts = [[1, 9038, 2114, 253, 23790], list(range(400, 437)), [28, 4093, 2, 28, 4093]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain_out = [o.token_ids for o in LLM(str(default_model_dir), spec="none", **options).generate(prompts, params)]
+    truth = {tuple(p): o for p, o in zip(prompts, plain_out)} if kind == "true-branch" else None
+    llm = LLM(str(default_model_dir), spec=SpecConfig(num_draft_tokens=6), drafter=TreeDrafter(truth, seed=3),
+              **options)
+    out = llm.generate(prompts, params)
+    assert [o.token_ids for o in out] == plain_out
+    if kind == "true-branch":
+        assert sum(o.spec["num_accepted_tokens"] for o in out) > 0
 
 
 BRANCHY = [1, 2, 3, 9, 4, 1, 2, 3, 8, 4, 1, 2, 3, 7, 5, 1, 2, 3]     # "1 2 3" went three ways

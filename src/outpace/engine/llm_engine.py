@@ -16,7 +16,7 @@ from outpace.engine.sequence import Sequence, SpecStats
 from outpace.engine.step import EagerStep, Proposal, StepResult, chunk_rows
 from outpace.engine.stopping import StopChecker
 from outpace.errors import InvalidParameterError, PromptTooLongError
-from outpace.kernels import cpu_kernels, cpu_linear
+from outpace.kernels import cpu_linear
 from outpace.model.recurrent_rows import has_triton
 from outpace.runner.calibrate import measure_verify_cost
 from outpace.runner.cuda_graphs import CudaGraphRunner
@@ -74,7 +74,6 @@ class LLMEngine:
         self.workers = start_workers(folder, self.dtype, self.device, config.max_model_len, tp) if tp > 1 else None
         self.model = load_model(folder, self.dtype, self.device, config.max_model_len,
                                 self.workers.shard if self.workers else None, config.weights)
-        self._check_trees(config.spec.tree_width)
         # the CUDA graph runner on a GPU; a recurrent model's steps need the Triton kernels there
         self.uses_graphs = self.device.startswith("cuda") and (not self.model.is_recurrent or has_triton())
         spec = config.spec
@@ -106,20 +105,6 @@ class LLMEngine:
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
         self.load_s = time.perf_counter() - t0
-
-    def _check_trees(self, tree_width: int) -> None:
-        """Token trees verify through PyTorch's attention under a tree mask. Where plain steps
-        attend in the CPU kernels in bfloat16 (bf16 and quantized weights), the two round
-        differently, and int8-rounded activations magnify the difference: on the default model
-        speculative output parted from plain output in most prompts. So trees need float32 there."""
-        device = next(self.model.parameters()).device
-        if (tree_width > 1 and self.dtype != torch.float32
-                and cpu_kernels.attention_fits(self.model.cfg, self.dtype, device)):
-            raise InvalidParameterError(
-                f"token trees (tree_width {tree_width}) on the CPU need float32 weights: in {self.dtype} "
-                "plain decoding attends in outpace's CPU kernels and a tree through PyTorch's attention, "
-                "whose roundings differ, so outputs would not equal plain decoding's. Use --weights fp32, "
-                "or tree_width 1 (chains)")
 
     def _snapshots(self, config: EngineConfig, max_row_tokens: int) -> bool:
         """Whether a hybrid model rolls verify rows back from a state snapshot per token (else a

@@ -70,6 +70,12 @@ static inline float exp_f32(float x) {
 
 #include "cpu_avx512.h"
 
+/* The cache row holding the key of position p: p itself, or, for a token tree's node (map: its
+ * row of rope_attend's tree past the extent), the row map gives positions from map[0] on. */
+static inline long key_row(const int64_t *map, long p) {
+    return map == NULL || p < map[0] ? p : map[1 + p - map[0]];
+}
+
 /* sum of parts[0..LANES) in a fixed order */
 static inline float lanes_sum(const float *parts) {
     float total = 0.0f;
@@ -201,13 +207,14 @@ static void add_norm(int wide, const void *h, const void *delta, const void *wei
  * h [T, hidden]: the embedded tokens, replaced by the residual stream before the last layer's MLP
  * output; delta [T, hidden]: that output (the stream is h + delta, which the final norm adds).
  * Caches [layers, slots, KVH, L, D]; cos, sin, slots, slot_div, positions, window as rope_attend
- * takes them. keep [layers]: where layer i's output stream h + delta goes in kept [T, kept layers,
+ * takes them, tree and tree_stride too (NULL: no token trees). keep [layers]: where layer i's output stream h + delta goes in kept [T, kept layers,
  * hidden], or -1. wide: float32 activations, else bfloat16. Returns 0, -1 when memory ran out, -2
  * for sizes a kernel cannot take. */
 int decoder_stack(const StackLayer *layers, long n_layers, int wide, void *h, void *delta, long tokens, long hidden,
                   long inter, float eps, long NH, long KVH, long D, long L, long window, float scale, void *k_cache,
                   void *v_cache, long cache_stride, const void *cos, const void *sin, const int64_t *slots,
-                  long slot_div, const int64_t *positions, const int64_t *keep, long n_kept, void *kept) {
+                  long slot_div, const int64_t *positions, const int64_t *tree, long tree_stride, const int64_t *keep,
+                  long n_kept, void *kept) {
     long size = wide ? 4 : 2, width = (NH + 2 * KVH) * D;
     char *scratch = malloc((size_t)(tokens * (width + NH * D + hidden + 3 * inter) * size));
     if (!scratch) return -1;
@@ -222,10 +229,10 @@ int decoder_stack(const StackLayer *layers, long n_layers, int wide, void *h, vo
         if ((failed = product(&ly->qkv, x, wide, tokens, hidden, qkv, width))) break;
         failed = wide ? rope_attend_f32((const float *)qkv, width, (const float *)v, width, cos, sin, (float *)kc,
                                         (float *)vc, slots, slot_div, positions, tokens, NH, KVH, D, L, window, scale,
-                                        (float *)attn)
+                                        (float *)attn, tree, tree_stride)
                       : rope_attend_bf16((const bf16 *)qkv, width, (const bf16 *)v, width, cos, sin, (bf16 *)kc,
                                          (bf16 *)vc, slots, slot_div, positions, tokens, NH, KVH, D, L, window, scale,
-                                         (bf16 *)attn);
+                                         (bf16 *)attn, tree, tree_stride);
         if (failed || (failed = product(&ly->o, attn, wide, tokens, NH * D, delta, hidden))) break;
         add_norm(wide, h, delta, ly->post_norm, h, x, tokens, hidden, eps);
         if ((failed = product(&ly->gate_up, x, wide, tokens, hidden, gate_up, 2 * inter))) break;

@@ -85,10 +85,11 @@ def _loaded() -> tuple[ctypes.CDLL, str] | None:
         getattr(lib, f"silu_mul_{suffix}").argtypes = [p, p, i, i]
         getattr(lib, f"rope_{suffix}").argtypes = [p, i, i, p, p, i, i, p]
         rope_attend = getattr(lib, f"rope_attend_{suffix}")
-        rope_attend.argtypes = [p, i, p, i, p, p, p, p, p, i, p, i, i, i, i, i, i, f, p]
+        rope_attend.argtypes = [p, i, p, i, p, p, p, p, p, i, p, i, i, i, i, i, i, f, p, p, i]
         rope_attend.restype = ctypes.c_int
     lib.argmax_f32.argtypes = [p, i, i, p]
-    lib.decoder_stack.argtypes = [p, i, ctypes.c_int, p, p, i, i, i, f, i, i, i, i, i, f, p, p, i, p, p, p, i, p, p, i, p]
+    lib.decoder_stack.argtypes = [p, i, ctypes.c_int, p, p, i, i, i, f, i, i, i, i, i, f, p, p, i, p, p, p, i, p, p, i,
+                                  p, i, p]
     lib.decoder_stack.restype = ctypes.c_int
     lib.linear.argtypes = [p, ctypes.c_int, i, i, p, ctypes.c_int, i, p, p, i]
     lib.linear.restype = ctypes.c_int
@@ -248,7 +249,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 def rope_attend(qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, window: int | None,
-                qk: torch.Tensor | None = None) -> torch.Tensor:
+                qk: torch.Tensor | None = None, tree: torch.Tensor | None = None) -> torch.Tensor:
     """Rotation, cache writes and attention of T tokens in one call.
 
     qkv [..., (NH + 2 KVH) * D], contiguous, T rows of query, key and value heads; qk: the query
@@ -256,7 +257,8 @@ def rope_attend(qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch
     sin: each token's row of rope_tables' cos and signed sin in qkv's dtype [..., D]; caches
     [slots, KVH, L, D]; slots [T] or [B] (then T = B * S, rows of S tokens), positions: [T] or
     [B, S] int64. Each token attends to its slot's keys at positions <= its own (within the
-    window). Returns [T, NH * D]."""
+    window); with tree (tree_keys' table [T, ...]), a token tree's node attends to its path's.
+    Returns [T, NH * D]."""
     KVH, L, D = k_cache.shape[1:]
     width = (num_heads + 2 * KVH) * D
     T = qkv.numel() // width
@@ -266,11 +268,38 @@ def rope_attend(qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch
     failed = getattr(_library(), f"rope_attend_{SUFFIX[qkv.dtype]}")(
         qkv.data_ptr() if qk is None else qk.data_ptr(), width if qk is None else width - KVH * D, v, width,
         cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-        T // slots.numel(), positions.data_ptr(), T, num_heads, KVH, D, L, window or 0, D ** -0.5, out.data_ptr())
+        T // slots.numel(), positions.data_ptr(), T, num_heads, KVH, D, L, window or 0, D ** -0.5, out.data_ptr(),
+        *_tree_args(tree))
     if failed:
         raise MemoryError("out of memory for attention scores") if failed == -1 else ValueError(
             f"CPU attention kernel: unsupported heads ({num_heads} query, {KVH} key/value) or head size {D}")
     return out
+
+
+def tree_keys(starts: list[int], parents: list[list[int]]) -> torch.Tensor:
+    """rope_attend's table for token-tree rows: row i is its last token, at position starts[i],
+    then its nodes, node j (parent parents[i][j], an earlier node or -1 for the last token) written
+    at position starts[i] + 1 + j. Returns [T, 2 + most nodes on a path] int64, one row a token of
+    every row in order (T = rows' tokens): [extent, from, cache positions of positions from..]:
+    the token attends as a chain token at position extent (its row's start plus its depth) whose
+    positions past the start are its ancestors' and its own entries. Rows of one token are plain
+    decode rows (extent their position)."""
+    paths = []
+    for start, nodes in zip(starts, parents):
+        row = [[start]]                             # each token's entries along its path
+        for j, parent in enumerate(nodes):
+            row.append(row[parent + 1] + [start + 1 + j])
+        paths += [(start + len(path) - 1, start, path) for path in row]
+    width = 2 + max(len(path) for _, _, path in paths)
+    table = torch.zeros(len(paths), width, dtype=torch.int64)
+    for t, (extent, first, path) in enumerate(paths):
+        table[t, :2 + len(path)] = torch.tensor([extent, first, *path])
+    return table
+
+
+def _tree_args(tree: torch.Tensor | None) -> tuple:
+    """rope_attend's and decoder_stack's last two arguments for a tree table (or none)."""
+    return (None, 0) if tree is None else (tree.data_ptr(), tree.stride(0))
 
 
 MAX_PARTS = 3       # cpu_kernels.c's Product: runs of columns a product may have
@@ -312,8 +341,8 @@ class DecoderStack:
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, window: int | None,
-                 keep: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """h [T, H] the embedded tokens in the caches' dtype; cos, sin, slots, positions as
+                 keep: list[int], tree: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """h [T, H] the embedded tokens in the caches' dtype; cos, sin, slots, positions, tree as
         rope_attend takes them; caches [layers, slots, KVH, L, D]; keep: the layers whose output
         stream to return. Returns (h, delta) after the last layer (the stream is h + delta) and
         the kept layers' streams [T, len(keep), H] (None when keep is empty)."""
@@ -330,7 +359,7 @@ class DecoderStack:
             self.array, len(self.array), h.dtype == torch.float32, h.data_ptr(), delta.data_ptr(), T, hidden,
             self.intermediate, self.eps, self.num_heads, KVH, D, L, window or 0, D ** -0.5, k_cache.data_ptr(),
             v_cache.data_ptr(), k_cache.stride(0), cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
-            slots.data_ptr(), T // slots.numel(), positions.data_ptr(), at.data_ptr(), len(keep),
+            slots.data_ptr(), T // slots.numel(), positions.data_ptr(), *_tree_args(tree), at.data_ptr(), len(keep),
             None if kept is None else kept.data_ptr())
         if failed:
             raise MemoryError("out of memory in a CPU decoder step") if failed == -1 else ValueError(

@@ -113,14 +113,15 @@ static inline float NAME(dot)(const float *q, const T *k, long D) {
     return total + lanes_sum(parts);
 }
 
-/* acc [D] = sum over j < n of p[j] * values[j * D ..] */
-static inline void NAME(weighted_sum)(float *acc, const float *p, const T *values, long n, long D) {
+/* acc [D] = sum over j < n of p[j] * the value row of position first + j (key_row) */
+static inline void NAME(weighted_sum)(float *acc, const float *p, const T *values, long first, const int64_t *map,
+                                      long n, long D) {
     long i = 0;
 #ifdef LOAD16
     for (; i + 64 <= D; i += 64) {      /* four registers of sums held across the keys */
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (long j = 0; j < n; j++) {
-            const T *v = values + j * D + i;
+            const T *v = values + key_row(map, first + j) * D + i;
             __m512 w = _mm512_set1_ps(p[j]);
             a0 = _mm512_fmadd_ps(w, LOAD16(v), a0);
             a1 = _mm512_fmadd_ps(w, LOAD16(v + 16), a1);
@@ -135,28 +136,30 @@ static inline void NAME(weighted_sum)(float *acc, const float *p, const T *value
 #endif
     for (long k = i; k < D; k++) acc[k] = 0.0f;
     for (long j = 0; j < n && i < D; j++) {
-        for (long k = i; k < D; k++) acc[k] += p[j] * LOAD(values[j * D + k]);
+        const T *v = values + key_row(map, first + j) * D;
+        for (long k = i; k < D; k++) acc[k] += p[j] * LOAD(v[k]);
     }
 }
 
 /* Attention of one token's `group` query heads (unrotated, at q_heads) over one key/value head's
  * cache (keys, values: position 0 of [L, D]), keys at positions <= pos (and > pos - window when
- * window > 0); scratch: [group, pos + 1] scores then [group, D] queries and [group, D] sums. */
+ * window > 0), each read from its row key_row(map, position); scratch: [group, pos + 1] scores
+ * then [group, D] queries and [group, D] sums. */
 static void NAME(attend_group)(const T *q_heads, const T *cos, const T *sin, const T *keys, const T *values,
-                               long pos, long window, long group, long D, float scale, float *scratch, T *out) {
+                               long pos, const int64_t *map, long window, long group, long D, float scale,
+                               float *scratch, T *out) {
     long first = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0, n = pos + 1 - first;
     float *scores = scratch, *q = scratch + group * (pos + 1), *acc = q + group * D;
     float top[MAX_GROUP], total[MAX_GROUP];
-    keys += first * D;
-    values += first * D;
     for (long r = 0; r < group; r++) {
         NAME(rotate)(q_heads + r * D, cos, sin, D, q + r * D);
         top[r] = -INFINITY;
         total[r] = 0.0f;
     }
     for (long j = 0; j < n; j++) {
+        const T *key = keys + key_row(map, first + j) * D;
         for (long r = 0; r < group; r++) {
-            float s = NAME(dot)(q + r * D, keys + j * D, D) * scale;
+            float s = NAME(dot)(q + r * D, key, D) * scale;
             scores[r * n + j] = s;
             top[r] = s > top[r] ? s : top[r];
         }
@@ -166,7 +169,7 @@ static void NAME(attend_group)(const T *q_heads, const T *cos, const T *sin, con
         for (long j = 0; j < n; j++) p[j] = exp_f32(p[j] - top[r]);
         for (long j = 0; j < n; j++) total[r] += p[j];
     }
-    for (long r = 0; r < group; r++) NAME(weighted_sum)(acc + r * D, scores + r * n, values, n, D);
+    for (long r = 0; r < group; r++) NAME(weighted_sum)(acc + r * D, scores + r * n, values, first, map, n, D);
     for (long r = 0; r < group; r++) {
         for (long i = 0; i < D; i++) out[r * D + i] = STORE(acc[r * D + i] / total[r]);
     }
@@ -174,9 +177,9 @@ static void NAME(attend_group)(const T *q_heads, const T *cos, const T *sin, con
 
 #ifdef LOAD16
 /* Attention of `tokens` tokens of one slot, each at its own position, over one key/value head
- * (keys, values: position 0 of [L, D]), `group` query heads each (unrotated, token t's at
- * qk + t * qk_stride); out: token t's heads at out + t * out_stride. Keys go in blocks of 16 at
- * fixed positions (16b .. 16b + 15), each widened to float32 and transposed once for all the
+ * (keys, values: position 0 of [L, D], the key of a position at its row key_row(map, position)),
+ * `group` query heads each (unrotated, token t's at qk + t * qk_stride); out: token t's heads at
+ * out + t * out_stride. Keys go in blocks of 16 at fixed positions (16b .. 16b + 15), each widened to float32 and transposed once for all the
  * queries, so a query's 16 scores are one register of FMAs, four queries sharing each load. Two
  * passes: every score and each query's running maximum (lane by lane), then the exponentials and
  * the weighted values. A query's arithmetic depends on its own position (and window) alone: blocks
@@ -186,8 +189,9 @@ static void NAME(attend_group)(const T *q_heads, const T *cos, const T *sin, con
  * vdpbf16ps sums over pairs of values, the keys moved as pairs without widening.
  * D a multiple of 16. */
 static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, const T *sin, const T *keys,
-                                 const T *values, const int64_t *positions, long tokens, long window, long group,
-                                 long D, float scale, float *scratch, T *out, long out_stride) {
+                                 const T *values, const int64_t *positions, const int64_t *map, long tokens,
+                                 long window, long group, long D, float scale, float *scratch, T *out,
+                                 long out_stride) {
     long queries = tokens * group, lo = positions[0], hi = 0;
     long first[BLOCK_QUERIES], last[BLOCK_QUERIES];     /* each query's keys */
     for (long t = 0; t < tokens; t++) {
@@ -230,15 +234,16 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
         /* the first blocks, which the loop's prefetches never reach: keys and values alike before
          * the scores, the values' further blocks before the weighted values */
         for (long b = pass ? 16 * BLOCKS_AHEAD : 0; b < 16 * BLOCKS_AHEAD * (pass + 1) && base + b <= hi; b += 16) {
+            long row = key_row(map, base + b);     /* a block's rows are consecutive but for a tree's nodes */
             for (long k = 0; k < 16 * D * (long)sizeof(T) && k < (hi + 1 - base - b) * D * (long)sizeof(T); k += 64) {
-                if (!pass) _mm_prefetch((const char *)(keys + (base + b) * D) + k, _MM_HINT_T1);
-                _mm_prefetch((const char *)(values + (base + b) * D) + k, _MM_HINT_T1);
+                if (!pass) _mm_prefetch((const char *)(keys + row * D) + k, _MM_HINT_T1);
+                _mm_prefetch((const char *)(values + row * D) + k, _MM_HINT_T1);
             }
         }
         for (long j0 = base; j0 <= hi; j0 += 16) {
             long valid = hi - j0 + 1 < 16 ? hi - j0 + 1 : 16;     /* keys past hi may be unwritten */
             if (j0 + 16 * BLOCKS_AHEAD <= hi) {
-                const char *ahead = (const char *)((pass ? values : keys) + (j0 + 16 * BLOCKS_AHEAD) * D);
+                const char *ahead = (const char *)((pass ? values : keys) + key_row(map, j0 + 16 * BLOCKS_AHEAD) * D);
                 for (long b = 0; b < 16 * D * (long)sizeof(T); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
             }
 #ifdef DOT_PAIRS
@@ -246,7 +251,7 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
                 __m512 rows[16];
                 for (long j = 0; j < 16; j++) {
                     rows[j] = j >= valid ? _mm512_setzero_ps()
-                                         : _mm512_loadu_ps((const void *)(keys + (j0 + j) * D + d));
+                                         : _mm512_loadu_ps((const void *)(keys + key_row(map, j0 + j) * D + d));
                 }
                 transpose16(rows);
                 for (long i = 0; i < 16; i++) _mm512_storeu_ps(kt + (d / 2 + i) * 16, rows[i]);
@@ -260,8 +265,9 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
             uint32_t *vp = (uint32_t *)vb;
             for (long p = 0; pairs && pass && p < 8; p++) {
                 for (long d = 0; d < D; d += 32) {
-                    __m512i a = 2 * p < valid ? _mm512_loadu_si512(values + (j0 + 2 * p) * D + d) : _mm512_setzero_si512();
-                    __m512i b = 2 * p + 1 < valid ? _mm512_loadu_si512(values + (j0 + 2 * p + 1) * D + d)
+                    __m512i a = 2 * p < valid ? _mm512_loadu_si512(values + key_row(map, j0 + 2 * p) * D + d)
+                                              : _mm512_setzero_si512();
+                    __m512i b = 2 * p + 1 < valid ? _mm512_loadu_si512(values + key_row(map, j0 + 2 * p + 1) * D + d)
                                                   : _mm512_setzero_si512();
                     _mm512_storeu_si512(vp + ((p * (D / 32) + d / 32) * 2) * 16, _mm512_unpacklo_epi16(a, b));
                     _mm512_storeu_si512(vp + ((p * (D / 32) + d / 32) * 2 + 1) * 16, _mm512_unpackhi_epi16(a, b));
@@ -271,7 +277,8 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
             for (long d = 0; !pairs && d < D; d += 16) {
                 __m512 rows[16];
                 for (long j = 0; j < 16; j++) {
-                    rows[j] = j >= valid ? _mm512_setzero_ps() : LOAD16((pass ? values : keys) + (j0 + j) * D + d);
+                    rows[j] = j >= valid ? _mm512_setzero_ps()
+                                         : LOAD16((pass ? values : keys) + key_row(map, j0 + j) * D + d);
                 }
                 if (pass) {
                     for (long j = 0; j < 16; j++) _mm512_storeu_ps(vb + j * D + d, rows[j]);
@@ -450,10 +457,19 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
  * Every token is written before any attends, so a row's later tokens see its earlier ones.
  * Pieces of work are shared among OpenMP threads (built with OpenMP) when the keys read add up
  * to PARALLEL_MIN_KEYS. out [T, NH * D]. Returns 0, -1 when memory for the scores ran out, -2
- * for unsupported sizes. */
+ * for unsupported sizes.
+ *
+ * tree (NULL for rows of consecutive tokens): the tokens are nodes of token trees, written one
+ * cache entry a node but rotated at their depth, so a node's keys are not the positions below
+ * its own. Token t's row, tree + t * tree_stride, is [extent, from, rows...]: the node attends
+ * as a token at position extent would (keys at positions <= extent, within the window), reading
+ * the key of a position p >= from at cache position rows[p - from] (its ancestors', then its
+ * own) and of p < from at p (key_row). Each tree token attends alone, so its result is the one
+ * its path's tokens would get as a chain. */
 int NAME(rope_attend)(const T *qk, long qk_stride, const T *v, long v_stride, const T *cos, const T *sin,
                       T *k_cache, T *v_cache, const int64_t *slots, long slot_div, const int64_t *positions,
-                      long tokens, long NH, long KVH, long D, long L, long window, float scale, T *out) {
+                      long tokens, long NH, long KVH, long D, long L, long window, float scale, T *out,
+                      const int64_t *tree, long tree_stride) {
     long group = NH / KVH;
     if (D > MAX_HEAD_DIM || group > MAX_GROUP || group * KVH != NH) return -2;
     float rot[MAX_HEAD_DIM];
@@ -472,8 +488,9 @@ int NAME(rope_attend)(const T *qk, long qk_stride, const T *v, long v_stride, co
     }
     long max_keys = 0, work = 0;
     for (long t = 0; t < tokens; t++) {
-        if (positions[t] + 1 > max_keys) max_keys = positions[t] + 1;
-        work += (positions[t] + 1) * KVH;
+        long extent = tree ? tree[t * tree_stride] : positions[t];
+        if (extent + 1 > max_keys) max_keys = extent + 1;
+        work += (extent + 1) * KVH;
     }
     int blocked = 0;        /* attend_blocked (AVX-512, D a multiple of 16), else attend_group */
 #ifdef LOAD16
@@ -486,7 +503,7 @@ int NAME(rope_attend)(const T *qk, long qk_stride, const T *v, long v_stride, co
      * that (prompt chunks), where more queries share each block's transposed keys: prefill of
      * 660, 750 and 862 tokens 5-7% faster. A token's result does not depend on its run */
     long most = tokens > BLOCK_QUERIES ? BLOCK_QUERIES : BLOCK_QUERIES / 4;
-    long run = blocked && group < BLOCK_QUERIES / 4 ? most / group : 1, runs = 0;
+    long run = blocked && group < BLOCK_QUERIES / 4 && !tree ? most / group : 1, runs = 0;
     long *starts = malloc(sizeof(long) * (size_t)(tokens + 1));
     if (!starts) return -1;
     for (long t = 0; t < tokens; runs++) {
@@ -513,17 +530,20 @@ int NAME(rope_attend)(const T *qk, long qk_stride, const T *v, long v_stride, co
         for (long u = 0; u < runs; u++) {
             for (long g = 0; g < KVH; g++) {
                 long t = starts[u], base = (slots[t / slot_div] * KVH + g) * L * D;
+                const int64_t *extent = tree ? tree + t * tree_stride : positions + t;
+                const int64_t *map = tree ? tree + t * tree_stride + 1 : NULL;
                 const T *q_heads = qk + t * qk_stride + g * group * D;
                 T *o = out + (t * NH + g * group) * D;
                 if (!scratch) continue;
 #ifdef LOAD16
                 if (blocked) {
                     NAME(attend_blocked)(q_heads, qk_stride, cos + t * D, sin + t * D, k_cache + base, v_cache + base,
-                                         positions + t, starts[u + 1] - t, window, group, D, scale, scratch, o, NH * D);
+                                         extent, map, starts[u + 1] - t, window, group, D, scale, scratch, o,
+                                         NH * D);
                     continue;
                 }
 #endif
-                NAME(attend_group)(q_heads, cos + t * D, sin + t * D, k_cache + base, v_cache + base, positions[t],
+                NAME(attend_group)(q_heads, cos + t * D, sin + t * D, k_cache + base, v_cache + base, *extent, map,
                                    window, group, D, scale, scratch, o);
             }
         }

@@ -90,7 +90,7 @@ class DecoderLM(nn.Module):
             h, delta, hidden = stack(h.reshape(-1, h.shape[-1]), cos, sin, cache.k, cache.v,
                                      batch.slots if pk is None else pk.slots,
                                      batch.positions if pk is None else pk.positions, self.cfg.sliding_window,
-                                     [i for i in range(len(self.layers)) if i in hidden_layers])
+                                     [i for i in range(len(self.layers)) if i in hidden_layers], batch.tree)
             hidden = None if hidden is None else hidden[:rows]
         else:
             kept = []

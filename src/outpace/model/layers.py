@@ -115,6 +115,8 @@ class ForwardBatch:
     # a token tree's rotary positions (each node's depth past the row's start) where they differ
     # from `positions`, where its keys and values are written (one entry a node); None: the same
     rope_positions: torch.Tensor | None = None
+    # CPU_KERNEL token trees: cpu_kernels.tree_keys' table, the keys each node attends to; None: a chain
+    tree: torch.Tensor | None = None
     # the norms, SwiGLU and (outside the kernel's attention) rotation run as cpu_kernels: every CPU
     # forward whose activations' dtype the kernels serve
     cpu_pointwise: bool = False
@@ -180,7 +182,7 @@ class Attention(nn.Module):
     def _cpu_kernel(self, qkv, qk, v, cos, sin, batch: ForwardBatch, k_cache, v_cache):
         pk = batch.packed
         return self._kernel_rows(qkv, qk, cos, sin, batch.slots if pk is None else pk.slots,
-                                 batch.positions if pk is None else pk.positions, k_cache, v_cache)
+                                 batch.positions if pk is None else pk.positions, k_cache, v_cache, batch.tree)
 
     def _packed_variant(self, qkv, qk, v, cos, sin, batch: ForwardBatch, k_cache, v_cache):
         return self._packed(qkv, qk, v, cos, sin, batch, k_cache, v_cache).flatten(-2)
@@ -259,14 +261,14 @@ class Attention(nn.Module):
             offset += c.n
         return torch.cat(outs)
 
-    def _kernel_rows(self, qkv, qk, cos, sin, slots, positions, k_cache, v_cache) -> torch.Tensor:
+    def _kernel_rows(self, qkv, qk, cos, sin, slots, positions, k_cache, v_cache, tree=None) -> torch.Tensor:
         """Rotation, cache writes and attention of rows' tokens as cpu_kernels.rope_attend, in the
         caches' dtype (qkv [..., H+2KVH, D]; qk its q and k heads, used where the family norms
-        them). Returns [..., H * D] in qkv's dtype."""
+        them; tree: the token trees' table). Returns [..., H * D] in qkv's dtype."""
         dtype = k_cache.dtype
         out = cpu_kernels.rope_attend(qkv.to(dtype).contiguous(), self.num_heads, cos.to(dtype), sin.to(dtype),
                                       k_cache, v_cache, slots, positions, self.window,
-                                      None if self.q_norm is None else qk.to(dtype).contiguous())
+                                      None if self.q_norm is None else qk.to(dtype).contiguous(), tree)
         return out.view(*qkv.shape[:-2], -1).to(qkv.dtype)
 
     def _packed_rows(self, q, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:

@@ -92,13 +92,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, rows: list[Row], logits: str = "all", hidden_layers: tuple[int, ...] = (),
-                chunks: list[Row] = (), draft_tokens: torch.Tensor | None = None):
+                chunks: list[Row] = (), draft_tokens: torch.Tensor | None = None,
+                tree: list[list[int]] | None = None):
         """logits: 'all' -> [B, S, V] (a decode/verify step); 'tokens' -> their argmax [B, S] int64
         (a greedy step: taken over the real tokens only, before rows are padded); 'none' -> None (a
         prompt chunk). hidden_layers: the layers whose output to return for the rows' tokens.
         chunks: prompt chunks cached in the same forward (a packing runner only), after `rows`;
-        nothing of theirs is returned. draft_tokens [B, K]: appended to each row's tokens. Returns
-        (logits or tokens, hidden [B, S, len(hidden_layers), H] or None) of `rows`."""
+        nothing of theirs is returned. draft_tokens [B, K]: appended to each row's tokens. tree:
+        the rows are token trees (forward_tree's layout, parents per row) that the CPU kernels'
+        attention serves. Returns (logits or tokens, hidden [B, S, len(hidden_layers), H] or None)
+        of `rows`."""
         if draft_tokens is not None:
             rows = [Row(r.slot, r.token_ids + d, r.start) for r, d in zip(rows, draft_tokens.tolist())]
         B = len(rows)
@@ -139,6 +142,10 @@ class ModelRunner:
             query_positions = torch.full((span, S), kv_len - 1, dtype=torch.long, device=self.device)
             query_positions[span_rows] = positions
         masked = in_torch and (S > 1 or B > 1 or exact or self.window) and not causal
+        tree_keys = None
+        if tree is not None:
+            assert kind is AttentionKind.CPU_KERNEL and not exact and not chunks, "trees in the CPU kernels only"
+            tree_keys = cpu_kernels.tree_keys([r.start for r in rows], tree)
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, device=self.device),
             positions=positions,
@@ -154,6 +161,9 @@ class ModelRunner:
             span_rows=span_rows,
             causal=causal,
             cpu_pointwise=kind is AttentionKind.CPU_KERNEL or cpu_kernels.pointwise_fits(compute or self.dtype, self.device),
+            tree=tree_keys,
+            # a node is rotated at its depth: its extent (tree_keys' first column), [T] or [B, S]
+            rope_positions=None if tree_keys is None else tree_keys[:, 0].view(-1 if packed else (B, S)),
         )
         out, hidden = self.model(batch, self.cache, hidden_layers=hidden_layers, compute_dtype=compute)
         if logits == "tokens":
@@ -179,10 +189,14 @@ class ModelRunner:
         j's parent parents[i][j] (an earlier node, or -1 for the row's last token). Node j's keys
         and values are written at position start + 1 + j, one entry a node; it is rotated at its
         depth (start + its depth) and attends to the cache up to the row's start and to its
-        ancestors and itself. Rows are padded (no packing) and attend in PyTorch through the tree's
-        mask. Returns as forward: (logits [B, S, V] or tokens [B, S], hidden or None)."""
+        ancestors and itself. Where the CPU kernels attend (_attention), they read each node's keys
+        through cpu_kernels.tree_keys' table, rows packed, so a node's result is bit for bit the one
+        its path would get as a chain; elsewhere rows are padded and attend in PyTorch through the
+        tree's mask. Returns as forward: (logits [B, S, V] or tokens [B, S], hidden or None)."""
         if self.exact_width is not None or self.model.is_recurrent:
             raise ValueError("token trees need a model without recurrent state, outside exact mode")
+        if self._attention(True, None, False) is AttentionKind.CPU_KERNEL:
+            return self.forward(rows, logits, hidden_layers, tree=parents)
         B, S = len(rows), max(len(r.token_ids) for r in rows)
         kv_len = max(r.start for r in rows) + S
         depth, allowed = [], torch.zeros(B, S, kv_len, dtype=torch.bool)
