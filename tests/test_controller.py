@@ -436,3 +436,26 @@ def test_drafting_overhead_is_not_charged_to_plain_steps():
         c.observe_step(1, 1 + drafted, 1.0 + 0.1 * drafted + 0.1 + 0.2 * drafted)
     assert abs(c.step_cost(1, 1) - 1.1) < 0.01
     assert c.step_cost(1, 3) - c.step_cost(1, 1) > 2 * 0.1 + 0.1      # the forward's share and part of the overhead
+
+
+def test_trees_or_chains_whichever_yields_more_tokens_a_second():
+    """A tree drafter's steps draft trees or chains: each shape is measured first (trees, then
+    chains), then the one whose steps yielded more tokens a second wins, and the other is tried
+    again now and then, so a change in which pays is followed. Untimed, trees as asked."""
+    assert DraftController(8, None, tree_width=3).step_tree_width(1) == 3
+    assert DraftController(8, FLAT).step_tree_width(1) == 1
+    c = DraftController(8, FLAT, tree_width=3)
+    widths = []
+    for _ in range(200):
+        width = c.step_tree_width(1)
+        widths.append(width)
+        c.observe_shape(1, width, 3 if width == 1 else 2, 0.01)     # chains yield more
+    assert widths[:4] == [3, 3, 1, 1]
+    tries = [i for i, w in enumerate(widths) if w == 3 and i >= 4]
+    assert 150 * 0.03 < len(tries) < 150 * 0.1         # trees probed about one step in seventeen
+    for _ in range(100):                                # now trees pay: they take over
+        width = c.step_tree_width(1)
+        widths.append(width)
+        c.observe_shape(1, width, 4 if width == 3 else 2, 0.01)
+    assert widths[-50:].count(3) > 45
+    assert c.step_tree_width(64) == 3 and c.shapes.keys() == {1}    # one bucket (FLAT's) for all sizes

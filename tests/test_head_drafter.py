@@ -8,6 +8,8 @@ beside it, are the drafts of the head run over the sequence's whole history); ea
 be one of the best children of its parent along its own path (the tree's mask and positions in
 the head's cache); seeded sampled output, chains and trees, must be plain seeded sampling's.
 """
+import itertools
+
 import pytest
 import torch
 
@@ -59,6 +61,25 @@ def test_a_random_head_keeps_greedy_output(folders, plain, tree_width):
     drafter = llm.engine.drafter
     assert drafter.hidden_layers == (0, 1, 2) and not drafter.prompts
     assert sorted(llm.engine.scheduler.free_slots) == [0, 1, 2]
+
+
+def test_a_tree_head_asked_for_chains_drafts_chains(folders, plain):
+    """The controller may give a tree head's step chains (DraftBatch.tree_width 1): steps that
+    alternate between chains and trees keep greedy output, and the chain steps' drafts are
+    chains."""
+    llm = _llm(folders, tree_width=3)
+    steps, shapes = itertools.count(), []
+    llm.engine.controller.step_tree_width = lambda batch_size: 1 if next(steps) % 2 else 3
+    drafter = llm.engine.drafter
+    propose = drafter.propose
+
+    def recorded(batch):
+        drafts = propose(batch)
+        shapes.append((batch.tree_width, drafts.parents is None))
+        return drafts
+    drafter.propose = recorded
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain
+    assert {(1, True), (3, False)} <= set(shapes) and (1, False) not in shapes
 
 
 class Recorded:

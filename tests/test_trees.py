@@ -214,11 +214,12 @@ def test_ngram_trees_hold_every_continuation_of_the_match():
     from outpace.speculative.drafter import DraftBatch
     from outpace.speculative.ngram import NgramDrafter
 
-    def draft(tokens, budget, width):
+    def draft(tokens, budget, width, asked=0):
         drafter = NgramDrafter(SpecConfig(method="ngram", tree_width=width))
         drafter.begin(0, tokens)
-        out = drafter.propose(DraftBatch([0], [budget], [0], [len(tokens) - 1], [PARAMS], [0], [0], []))
-        return out.host_rows()[0], (out.parents[0, :len(out.host_rows()[0])].tolist() if width > 1 else None)
+        out = drafter.propose(DraftBatch([0], [budget], [0], [len(tokens) - 1], [PARAMS], [0], [0], [], asked))
+        tree = out.parents is not None
+        return out.host_rows()[0], (out.parents[0, :len(out.host_rows()[0])].tolist() if tree else None)
     single = [5, 6, 7, 8, 9, 10, 5, 6, 7]
     nodes, parents = draft(single, 4, 3)
     assert (nodes, parents) == (draft(single, 4, 1)[0], [-1, 0, 1, 2])
@@ -226,6 +227,8 @@ def test_ngram_trees_hold_every_continuation_of_the_match():
     assert all(p < j for j, p in enumerate(parents))
     assert [n for n, p in zip(nodes, parents) if p == -1] == [7, 8, 9]        # every way, the most recent first
     assert nodes[3:] == [5, 4, 4] and parents[3:] == [0, 1, 2]
+    # a step the controller gives chains: the chain drafter's draft (the most recent continuation)
+    assert draft(BRANCHY, 6, 3, asked=1) == draft(BRANCHY, 6, 1) == ([7, 5, 1, 2, 3], None)
 
 
 def test_ngram_trees_keep_greedy_and_sampled_output(tiny_folder, plain):
@@ -253,3 +256,23 @@ def test_ngram_trees_keep_greedy_and_sampled_output(tiny_folder, plain):
     sampled = [plain_llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
     assert [o.token_ids for o in llm.generate(prompts, params)] == sampled
     assert sorted(llm.engine.scheduler.free_slots) == [0, 1, 2]
+
+
+def test_timed_steps_mix_trees_and_chains_and_keep_greedy_output(tiny_folder):
+    """With its step costs measured, the controller drafts trees on some steps and chains on
+    others (each shape measured, the better one taken, the other probed again); greedy output
+    stays plain greedy output whichever shape each step took."""
+    prompts = PROMPTS + [BRANCHY * 2]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    options = dict(OPTIONS, calibrate=True)
+    llm = LLM(str(tiny_folder), spec=SpecConfig(method="ngram", tree_width=3, num_draft_tokens=6), **options)
+    drafter, widths = llm.engine.drafter, []
+    propose = drafter.propose
+
+    def recorded(batch):
+        widths.append(batch.tree_width)
+        return propose(batch)
+    drafter.propose = recorded
+    want = [o.token_ids for o in LLM(str(tiny_folder), spec="none", **options).generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert {1, 3} <= set(widths)

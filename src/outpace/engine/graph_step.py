@@ -45,7 +45,7 @@ class GraphStep(EagerStep):
             return Proposal(plan.launched.budget, in_graph=True)
         return super().propose(plan)
 
-    def _draft(self, seqs: list[Sequence], budget: list[int], room: list[int]) -> Proposal:
+    def _draft(self, seqs: list[Sequence], budget: list[int], room: list[int], tree_width: int = 0) -> Proposal:
         """The graph drafts and verifies itself where the rows are greedy and a captured shape
         holds them; elsewhere the drafter drafts on the device (EagerStep). A chain whose lookup
         has a graph step (DrafterChain.lookup) drafts in the graph at the lookup's own lengths,
@@ -55,7 +55,7 @@ class GraphStep(EagerStep):
         if self.extension is not None and all(s.params.is_greedy for s in seqs):
             lookup, paid = self._chain_lengths(seqs, budget, room) if self.drafter.uses_room else (budget, None)
             if lookup is None:
-                return super()._draft(seqs, budget, room)
+                return super()._draft(seqs, budget, room, tree_width)
             widths = lookup if paid is None else [max(a, b) for a, b in zip(lookup, paid)]
             rows = [Row(s.slot, [0], len(s.token_ids) - 1) for s in seqs]
             if self.runner.shape_for(rows, max(widths)) is not None:
@@ -63,7 +63,7 @@ class GraphStep(EagerStep):
                 # step cannot take one (the host lacks the tokens of the step before it)
                 inputs = self._inputs(seqs, lookup, paid, [s.speculate for s in seqs])
                 return Proposal(widths, in_graph=True, graph_inputs=inputs)
-        return super()._draft(seqs, budget, room)
+        return super()._draft(seqs, budget, room, tree_width)
 
     def _chain_lengths(self, seqs: list[Sequence], paid: list[int], room: list[int]):
         """A chain's lengths in the graph: (its lookup's, its paying drafter's, at most what the

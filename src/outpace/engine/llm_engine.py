@@ -95,7 +95,7 @@ class LLMEngine:
             # measure_verify_cost waits for the device after each forward, so host clocks time it
             cost = measure_verify_cost(self.runner, config.max_num_seqs, num_draft_tokens)
         self.controller = DraftController(num_draft_tokens, cost, packed=self.runner.packs_rows,
-                                          draft_cost=self.drafter.cost_per_token)
+                                          draft_cost=self.drafter.cost_per_token, tree_width=spec.tree_width)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_prefill_tokens)
         parts = (self.drafter, self.controller, config.max_model_len, num_draft_tokens)
         # under tensor parallelism graph steps neither draft in the graph nor overlap (yet): EagerStep
@@ -258,7 +258,8 @@ class LLMEngine:
         Where steps are launched ahead, a step that is not (one drafted outside the graph, or the
         one before it) leaves the device idle while the host accepts its tokens, which a launched
         step hides: that host work is its own cost. Elsewhere the host's work is a cost per token
-        that every step pays alike (observe_tokens)."""
+        that every step pays alike (observe_tokens). A drafting step's tokens over its seconds,
+        host work included, weigh its shape, trees or chains (observe_shape)."""
         if not self.controller.is_timed:
             return
         overlap = self.steps.overlap
@@ -269,6 +270,9 @@ class LLMEngine:
             seconds = elapsed + (host if overlap else 0.0)
             self.controller.observe_step(result.step_rows, result.step_tokens, seconds, proposal.paid_tokens,
                                          proposal.draft_s)
+            if any(proposal.budget):        # trees against chains: what a drafting step yields a second
+                self.controller.observe_shape(result.step_rows, proposal.tree_width, sum(result.counts),
+                                              elapsed + host)
         self.controller.observe_tokens(sum(result.counts), 0.0 if result.period is not None or overlap else host)
 
     def accept(self, seqs: list[Sequence], proposal: Proposal, result: StepResult) -> None:

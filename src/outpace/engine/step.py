@@ -34,13 +34,15 @@ class Proposal:
     drafts: the drafter's (None: no row drafts); in_graph: the runner's graph step drafts for the
     rows itself (GraphStep), drafts None, with graph_inputs its host inputs per row (None for a
     step launched ahead: sent at its launch). draft_s: the host's seconds proposing (on the CPU the
-    drafter's work; on a GPU little more than its launches)."""
+    drafter's work; on a GPU little more than its launches). tree_width: the width of the token
+    trees the drafter was asked for (1: chains; 0: none asked)."""
 
     budget: list[int]
     drafts: Drafts | None = None
     in_graph: bool = False
     graph_inputs: list[tuple] | None = None
     draft_s: float = 0.0
+    tree_width: int = 0
 
     @property
     def paid_tokens(self) -> int:
@@ -116,8 +118,11 @@ class EagerStep:
         if not self.drafter.priced_after_drafting:
             # drafts the host never sees: the controller's lengths are given up front
             budget = [min(r, k) for r, k in zip(room, self.lengths(seqs))]
-        proposal = self._draft(seqs, budget, room)
+        # a tree drafter drafts trees or chains, whichever the controller measured to pay
+        width = self.controller.step_tree_width(len(seqs))
+        proposal = self._draft(seqs, budget, room, width)
         proposal.draft_s = time.perf_counter() - t0
+        proposal.tree_width = width
         self._charge(seqs, "draft_s", proposal.draft_s)
         return proposal
 
@@ -136,7 +141,7 @@ class EagerStep:
         lengths = iter(self.controller.row_lengths(ids, len(seqs), setup, remaining, paid))
         return [next(lengths) if s.speculate else 0 for s in seqs]
 
-    def _draft(self, seqs: list[Sequence], budget: list[int], room: list[int]) -> Proposal:
+    def _draft(self, seqs: list[Sequence], budget: list[int], room: list[int], tree_width: int = 0) -> Proposal:
         """The drafter drafts within budget (a drafter that uses the room: its free rows within
         room). Where it knew its drafts' lengths while drafting, the controller then weighs the
         drafts that exist (their lengths and match lengths) and cuts them; a row verifies nothing
@@ -145,7 +150,7 @@ class EagerStep:
             room = budget
         if not any(room):
             return Proposal([0] * len(seqs))
-        drafts = self.drafter.propose(self._draft_batch(seqs, budget, room))
+        drafts = self.drafter.propose(self._draft_batch(seqs, budget, room, tree_width))
         if self.drafter.priced_after_drafting:
             return self._cut(seqs, [0] * len(seqs), drafts, [i for i, r in enumerate(budget) if r > 0])
         if drafts.free:         # a chain's lookup rows, drafted past the controller's length: no drafting cost
@@ -166,10 +171,11 @@ class EagerStep:
         return Proposal(budget, drafts.truncated(budget)) if any(budget) else Proposal(budget)
 
     @staticmethod
-    def _draft_batch(seqs: list[Sequence], budget: list[int], room: list[int] | None = None) -> DraftBatch:
+    def _draft_batch(seqs: list[Sequence], budget: list[int], room: list[int] | None = None,
+                     tree_width: int = 0) -> DraftBatch:
         return DraftBatch([s.seq_id for s in seqs], list(budget), [s.slot for s in seqs],
                           [len(s.token_ids) - 1 for s in seqs], [s.params for s in seqs], [s.seed for s in seqs],
-                          [s.num_output_tokens for s in seqs], list(room) if room is not None else [])
+                          [s.num_output_tokens for s in seqs], list(room) if room is not None else [], tree_width)
 
     # ---- verify -------------------------------------------------------------------------------
     def verify(self, plan: StepPlan, proposal: Proposal, chunks: list[PrefillChunk]) -> StepResult:

@@ -31,6 +31,15 @@ token and a drafting step's, over the tokens the row is expected to have left (i
 max_tokens, at most what finished sequences went on for), MIN_RETURN times the setup's seconds.
 A row that would not repay it drafts nothing and its setup keeps growing, so under a load where
 drafting does not pay, the draft model costs nothing after its probes.
+
+A drafter of token trees (tree_width > 1) can draft chains as well, and which pays depends on the
+machine and the load: a tree's first node is right more often, a chain of as many tokens reaches
+deeper, and a tree's verify forward may cost more (on a GPU it runs outside the CUDA graphs). The
+controller measures both where it is timed: per batch bucket, the tokens a drafting step yielded
+and its seconds (drafting, verifying and accepting), decayed per step, for trees and for chains,
+and drafts the shape that yielded more tokens a second. A shape whose decayed steps fall below
+SHAPE_PROBE is tried again (about one step in seventeen while the other wins), so a change of
+load or text is noticed. Untimed, trees are drafted as asked.
 """
 from __future__ import annotations
 
@@ -63,6 +72,8 @@ FIT_DECAY = 0.97          # per step, on the measured steps behind the cost fit
 PLAIN_ANCHOR = 3.0        # decayed plain steps that pin the fit's intercept (LineFit.line)
 POOL_DECAY = 0.995        # per draft, on every sequence's pooled evidence
 OUTPUT_DECAY = 0.95       # per finished sequence, on the mean output length
+SHAPE_DECAY = 0.97        # per drafting step of a bucket, on its trees' and chains' measured steps
+SHAPE_PROBE = 1.5         # decayed steps below which a shape (tree or chain) is drafted again
 
 
 @dataclass
@@ -122,14 +133,28 @@ class LineFit:
         return (self.y - beta * self.x) / self.weight, beta
 
 
+@dataclass
+class Yield:
+    """Decayed sums over one draft shape's steps: steps, tokens they yielded, their seconds."""
+
+    steps: float = 0.0
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
 class DraftController:
     def __init__(self, num_draft_tokens: int, cost: dict[int, list] | None = None, packed: bool = False,
-                 draft_cost=None):
+                 draft_cost=None, tree_width: int = 1):
         """cost: forward seconds by batch-size bucket b, as calibrate.measure_verify_cost gives them:
         cost[b][s-1] for b rows of s tokens (packed False: rows padded to the longest), or
         cost[b] = [[e, seconds], ...] for b rows holding e drafted tokens (packed True). None =
         flat, no timing. draft_cost(batch_size): the drafter's own seconds per drafted token in a
-        step of that many rows (Drafter.cost_per_token), charged on top of the verify forward."""
+        step of that many rows (Drafter.cost_per_token), charged on top of the verify forward.
+        tree_width: the drafter's token trees' width (1: it drafts chains only)."""
         self.num_draft_tokens = num_draft_tokens
         self.packed = packed
         self.draft_cost = draft_cost
@@ -154,6 +179,8 @@ class DraftController:
         # decision: what a new sequence's prompt setup is weighed against
         self.saving: dict[int, float] = {}
         self.outputs = [0.0, 0.0]   # finished sequences' output lengths, decayed: [sum, count]
+        self.tree_width = tree_width
+        self.shapes: dict[int, dict[int, Yield]] = {}  # bucket -> tree width (1: chains) -> its steps
 
     @property
     def is_timed(self) -> bool:
@@ -472,6 +499,35 @@ class DraftController:
         if self.buckets and num_tokens:
             d = TOKEN_COST_DECAY
             self.token_cost = d * self.token_cost + (1 - d) * seconds / num_tokens
+
+    def step_tree_width(self, batch_size: int) -> int:
+        """The width of a step's token trees for a batch of batch_size rows (1: chains): the
+        shape whose drafting steps yielded more tokens a second, a shape measured on fewer than
+        SHAPE_PROBE decayed steps first (trees before chains). The drafter's width where it drafts
+        chains only or the controller is untimed."""
+        if self.tree_width == 1 or not self.buckets:
+            return self.tree_width
+        shapes = self._shapes(batch_size)
+        for width, measured in shapes.items():
+            if measured.steps < SHAPE_PROBE:
+                return width
+        return max(shapes, key=lambda width: shapes[width].rate)
+
+    def observe_shape(self, batch_size: int, tree_width: int, tokens: int, seconds: float) -> None:
+        """A drafting step of batch_size rows with trees of tree_width (1: chains) yielded `tokens`
+        tokens in `seconds` (drafting through accepting)."""
+        if self.tree_width == 1 or not self.buckets:
+            return
+        shapes = self._shapes(batch_size)
+        for measured in shapes.values():
+            measured.steps, measured.tokens, measured.seconds = (
+                measured.steps * SHAPE_DECAY, measured.tokens * SHAPE_DECAY, measured.seconds * SHAPE_DECAY)
+        measured = shapes[tree_width]
+        measured.steps, measured.tokens, measured.seconds = measured.steps + 1, measured.tokens + tokens, \
+            measured.seconds + seconds
+
+    def _shapes(self, batch_size: int) -> dict[int, Yield]:
+        return self.shapes.setdefault(self._bucket(batch_size), {self.tree_width: Yield(), 1: Yield()})
 
     def end(self, seq_id: int, num_output: int = 0) -> None:
         """The sequence finished with num_output tokens (0: cancelled, or unknown)."""

@@ -30,6 +30,8 @@ class DraftBatch:
     room[i]: the most tokens row i could draft (its room in the context and in max_tokens), where
     budget is the controller's length decided before drafting: what a drafter that uses the room
     (Drafter.uses_room) drafts its free rows up to. Empty: budget.
+    tree_width: for a drafter of token trees, this step's candidates per node (the controller's
+    choice between its trees and chains, 1: a chain); 0: the drafter's own.
     """
 
     seq_ids: list[int]
@@ -40,14 +42,16 @@ class DraftBatch:
     seeds: list = field(default_factory=list)
     num_output: list[int] = field(default_factory=list)
     room: list[int] = field(default_factory=list)
+    tree_width: int = 0
 
     def __len__(self) -> int:
         return len(self.seq_ids)
 
     def subset(self, rows: Sequence[int]) -> "DraftBatch":
         """The batch of these rows only, in this order."""
-        return DraftBatch(*([getattr(self, f.name)[i] for i in rows] if getattr(self, f.name) else []
-                            for f in fields(self)))
+        def part(value):
+            return [value[i] for i in rows] if isinstance(value, list) and value else value
+        return DraftBatch(*(part(getattr(self, f.name)) for f in fields(self)))
 
 
 @dataclass

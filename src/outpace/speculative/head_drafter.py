@@ -339,12 +339,13 @@ class HeadDrafter(Drafter):
         positions = [batch.positions[i] for i in rows]
         starts = torch.tensor(positions, device=self.device)
         drafts: list[list[int]] = [[] for _ in range(len(batch))]
-        if self.tree_width == 1:
+        width = batch.tree_width or self.tree_width      # the controller may ask a chain of a tree drafter
+        if width == 1:
             chains = self._chains(slots, starts, max(budget), max(positions))
             for i, n, chain in zip(rows, budget, chains.tolist()):      # the one host read of drafting
                 drafts[i] = chain[:n]
             return Drafts.from_lists(drafts, device=self.device)
-        tokens, scores, parents = self._candidates(slots, starts, max(budget), max(positions))
+        tokens, scores, parents = self._candidates(slots, starts, max(budget), max(positions), width)
         best = torch.sort(-scores, dim=1, stable=True).indices[:, :max(budget)]   # ties: parents first
         trees: list[list[int]] = [[] for _ in range(len(batch))]
         # the one host read of drafting
@@ -369,12 +370,12 @@ class HeadDrafter(Drafter):
             chain.append(self.head.to_target(self.head.logits(out).argmax(-1)))
         return torch.stack(chain, 1)
 
-    def _candidates(self, slots: torch.Tensor, starts: torch.Tensor, num_nodes: int, max_start: int):
-        """The candidate nodes of R rows whose last tokens sit at positions starts [R] (at most
-        max_start): tokens
+    def _candidates(self, slots: torch.Tensor, starts: torch.Tensor, num_nodes: int, max_start: int, k: int):
+        """The candidate nodes of trees of width k for R rows whose last tokens sit at positions
+        starts [R] (at most max_start): tokens
         (the target's ids), cumulative log-probabilities and parents (candidate indices, -1 for
         children of the last token), each [R, C] in creation order."""
-        k, R = self.tree_width, len(slots)
+        R = len(slots)
         depth = num_nodes if k == 1 else min(num_nodes, math.ceil(num_nodes / k) + 1)
         T = (depth - 1) * k                                     # entries past each row's start the tree uses
         out = self.last_out[slots][:, None]                     # [R, 1, H]

@@ -92,13 +92,14 @@ class NgramDrafter(Drafter):
             tokens.append(token)
 
     def propose(self, batch: DraftBatch) -> Drafts:
-        if self.tree_width > 1:
-            return self._propose_trees(batch)
+        width = batch.tree_width or self.tree_width      # the controller may ask chains of a tree drafter
+        if width > 1:
+            return self._propose_trees(batch, width)
         found = [self._propose_one(self._seqs[s], k) for s, k in zip(batch.seq_ids, batch.budget)]
         return Drafts.from_lists([tokens for tokens, _ in found], [n for _, n in found])
 
-    def _propose_trees(self, batch: DraftBatch) -> Drafts:
-        found = [self._tree_one(self._seqs[s], k) for s, k in zip(batch.seq_ids, batch.budget)]
+    def _propose_trees(self, batch: DraftBatch, width: int) -> Drafts:
+        found = [self._tree_one(self._seqs[s], k, width) for s, k in zip(batch.seq_ids, batch.budget)]
         return Drafts.from_lists([tokens for tokens, _, _ in found], [n for _, _, n in found],
                                  parents=[parents for _, parents, _ in found])
 
@@ -111,8 +112,9 @@ class NgramDrafter(Drafter):
                 return found, n
         return None, 0
 
-    def _tree_one(self, seq: _SeqIndex, max_nodes: int) -> tuple[list[int], list[int], int]:
-        """(tokens, parents, match length) of a tree of at most max_nodes nodes (module docstring)."""
+    def _tree_one(self, seq: _SeqIndex, max_nodes: int, width: int) -> tuple[list[int], list[int], int]:
+        """(tokens, parents, match length) of a tree of at most max_nodes nodes, at most width
+        children a node (module docstring)."""
         if max_nodes <= 0:
             return [], [], 0
         starts, n = self._match(seq)
@@ -132,9 +134,9 @@ class NgramDrafter(Drafter):
                 count[node] += 1
                 at = node
 
-        def best(of: int, depth: int) -> list[tuple[float, int, int, int]]:    # its tree_width best children
+        def best(of: int, depth: int) -> list[tuple[float, int, int, int]]:    # its width best children
             kids = [(-count[k] * DEPTH_DECAY ** depth, first[k], depth, k) for k in children.get(of, {}).values()]
-            return heapq.nsmallest(self.tree_width, kids)
+            return heapq.nsmallest(width, kids)
         frontier, taken, index = best(-1, 0), [], {-1: -1}
         heapq.heapify(frontier)
         while frontier and len(taken) < max_nodes:
@@ -150,6 +152,8 @@ class NgramDrafter(Drafter):
         if max_tokens <= 0:
             return [], 0
         c, n = self._match(seq)
+        if isinstance(c, list):         # a tree drafter's table (every start) asked for a chain
+            c = c[0] if self.match == "first" else c[-1]
         return ([], 0) if c is None else (seq.tokens[c:c + max_tokens], n)
 
     def end(self, seq_id: int) -> None:
