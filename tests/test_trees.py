@@ -35,6 +35,15 @@ def tiny_folder(tmp_path_factory, default_model_dir):
     return folder
 
 
+def path_to(node: int, nodes: list[int], parents: list[int]) -> list[int]:
+    """The tokens from the root's first child down to `node`."""
+    path = []
+    while node >= 0:
+        path.insert(0, nodes[node])
+        node = parents[node]
+    return path
+
+
 def test_each_node_sees_its_path(tiny_folder):
     model = load_model(tiny_folder, torch.float64, "cpu", 128)
     runner, chain = ModelRunner(model, 2, 128, 16), ModelRunner(model, 1, 128, 16)
@@ -45,11 +54,7 @@ def test_each_node_sees_its_path(tiny_folder):
         r.forward([Row(1 if r is runner else 0, prompt[:-1], 0)], logits="none")
     tree, _ = runner.forward_tree([Row(1, [prompt[-1]] + nodes, len(prompt) - 1)], [parents])
     for j in range(len(nodes)):
-        path, at = [], j
-        while at >= 0:
-            path.insert(0, nodes[at])
-            at = parents[at]
-        want, _ = chain.forward([Row(0, [prompt[-1]] + path, len(prompt) - 1)])
+        want, _ = chain.forward([Row(0, [prompt[-1]] + path_to(j, nodes, parents), len(prompt) - 1)])
         torch.testing.assert_close(tree[0, j + 1], want[0, -1], rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(tree[0, 0], want[0, 0], rtol=1e-10, atol=1e-10)
 
@@ -176,11 +181,7 @@ def test_in_the_cpu_kernels_each_node_computes_its_paths_bits(default_model_dir,
     for b, (prompt, (nodes, parents)) in enumerate(zip(prompts, trees)):
         chain.forward([Row(0, prompt[:-1], 0)], logits="none")
         for j in range(len(nodes)):
-            path, at = [], j
-            while at >= 0:
-                path.insert(0, nodes[at])
-                at = parents[at]
-            want, _ = chain.forward([Row(0, [prompt[-1]] + path, len(prompt) - 1)])
+            want, _ = chain.forward([Row(0, [prompt[-1]] + path_to(j, nodes, parents), len(prompt) - 1)])
             assert torch.equal(tree[b, j + 1], want[0, -1]), (b, j)
         assert torch.equal(tree[b, 0], want[0, 0])
 
