@@ -453,6 +453,8 @@ def test_trees_or_chains_whichever_yields_more_tokens_a_second():
     assert widths[:4] == [3, 3, 1, 1]
     tries = [i for i, w in enumerate(widths) if w == 3 and i >= 4]
     assert 150 * 0.03 < len(tries) < 150 * 0.1         # trees probed about one step in seventeen
+    c.observe_shape(1, 1, 3, 10.0)                      # one chain step 1000 times slower: a pause
+    assert c.step_tree_width(1) == 1
     for _ in range(100):                                # now trees pay: they take over
         width = c.step_tree_width(1)
         widths.append(width)

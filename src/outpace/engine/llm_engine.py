@@ -77,6 +77,10 @@ class LLMEngine:
         # the CUDA graph runner on a GPU; a recurrent model's steps need the Triton kernels there
         self.uses_graphs = self.device.startswith("cuda") and (not self.model.is_recurrent or has_triton())
         spec = config.spec
+        if self.uses_graphs and spec.enabled and spec.tree_width > 1:
+            print(f"outpace: token trees (tree width {spec.tree_width}) verify outside the CUDA graphs and a tree "
+                  "drafter drafts outside them (its chains too); on a GPU trees measured 0.84-0.88x plain against "
+                  "chains' 1.49-1.97x (docs/BENCHMARKS.md): --tree-width 1 drafts chains in the graphs", file=sys.stderr)
         num_draft_tokens = spec.num_draft_tokens if spec.enabled or drafter is not None else 0
         self.num_draft_tokens = num_draft_tokens
         exact_width = spec.num_draft_tokens + 1 if spec.exact else None     # exact mode's one width

@@ -35,18 +35,21 @@ drafting does not pay, the draft model costs nothing after its probes.
 A drafter of token trees (tree_width > 1) can draft chains as well, and which pays depends on the
 machine and the load: a tree's first node is right more often, a chain of as many tokens reaches
 deeper, and a tree's verify forward may cost more (on a GPU it runs outside the CUDA graphs). The
-controller measures both where it is timed: per batch bucket, the tokens a drafting step yielded
-and its seconds (drafting, verifying and accepting), decayed per step, for trees and for chains,
-and drafts the shape that yielded more tokens a second. A shape whose decayed steps fall below
-SHAPE_PROBE is tried again (about one step in seventeen while the other wins), so a change of
-load or text is noticed. Untimed, trees are drafted as asked.
+controller measures both where it is timed: per batch bucket, the tokens each drafting step
+yielded and its seconds (drafting, verifying and accepting), over each shape's SHAPE_WINDOW most
+recent steps, and drafts the shape that yields more tokens a second (mean tokens over median
+seconds: one slow step, a first call or a collection pause, does not decide). The other shape is
+drafted again once SHAPE_PROBE drafting steps passed without it, so a change of load or text is
+noticed. Untimed, trees are drafted as asked.
 """
 from __future__ import annotations
 
 import bisect
 import itertools
+import statistics
+from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 OUTLIER_FORWARDS = 4.0    # a step's measured overhead counts as at most this many of its forwards
 # weight, in steps drafting a whole draft (num_draft_tokens tokens where rows are packed), of the prior
@@ -72,8 +75,9 @@ FIT_DECAY = 0.97          # per step, on the measured steps behind the cost fit
 PLAIN_ANCHOR = 3.0        # decayed plain steps that pin the fit's intercept (LineFit.line)
 POOL_DECAY = 0.995        # per draft, on every sequence's pooled evidence
 OUTPUT_DECAY = 0.95       # per finished sequence, on the mean output length
-SHAPE_DECAY = 0.97        # per drafting step of a bucket, on its trees' and chains' measured steps
-SHAPE_PROBE = 1.5         # decayed steps below which a shape (tree or chain) is drafted again
+SHAPE_WINDOW = 8          # a draft shape's (trees' or chains') most recent steps that measure it
+SHAPE_MIN = 2             # steps each shape is measured on before the two are compared
+SHAPE_PROBE = 16          # drafting steps of a bucket after which the shape not drafted is tried again
 
 
 @dataclass
@@ -135,15 +139,17 @@ class LineFit:
 
 @dataclass
 class Yield:
-    """Decayed sums over one draft shape's steps: steps, tokens they yielded, their seconds."""
+    """One draft shape's recent drafting steps in a batch bucket: (tokens yielded, seconds) each,
+    and the bucket's drafting step it was last drafted at."""
 
-    steps: float = 0.0
-    tokens: float = 0.0
-    seconds: float = 0.0
+    recent: deque = field(default_factory=lambda: deque(maxlen=SHAPE_WINDOW))
+    last: int = 0
 
     @property
     def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        """Tokens a second: mean tokens over median seconds."""
+        tokens = sum(t for t, _ in self.recent) / len(self.recent)
+        return tokens / max(statistics.median(s for _, s in self.recent), 1e-9)
 
 
 class DraftController:
@@ -181,6 +187,7 @@ class DraftController:
         self.outputs = [0.0, 0.0]   # finished sequences' output lengths, decayed: [sum, count]
         self.tree_width = tree_width
         self.shapes: dict[int, dict[int, Yield]] = {}  # bucket -> tree width (1: chains) -> its steps
+        self.shape_steps: dict[int, int] = {}           # bucket -> drafting steps measured
 
     @property
     def is_timed(self) -> bool:
@@ -501,33 +508,37 @@ class DraftController:
             self.token_cost = d * self.token_cost + (1 - d) * seconds / num_tokens
 
     def step_tree_width(self, batch_size: int) -> int:
-        """The width of a step's token trees for a batch of batch_size rows (1: chains): the
-        shape whose drafting steps yielded more tokens a second, a shape measured on fewer than
-        SHAPE_PROBE decayed steps first (trees before chains). The drafter's width where it drafts
-        chains only or the controller is untimed."""
+        """The width of a step's token trees for a batch of batch_size rows (1: chains): a shape
+        measured on fewer than SHAPE_MIN steps first (trees before chains), then the other shape
+        where it was not drafted for SHAPE_PROBE drafting steps, else the one whose recent steps
+        yield more tokens a second. The drafter's width where it drafts chains only or the
+        controller is untimed."""
         if self.tree_width == 1 or not self.buckets:
             return self.tree_width
         shapes = self._shapes(batch_size)
         for width, measured in shapes.items():
-            if measured.steps < SHAPE_PROBE:
+            if len(measured.recent) < SHAPE_MIN:
                 return width
-        return max(shapes, key=lambda width: shapes[width].rate)
+        best = max(shapes, key=lambda width: shapes[width].rate)
+        other = 1 if best != 1 else self.tree_width
+        now = self.shape_steps[self._bucket(batch_size)]
+        return other if now - shapes[other].last >= SHAPE_PROBE else best
 
     def observe_shape(self, batch_size: int, tree_width: int, tokens: int, seconds: float) -> None:
         """A drafting step of batch_size rows with trees of tree_width (1: chains) yielded `tokens`
         tokens in `seconds` (drafting through accepting)."""
         if self.tree_width == 1 or not self.buckets:
             return
-        shapes = self._shapes(batch_size)
-        for measured in shapes.values():
-            measured.steps, measured.tokens, measured.seconds = (
-                measured.steps * SHAPE_DECAY, measured.tokens * SHAPE_DECAY, measured.seconds * SHAPE_DECAY)
-        measured = shapes[tree_width]
-        measured.steps, measured.tokens, measured.seconds = measured.steps + 1, measured.tokens + tokens, \
-            measured.seconds + seconds
+        bucket = self._bucket(batch_size)
+        measured = self._shapes(batch_size)[tree_width]
+        self.shape_steps[bucket] += 1
+        measured.recent.append((tokens, seconds))
+        measured.last = self.shape_steps[bucket]
 
     def _shapes(self, batch_size: int) -> dict[int, Yield]:
-        return self.shapes.setdefault(self._bucket(batch_size), {self.tree_width: Yield(), 1: Yield()})
+        bucket = self._bucket(batch_size)
+        self.shape_steps.setdefault(bucket, 0)
+        return self.shapes.setdefault(bucket, {self.tree_width: Yield(), 1: Yield()})
 
     def end(self, seq_id: int, num_output: int = 0) -> None:
         """The sequence finished with num_output tokens (0: cancelled, or unknown)."""
