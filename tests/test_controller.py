@@ -439,25 +439,26 @@ def test_drafting_overhead_is_not_charged_to_plain_steps():
 
 
 def test_trees_or_chains_whichever_yields_more_tokens_a_second():
-    """A tree drafter's steps draft trees or chains: each shape is measured first (trees, then
-    chains), then the one whose steps yielded more tokens a second wins, and the other is tried
-    again now and then, so a change in which pays is followed. Untimed, trees as asked."""
+    """A tree drafter's steps draft one shape per batch bucket, chains first, and try the other
+    every 16 drafting steps; the other takes over only where its probes beat the drafted shape's
+    neighbouring steps clearly, and one slow step decides nothing. Untimed, trees as asked."""
     assert DraftController(8, None, tree_width=3).step_tree_width(1) == 3
     assert DraftController(8, FLAT).step_tree_width(1) == 1
+
+    def run(c, steps, tokens, seconds=lambda width: 0.01):
+        widths = []
+        for _ in range(steps):
+            width = c.step_tree_width(1)
+            widths.append(width)
+            c.observe_shape(1, width, tokens(width), seconds(width))
+        return widths
     c = DraftController(8, FLAT, tree_width=3)
-    widths = []
-    for _ in range(200):
-        width = c.step_tree_width(1)
-        widths.append(width)
-        c.observe_shape(1, width, 3 if width == 1 else 2, 0.01)     # chains yield more
-    assert widths[:4] == [3, 3, 1, 1]
-    tries = [i for i, w in enumerate(widths) if w == 3 and i >= 4]
-    assert 150 * 0.03 < len(tries) < 150 * 0.1         # trees probed about one step in seventeen
-    c.observe_shape(1, 1, 3, 10.0)                      # one chain step 1000 times slower: a pause
-    assert c.step_tree_width(1) == 1
-    for _ in range(100):                                # now trees pay: they take over
-        width = c.step_tree_width(1)
-        widths.append(width)
-        c.observe_shape(1, width, 4 if width == 3 else 2, 0.01)
-    assert widths[-50:].count(3) > 45
-    assert c.step_tree_width(64) == 3 and c.shapes.keys() == {1}    # one bucket (FLAT's) for all sizes
+    widths = run(c, 170, lambda width: 3 if width == 1 else 2)         # chains yield more
+    assert widths[:17] == [1] * 16 + [3] and widths.count(3) == 10   # trees tried every 17th step
+    widths = run(c, 170, lambda width: 3 if width == 1 else 3.3)       # trees 10% ahead: not clear
+    assert widths.count(3) == 10
+    widths = run(c, 100, lambda width: 3 if width == 1 else 4)         # trees 33% ahead: they take over
+    assert widths[-30:].count(3) > 27
+    slow = run(c, 1, lambda width: 4, lambda width: 10.0)              # one tree step 1000 times slower
+    assert slow == [3] and run(c, 40, lambda width: 3 if width == 1 else 4)[-16:].count(3) >= 15
+    assert c.shapes.keys() == {1}                                      # one bucket (FLAT's) for all sizes

@@ -34,18 +34,22 @@ drafting does not pay, the draft model costs nothing after its probes.
 
 A drafter of token trees (tree_width > 1) can draft chains as well, and which pays depends on the
 machine and the load: a tree's first node is right more often, a chain of as many tokens reaches
-deeper, and a tree's verify forward may cost more (on a GPU it runs outside the CUDA graphs). The
-controller measures both where it is timed: per batch bucket, the tokens each drafting step
-yielded and its seconds (drafting, verifying and accepting), over each shape's SHAPE_WINDOW most
-recent steps, and drafts the shape that yields more tokens a second (mean tokens over median
-seconds: one slow step, a first call or a collection pause, does not decide). The other shape is
-drafted again once SHAPE_PROBE drafting steps passed without it, so a change of load or text is
-noticed. Untimed, trees are drafted as asked.
+deeper, and a tree's verify forward may cost more (on a GPU it runs outside the CUDA graphs). Where
+the controller is timed, each batch bucket drafts one shape, chains first, and tries the other
+every SHAPE_PROBE drafting steps; each such probe's tokens a second (tokens yielded over the
+step's seconds, drafting through accepting) is set against the drafted shape's over its
+SHAPE_WINDOW most recent steps, so both are measured on the same stretch of text (a span that
+copies the prompt yields more to either), no step counting for more than OUTLIER_FORWARDS times
+their median seconds. The other shape takes over where its probes' mean log ratio, decayed per
+probe, exceeds SHAPE_SWITCH over SHAPE_EVIDENCE probes: a shape changes only on clear evidence,
+since one step's yield is noisy, and a change of load or text is still followed. Untimed, trees
+are drafted as asked.
 """
 from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import statistics
 from collections import deque
 from collections.abc import Iterable
@@ -75,9 +79,11 @@ FIT_DECAY = 0.97          # per step, on the measured steps behind the cost fit
 PLAIN_ANCHOR = 3.0        # decayed plain steps that pin the fit's intercept (LineFit.line)
 POOL_DECAY = 0.995        # per draft, on every sequence's pooled evidence
 OUTPUT_DECAY = 0.95       # per finished sequence, on the mean output length
-SHAPE_WINDOW = 8          # a draft shape's (trees' or chains') most recent steps that measure it
-SHAPE_MIN = 2             # steps each shape is measured on before the two are compared
-SHAPE_PROBE = 16          # drafting steps of a bucket after which the shape not drafted is tried again
+SHAPE_WINDOW = 8          # the drafted shape's (trees' or chains') recent steps a probe of the other is set against
+SHAPE_PROBE = 16          # drafting steps of a bucket between two probes of the shape not drafted
+SHAPE_SWITCH = 0.15       # mean log ratio of the probes' tokens a second at which the other shape takes over
+SHAPE_EVIDENCE = 2.4      # decayed probes that must back a change (three)
+SHAPE_DECAY = 0.8         # per probe, on the probes' evidence
 
 
 @dataclass
@@ -138,18 +144,27 @@ class LineFit:
 
 
 @dataclass
-class Yield:
-    """One draft shape's recent drafting steps in a batch bucket: (tokens yielded, seconds) each,
-    and the bucket's drafting step it was last drafted at."""
+class ShapeChoice:
+    """One batch bucket's choice between token trees and chains: the tree width drafted (1:
+    chains), its recent drafting steps (tokens yielded, seconds), the drafting steps since the
+    other shape's last probe, and the probes' decayed evidence: the sum of log(a probe's tokens a
+    second / the drafted shape's recent ones) and of probes."""
 
+    width: int
     recent: deque = field(default_factory=lambda: deque(maxlen=SHAPE_WINDOW))
-    last: int = 0
+    since: int = 0
+    log_ratio: float = 0.0
+    probes: float = 0.0
 
-    @property
+    def cap(self) -> float:
+        """The most seconds a step counts for: OUTLIER_FORWARDS times the recent steps' median (a
+        first call or a collection pause is not what a shape costs)."""
+        return OUTLIER_FORWARDS * statistics.median(s for _, s in self.recent)
+
     def rate(self) -> float:
-        """Tokens a second: mean tokens over median seconds."""
-        tokens = sum(t for t, _ in self.recent) / len(self.recent)
-        return tokens / max(statistics.median(s for _, s in self.recent), 1e-9)
+        """The drafted shape's recent tokens a second."""
+        cap = self.cap()
+        return sum(t for t, _ in self.recent) / max(sum(min(s, cap) for _, s in self.recent), 1e-9)
 
 
 class DraftController:
@@ -186,8 +201,7 @@ class DraftController:
         self.saving: dict[int, float] = {}
         self.outputs = [0.0, 0.0]   # finished sequences' output lengths, decayed: [sum, count]
         self.tree_width = tree_width
-        self.shapes: dict[int, dict[int, Yield]] = {}  # bucket -> tree width (1: chains) -> its steps
-        self.shape_steps: dict[int, int] = {}           # bucket -> drafting steps measured
+        self.shapes: dict[int, ShapeChoice] = {}        # bucket -> its choice of trees or chains
 
     @property
     def is_timed(self) -> bool:
@@ -508,37 +522,39 @@ class DraftController:
             self.token_cost = d * self.token_cost + (1 - d) * seconds / num_tokens
 
     def step_tree_width(self, batch_size: int) -> int:
-        """The width of a step's token trees for a batch of batch_size rows (1: chains): a shape
-        measured on fewer than SHAPE_MIN steps first (trees before chains), then the other shape
-        where it was not drafted for SHAPE_PROBE drafting steps, else the one whose recent steps
-        yield more tokens a second. The drafter's width where it drafts chains only or the
-        controller is untimed."""
+        """The width of a step's token trees for a batch of batch_size rows (1: chains): the
+        bucket's drafted shape, or the other one where SHAPE_PROBE drafting steps passed since it
+        was last tried (the module's docstring). The drafter's width where it drafts chains only or
+        the controller is untimed."""
         if self.tree_width == 1 or not self.buckets:
             return self.tree_width
-        shapes = self._shapes(batch_size)
-        for width, measured in shapes.items():
-            if len(measured.recent) < SHAPE_MIN:
-                return width
-        best = max(shapes, key=lambda width: shapes[width].rate)
-        other = 1 if best != 1 else self.tree_width
-        now = self.shape_steps[self._bucket(batch_size)]
-        return other if now - shapes[other].last >= SHAPE_PROBE else best
+        choice = self._choice(batch_size)
+        if len(choice.recent) < 2 or choice.since < SHAPE_PROBE:
+            return choice.width
+        return 1 if choice.width != 1 else self.tree_width
 
     def observe_shape(self, batch_size: int, tree_width: int, tokens: int, seconds: float) -> None:
         """A drafting step of batch_size rows with trees of tree_width (1: chains) yielded `tokens`
-        tokens in `seconds` (drafting through accepting)."""
+        tokens in `seconds` (drafting through accepting): a step of the drafted shape joins its
+        recent steps; a probe of the other is weighed against them, and the other shape takes
+        over where the probes' evidence says it yields more."""
         if self.tree_width == 1 or not self.buckets:
             return
-        bucket = self._bucket(batch_size)
-        measured = self._shapes(batch_size)[tree_width]
-        self.shape_steps[bucket] += 1
-        measured.recent.append((tokens, seconds))
-        measured.last = self.shape_steps[bucket]
+        choice = self._choice(batch_size)
+        if tree_width == choice.width or not choice.recent:
+            choice.recent.append((tokens, seconds))
+            choice.since += 1
+            return
+        ratio = math.log(max(tokens / max(min(seconds, choice.cap()), 1e-9), 1e-9) / max(choice.rate(), 1e-9))
+        choice.log_ratio = choice.log_ratio * SHAPE_DECAY + ratio
+        choice.probes = choice.probes * SHAPE_DECAY + 1.0
+        choice.since = 0
+        if choice.probes >= SHAPE_EVIDENCE and choice.log_ratio / choice.probes > SHAPE_SWITCH:
+            self.shapes[self._bucket(batch_size)] = ShapeChoice(tree_width, deque([(tokens, seconds)],
+                                                                                  maxlen=SHAPE_WINDOW))
 
-    def _shapes(self, batch_size: int) -> dict[int, Yield]:
-        bucket = self._bucket(batch_size)
-        self.shape_steps.setdefault(bucket, 0)
-        return self.shapes.setdefault(bucket, {self.tree_width: Yield(), 1: Yield()})
+    def _choice(self, batch_size: int) -> ShapeChoice:
+        return self.shapes.setdefault(self._bucket(batch_size), ShapeChoice(1))
 
     def end(self, seq_id: int, num_output: int = 0) -> None:
         """The sequence finished with num_output tokens (0: cancelled, or unknown)."""
