@@ -277,3 +277,37 @@ def test_timed_steps_mix_trees_and_chains_and_keep_greedy_output(tiny_folder):
     want = [o.token_ids for o in LLM(str(tiny_folder), spec="none", **options).generate(prompts, params)]
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert {1, 3} <= set(widths)
+
+
+class MalformedTrees(TreeDrafter):
+    """TreeDrafter's trees with one node's parent pointing at itself or a later node (no path)."""
+
+    def propose(self, batch):
+        drafts = super().propose(batch)
+        parents = drafts.parents.clone()
+        for i, n in enumerate(drafts.num_draft_host):
+            if n > 2:
+                parents[i, 2] = 2 + i % 2 * (n - 3)         # itself, or the row's last node
+        drafts.parents = parents
+        return drafts
+
+
+@pytest.mark.parametrize("where", ["pytorch", "cpu_kernels"])
+def test_a_malformed_tree_costs_its_nodes_never_the_output(tiny_folder, plain, default_model_dir, where, capsys):
+    """A drafter whose trees have a node without a path (its parent itself or a later node):
+    every output stays plain greedy output, the nodes from the malformed one on are not
+    verified, and stderr says so once. Through PyTorch's masked attention (float64) and the CPU
+    kernels' key tables (the default model in bfloat16)."""
+    if where == "cpu_kernels":
+        if not cpu_kernels.has_library():
+            pytest.skip("the CPU kernels did not build")
+        folder, options = default_model_dir, dict(OPTIONS, dtype="bfloat16", max_model_len=128)
+        want = [o.token_ids for o in LLM(str(folder), spec="none", **options).generate(PROMPTS, PARAMS)]
+    else:
+        folder, options, want = tiny_folder, OPTIONS, plain
+    truth = {tuple(p): o for p, o in zip(PROMPTS, want)}
+    llm = LLM(str(folder), spec=SpecConfig(num_draft_tokens=6), drafter=MalformedTrees(truth, seed=7), **options)
+    out = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in out] == want
+    assert all(o.spec["num_draft_tokens"] <= 2 * o.spec["num_verify_steps"] for o in out)
+    assert capsys.readouterr().err.count("proposed a token tree with a node whose parent") == 1

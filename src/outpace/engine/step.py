@@ -12,6 +12,7 @@ with the result, so the engine's step reads the same whatever ran it.
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 
@@ -98,6 +99,7 @@ class EagerStep:
         self.max_model_len = max_model_len
         self.num_draft_tokens = num_draft_tokens        # 0: speculation off
         self.launched: Launched | None = None           # GraphStep's overlap; never set here
+        self.said_malformed = False                     # whether a drafter's malformed tree was said
 
     # ---- propose ------------------------------------------------------------------------------
     def budget_for(self, seq: Sequence, ahead: int = 0) -> int:
@@ -226,7 +228,7 @@ class EagerStep:
         the tree's mask (the step's prompt chunks in a forward of their own before it), the
         longest path of the target's own tokens (sampling/tree.py), and the path's keys and
         values moved to consecutive positions."""
-        drafts = proposal.drafts
+        drafts = proposal.drafts = self._whole_trees(proposal.drafts)
         if chunks:
             self.runner.forward(chunk_rows(chunks), logits="none")
         nodes = drafts.host_rows()
@@ -261,6 +263,21 @@ class EagerStep:
         self._tell_verified(seqs, proposal.budget, out, num_out, hidden)
         host = torch.cat([num_out[:, None], num_draft[:, None], out], dim=1).tolist()   # the step's one sync
         return self._result(seqs, host, proposal.budget, t0)
+
+    def _whole_trees(self, drafts: Drafts) -> Drafts:
+        """The drafts with each row's tree cut before its first node whose parent is not an earlier
+        node or -1 (the row's last token): such a node has no path, and verifying it would read
+        keys no path holds. A drafter's malformed tree may cost its nodes, never the output; the
+        first is said on stderr."""
+        kept = [next((j for j, p in enumerate(row[:n]) if not -1 <= p < j), n)
+                for row, n in zip(drafts.parents.tolist(), drafts.num_draft_host)]
+        if kept == list(drafts.num_draft_host):
+            return drafts
+        if not self.said_malformed:
+            self.said_malformed = True
+            print(f"outpace: the drafter ({type(self.drafter).__name__}) proposed a token tree with a node whose "
+                  "parent is not an earlier node or -1; its nodes from there on are not verified", file=sys.stderr)
+        return drafts.truncated(kept)
 
     def _plain_greedy(self, seqs: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None,
                       t0: float) -> StepResult:
