@@ -188,3 +188,37 @@ def test_a_short_lookup_match_yields_to_the_paying_drafter_where_it_drafts():
     assert drafts.match_len == [0, 2, 1, 1, 0]
     assert drafts.free == [False, True, True, True, False]
     assert paying.asked == [0, 3, 4]
+
+
+class OutOfVocabulary(Drafter):
+    """Chains of the true continuation whose third token is an id past the vocabulary (or -1)."""
+
+    def __init__(self, truth):
+        self.truth, self.done = truth, {}
+
+    def begin(self, seq_id, token_ids):
+        self.done[seq_id] = [tuple(token_ids), 0]
+
+    def accept(self, seq_id, token_ids):
+        self.done[seq_id][1] += len(token_ids)
+
+    def propose(self, batch):
+        rows = []
+        for seq_id, budget in zip(batch.seq_ids, batch.budget):
+            prompt, done = self.done[seq_id]
+            row = list(self.truth[prompt][done:done + budget])
+            if len(row) > 2:
+                row[2] = 10 ** 9 if seq_id % 2 else -1
+            rows.append(row)
+        return Drafts.from_lists(rows)
+
+
+def test_draft_ids_outside_the_vocabulary_cost_their_tokens_never_the_output(tiny_folder, plain, capsys):
+    """A drafter proposing ids no embedding holds: every output stays plain greedy output, each
+    draft verified up to the bad id, and stderr says so once."""
+    truth = {tuple(p): o for p, o in zip(PROMPTS, plain)}
+    llm = LLM(str(tiny_folder), spec=SpecConfig(num_draft_tokens=6), drafter=OutOfVocabulary(truth), **OPTIONS)
+    out = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in out] == plain
+    assert all(0 < o.spec["num_draft_tokens"] <= 2 * o.spec["num_verify_steps"] for o in out)
+    assert capsys.readouterr().err.count("outside the target's vocabulary") == 1

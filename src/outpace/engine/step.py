@@ -99,7 +99,7 @@ class EagerStep:
         self.max_model_len = max_model_len
         self.num_draft_tokens = num_draft_tokens        # 0: speculation off
         self.launched: Launched | None = None           # GraphStep's overlap; never set here
-        self.said_malformed = False                     # whether a drafter's malformed tree was said
+        self.said: set[str] = set()                     # the malformed drafts said on stderr (_cut_malformed)
 
     # ---- propose ------------------------------------------------------------------------------
     def budget_for(self, seq: Sequence, ahead: int = 0) -> int:
@@ -195,6 +195,8 @@ class EagerStep:
             logits, hidden = self.runner.forward(self._last_rows(seqs), hidden_layers=hidden_layers,
                                                  draft_tokens=drafts.tokens)                     # [B, S, V]
         else:
+            if drafts is not None:
+                drafts = proposal.drafts = self._in_vocabulary(drafts)
             host = drafts.host_rows() if drafts is not None else [[] for _ in seqs]
             rows = [Row(s.slot, s.token_ids[-1:] + d, len(s.token_ids) - 1) for s, d in zip(seqs, host)]
             # [B, S, V], or for greedy rows on the CPU their argmax [B, S]
@@ -228,7 +230,7 @@ class EagerStep:
         the tree's mask (the step's prompt chunks in a forward of their own before it), the
         longest path of the target's own tokens (sampling/tree.py), and the path's keys and
         values moved to consecutive positions."""
-        drafts = proposal.drafts = self._whole_trees(proposal.drafts)
+        drafts = proposal.drafts = self._whole_trees(self._in_vocabulary(proposal.drafts))
         if chunks:
             self.runner.forward(chunk_rows(chunks), logits="none")
         nodes = drafts.host_rows()
@@ -264,19 +266,31 @@ class EagerStep:
         host = torch.cat([num_out[:, None], num_draft[:, None], out], dim=1).tolist()   # the step's one sync
         return self._result(seqs, host, proposal.budget, t0)
 
+    # A drafter's malformed draft may cost its tokens, never the output: each row is cut before
+    # its first bad token, and the first of each kind is said on stderr.
+    def _in_vocabulary(self, drafts: Drafts) -> Drafts:
+        """The drafts (host lengths known) cut before each row's first id outside the target's
+        vocabulary, which no forward could embed."""
+        vocab = self.runner.model.cfg.vocab_size
+        rows = drafts.host_rows()
+        kept = [next((j for j, t in enumerate(row) if not 0 <= t < vocab), len(row)) for row in rows]
+        return self._cut_malformed(drafts, kept, f"token ids outside the target's vocabulary (0 .. {vocab - 1})")
+
     def _whole_trees(self, drafts: Drafts) -> Drafts:
-        """The drafts with each row's tree cut before its first node whose parent is not an earlier
-        node or -1 (the row's last token): such a node has no path, and verifying it would read
-        keys no path holds. A drafter's malformed tree may cost its nodes, never the output; the
-        first is said on stderr."""
+        """The drafts cut before each row's first tree node whose parent is not an earlier node
+        or -1 (the row's last token): such a node has no path, and verifying it would read keys no
+        path holds."""
         kept = [next((j for j, p in enumerate(row[:n]) if not -1 <= p < j), n)
                 for row, n in zip(drafts.parents.tolist(), drafts.num_draft_host)]
+        return self._cut_malformed(drafts, kept, "a token tree with a node whose parent is not an earlier node or -1")
+
+    def _cut_malformed(self, drafts: Drafts, kept: list[int], what: str) -> Drafts:
         if kept == list(drafts.num_draft_host):
             return drafts
-        if not self.said_malformed:
-            self.said_malformed = True
-            print(f"outpace: the drafter ({type(self.drafter).__name__}) proposed a token tree with a node whose "
-                  "parent is not an earlier node or -1; its nodes from there on are not verified", file=sys.stderr)
+        if what not in self.said:
+            self.said.add(what)
+            print(f"outpace: the drafter ({type(self.drafter).__name__}) proposed {what}; each such draft is "
+                  "verified up to there", file=sys.stderr)
         return drafts.truncated(kept)
 
     def _plain_greedy(self, seqs: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None,
