@@ -205,6 +205,25 @@ def test_bfloat16_trees_on_the_cpu_kernels_keep_greedy_output(default_model_dir,
         assert sum(o.spec["num_accepted_tokens"] for o in out) > 0
 
 
+@pytest.mark.skipif(not cpu_kernels.has_library(), reason="the CPU kernels did not build")
+def test_sampled_bfloat16_trees_on_the_cpu_kernels_give_plain_seeded_sampling(default_model_dir):
+    """Sampled rows (and a greedy one) of the default model's quantized weights in bfloat16,
+    trees attending in the CPU kernels: tree speculation emits what plain seeded sampling emits,
+    token for token, with true branches among decoys."""
+    options = dict(OPTIONS, dtype="bfloat16", max_model_len=128)
+    prompts = [[1, 9038, 2114, 253, 23790], list(range(400, 437)), [28, 4093, 2, 28, 4093]]
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=70 + i, max_tokens=24, ignore_eos=True)
+              for i in range(len(prompts) - 1)] + [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]
+    llm = LLM(str(default_model_dir), spec="none", **options)
+    want = [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+    truth = {tuple(p): w for p, w in zip(prompts, want)}
+    llm = LLM(str(default_model_dir), spec=SpecConfig(num_draft_tokens=6), drafter=TreeDrafter(truth, seed=9),
+              **options)
+    out = llm.generate(prompts, params)
+    assert [o.token_ids for o in out] == want
+    assert sum(o.spec["num_accepted_tokens"] for o in out) > 0
+
+
 BRANCHY = [1, 2, 3, 9, 4, 1, 2, 3, 8, 4, 1, 2, 3, 7, 5, 1, 2, 3]     # "1 2 3" went three ways
 
 
