@@ -195,9 +195,10 @@ class EagerStep:
             logits, hidden = self.runner.forward(self._last_rows(seqs), hidden_layers=hidden_layers,
                                                  draft_tokens=drafts.tokens)                     # [B, S, V]
         else:
+            host = [[] for _ in seqs]
             if drafts is not None:
-                drafts = proposal.drafts = self._in_vocabulary(drafts)
-            host = drafts.host_rows() if drafts is not None else [[] for _ in seqs]
+                drafts, host = self._in_vocabulary(drafts)
+                proposal.drafts = drafts
             rows = [Row(s.slot, s.token_ids[-1:] + d, len(s.token_ids) - 1) for s, d in zip(seqs, host)]
             # [B, S, V], or for greedy rows on the CPU their argmax [B, S]
             logits, hidden = self.runner.forward(rows, self.runner.greedy_logits if greedy else "all",
@@ -230,10 +231,11 @@ class EagerStep:
         the tree's mask (the step's prompt chunks in a forward of their own before it), the
         longest path of the target's own tokens (sampling/tree.py), and the path's keys and
         values moved to consecutive positions."""
-        drafts = proposal.drafts = self._whole_trees(self._in_vocabulary(proposal.drafts))
+        drafts, nodes = self._in_vocabulary(proposal.drafts)
+        drafts = proposal.drafts = self._whole_trees(drafts)
+        nodes = [row[:n] for row, n in zip(nodes, drafts.num_draft_host)]
         if chunks:
             self.runner.forward(chunk_rows(chunks), logits="none")
-        nodes = drafts.host_rows()
         parents = [p[:n] for p, n in zip(drafts.parents.tolist(), drafts.num_draft_host)]
         rows = [Row(s.slot, s.token_ids[-1:] + d, len(s.token_ids) - 1) for s, d in zip(seqs, nodes)]
         greedy = all(s.params.is_greedy for s in seqs)
@@ -268,13 +270,14 @@ class EagerStep:
 
     # A drafter's malformed draft may cost its tokens, never the output: each row is cut before
     # its first bad token, and the first of each kind is said on stderr.
-    def _in_vocabulary(self, drafts: Drafts) -> Drafts:
+    def _in_vocabulary(self, drafts: Drafts) -> tuple[Drafts, list[list[int]]]:
         """The drafts (host lengths known) cut before each row's first id outside the target's
-        vocabulary, which no forward could embed."""
+        vocabulary, which no forward could embed, and their rows as host lists."""
         vocab = self.runner.model.cfg.vocab_size
         rows = drafts.host_rows()
         kept = [next((j for j, t in enumerate(row) if not 0 <= t < vocab), len(row)) for row in rows]
-        return self._cut_malformed(drafts, kept, f"token ids outside the target's vocabulary (0 .. {vocab - 1})")
+        cut = self._cut_malformed(drafts, kept, f"token ids outside the target's vocabulary (0 .. {vocab - 1})")
+        return cut, [row[:n] for row, n in zip(rows, kept)]
 
     def _whole_trees(self, drafts: Drafts) -> Drafts:
         """The drafts cut before each row's first tree node whose parent is not an earlier node
