@@ -190,26 +190,17 @@ def test_a_short_lookup_match_yields_to_the_paying_drafter_where_it_drafts():
     assert paying.asked == [0, 3, 4]
 
 
-class OutOfVocabulary(Drafter):
-    """Chains of the true continuation whose third token is an id past the vocabulary (or -1)."""
+class OutOfVocabulary(Costly):
+    """Costly's true continuations, free, each third token an id past the vocabulary (or -1)."""
 
     def __init__(self, truth):
-        self.truth, self.done = truth, {}
-
-    def begin(self, seq_id, token_ids):
-        self.done[seq_id] = [tuple(token_ids), 0]
-
-    def accept(self, seq_id, token_ids):
-        self.done[seq_id][1] += len(token_ids)
+        super().__init__(truth, 0.0)
 
     def propose(self, batch):
-        rows = []
-        for seq_id, budget in zip(batch.seq_ids, batch.budget):
-            prompt, done = self.done[seq_id]
-            row = list(self.truth[prompt][done:done + budget])
+        rows = [list(row) for row in super().propose(batch).host_rows()]
+        for seq_id, row in zip(batch.seq_ids, rows):
             if len(row) > 2:
                 row[2] = 10 ** 9 if seq_id % 2 else -1
-            rows.append(row)
         return Drafts.from_lists(rows)
 
 
