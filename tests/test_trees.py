@@ -17,6 +17,7 @@ from outpace.kernels import cpu_kernels
 from outpace.runner.model_runner import ModelRunner, Row
 from outpace.sampling.rejection import verify_greedy
 from outpace.sampling.tree import verify_tree
+from outpace.speculative import controller
 from outpace.speculative.drafter import Drafter, Drafts
 from outpace.weights.loader import load_model
 from tiny import make_tiny
@@ -278,10 +279,11 @@ def test_ngram_trees_keep_greedy_and_sampled_output(tiny_folder, plain):
     assert sorted(llm.engine.scheduler.free_slots) == [0, 1, 2]
 
 
-def test_timed_steps_mix_trees_and_chains_and_keep_greedy_output(tiny_folder):
-    """With its step costs measured, the controller drafts trees on some steps and chains on
-    others (each shape measured, the better one taken, the other probed again); greedy output
-    stays plain greedy output whichever shape each step took."""
+def test_timed_steps_mix_trees_and_chains_and_keep_greedy_output(tiny_folder, monkeypatch):
+    """With its step costs measured, the controller drafts chains and probes trees (here every
+    other drafting step: how many steps draft at all depends on the measured costs); greedy
+    output stays plain greedy output whichever shape each step took."""
+    monkeypatch.setattr(controller, "SHAPE_PROBE", 2)
     prompts = PROMPTS + [BRANCHY * 2]
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     options = dict(OPTIONS, calibrate=True)
