@@ -232,11 +232,11 @@ class EagerStep:
         longest path of the target's own tokens (sampling/tree.py), and the path's keys and
         values moved to consecutive positions."""
         drafts, nodes = self._in_vocabulary(proposal.drafts)
-        drafts = proposal.drafts = self._whole_trees(drafts)
+        drafts, parents = self._whole_trees(drafts)
+        proposal.drafts = drafts
         nodes = [row[:n] for row, n in zip(nodes, drafts.num_draft_host)]
         if chunks:
             self.runner.forward(chunk_rows(chunks), logits="none")
-        parents = [p[:n] for p, n in zip(drafts.parents.tolist(), drafts.num_draft_host)]
         rows = [Row(s.slot, s.token_ids[-1:] + d, len(s.token_ids) - 1) for s, d in zip(seqs, nodes)]
         greedy = all(s.params.is_greedy for s in seqs)
         logits, hidden = self.runner.forward_tree(rows, parents, "tokens" if greedy else "all",
@@ -279,13 +279,15 @@ class EagerStep:
         cut = self._cut_malformed(drafts, kept, f"token ids outside the target's vocabulary (0 .. {vocab - 1})")
         return cut, [row[:n] for row, n in zip(rows, kept)]
 
-    def _whole_trees(self, drafts: Drafts) -> Drafts:
+    def _whole_trees(self, drafts: Drafts) -> tuple[Drafts, list[list[int]]]:
         """The drafts cut before each row's first tree node whose parent is not an earlier node
         or -1 (the row's last token): such a node has no path, and verifying it would read keys no
-        path holds."""
+        path holds. Also each row's parents as a host list, as far as the row was kept."""
+        parents = drafts.parents.tolist()
         kept = [next((j for j, p in enumerate(row[:n]) if not -1 <= p < j), n)
-                for row, n in zip(drafts.parents.tolist(), drafts.num_draft_host)]
-        return self._cut_malformed(drafts, kept, "a token tree with a node whose parent is not an earlier node or -1")
+                for row, n in zip(parents, drafts.num_draft_host)]
+        cut = self._cut_malformed(drafts, kept, "a token tree with a node whose parent is not an earlier node or -1")
+        return cut, [row[:n] for row, n in zip(parents, kept)]
 
     def _cut_malformed(self, drafts: Drafts, kept: list[int], what: str) -> Drafts:
         if kept == list(drafts.num_draft_host):
