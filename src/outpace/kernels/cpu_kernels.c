@@ -207,9 +207,10 @@ static void add_norm(int wide, const void *h, const void *delta, const void *wei
  * h [T, hidden]: the embedded tokens, replaced by the residual stream before the last layer's MLP
  * output; delta [T, hidden]: that output (the stream is h + delta, which the final norm adds).
  * Caches [layers, slots, KVH, L, D]; cos, sin, slots, slot_div, positions, window as rope_attend
- * takes them, tree and tree_stride too (NULL: no token trees). keep [layers]: where layer i's output stream h + delta goes in kept [T, kept layers,
- * hidden], or -1. wide: float32 activations, else bfloat16. Returns 0, -1 when memory ran out, -2
- * for sizes a kernel cannot take. */
+ * takes them, tree and tree_stride too (NULL: no token trees). keep [layers]: where layer i's
+ * output stream h + delta goes in kept [T, kept layers, hidden], or -1. wide: float32
+ * activations, else bfloat16. Returns 0, -1 when memory ran out, -2 for sizes a kernel cannot
+ * take. */
 int decoder_stack(const StackLayer *layers, long n_layers, int wide, void *h, void *delta, long tokens, long hidden,
                   long inter, float eps, long NH, long KVH, long D, long L, long window, float scale, void *k_cache,
                   void *v_cache, long cache_stride, const void *cos, const void *sin, const int64_t *slots,

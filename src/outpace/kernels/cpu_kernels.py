@@ -341,7 +341,8 @@ class DecoderStack:
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, window: int | None,
-                 keep: list[int], tree: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                 keep: list[int], tree: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """h [T, H] the embedded tokens in the caches' dtype; cos, sin, slots, positions, tree as
         rope_attend takes them; caches [layers, slots, KVH, L, D]; keep: the layers whose output
         stream to return. Returns (h, delta) after the last layer (the stream is h + delta) and

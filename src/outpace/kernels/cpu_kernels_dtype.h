@@ -179,9 +179,9 @@ static void NAME(attend_group)(const T *q_heads, const T *cos, const T *sin, con
 /* Attention of `tokens` tokens of one slot, each at its own position, over one key/value head
  * (keys, values: position 0 of [L, D], the key of a position at its row key_row(map, position)),
  * `group` query heads each (unrotated, token t's at qk + t * qk_stride); out: token t's heads at
- * out + t * out_stride. Keys go in blocks of 16 at fixed positions (16b .. 16b + 15), each widened to float32 and transposed once for all the
- * queries, so a query's 16 scores are one register of FMAs, four queries sharing each load. Two
- * passes: every score and each query's running maximum (lane by lane), then the exponentials and
+ * out + t * out_stride. Keys go in blocks of 16 at fixed positions (16b .. 16b + 15), each
+ * widened to float32 and transposed once for all the queries, so a query's 16 scores are one
+ * register of FMAs, four queries sharing each load. Two passes: every score and each query's running maximum (lane by lane), then the exponentials and
  * the weighted values. A query's arithmetic depends on its own position (and window) alone: blocks
  * outside its keys are skipped and its masked keys weigh exact zeros, so its result is the same
  * in any call. scratch: tokens * group * (2 D + D / 2 + 32 + keys + 16) + 32 D floats (rope_attend
