@@ -405,6 +405,19 @@ def test_a_row_drafts_only_where_drafting_repays_its_setup():
     assert untimed.row_lengths([0, 1], 1, [0.0, 1e9], [1, 1]) == [8, 8] and untimed.pays_setup(1e9, 1, 1)
 
 
+def test_a_load_not_run_yet_weighs_setups_at_the_pools_rates():
+    """Before any decision at a batch size, a setup is paid on trust while the drafter is probed;
+    once drafts were measured, at the saving sequences at the pool's rates would see there: a
+    server's first burst at a load where drafting cannot pay caches no prompt in the draft model."""
+    c = DraftController(8, {1: [1.0 + 0.02 * k for k in range(9)], 4: [1.0 + 1.0 * k for k in range(9)]})
+    assert c.pays_setup(1e9, 100, 4)
+    for s in range(20):
+        c.observe(s, 8, 4, 3)
+    assert not c.probing and not c.saving
+    assert not c.pays_setup(1e-3, 100, 4)
+    assert c.pays_setup(1e-3, 100, 1) and not c.pays_setup(1e9, 100, 1)
+
+
 def test_a_row_that_does_not_pay_to_draft_pays_no_setup():
     """Where drafting loses (every draft rejected), a row's saving is nothing, so any setup is
     refused, a probe's included: a probe is for a row that is ready to draft."""

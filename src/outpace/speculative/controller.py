@@ -378,12 +378,27 @@ class DraftController:
     def pays_setup(self, seconds: float, room: int, batch_size: int) -> bool:
         """Whether a new sequence's setup of `seconds` (a draft model reading its prompt) is
         repaid over the tokens it is expected to output (room: its max_tokens) at the saving per
-        token of the last decision at its batch's size (the sequences running with it). True
-        where no decision was made at that size yet, or untimed."""
-        saving = self.saving.get(self._bucket(batch_size)) if self.buckets else None
-        if saving is None or seconds <= 0:
+        token of the last decision at its batch's size (the sequences running with it). Where no
+        decision was made at that size yet, the saving that sequences at the pool's rates would
+        see there (a load the engine has not run yet: the first burst of a server already
+        serving), or while the drafter is still probed, on trust. True untimed."""
+        if not self.buckets or seconds <= 0:
             return True
+        saving = self.saving.get(self._bucket(batch_size))
+        if saving is None:
+            if self.probing:
+                return True
+            saving = self._pooled_saving(batch_size)
         return saving * self.remaining(0, room) >= MIN_RETURN * seconds
+
+    def _pooled_saving(self, batch_size: int) -> float:
+        """The seconds a token saves in a batch of batch_size sequences that each draft at the
+        pool's rates (_prior; None is the id of no sequence), at the length num_draft would choose
+        for them (no probe)."""
+        row = self._gains([None], None)[0]
+        k = self._best_prefix(batch_size, (batch_size * (1 + k) for k in itertools.count(1)),
+                              (batch_size * g for g in row))
+        return self._savings([None], batch_size, k)[0]
 
     def remaining(self, num_output: int, room: int) -> float:
         """Tokens a sequence that has output num_output tokens is expected to output yet: its room
