@@ -1,6 +1,7 @@
 """What each drafter's CUDA graphs cost on this GPU at batch 1: replays timed on the device.
 
     python benchmarks/graph_costs.py [--model smollm2-135m] [--spec ngram eagle3 chain] [--keys 512]
+        [--num-draft-tokens 32]
 
 For each drafter (`chain`: the EAGLE-3 head with n-gram lookup first) one engine of one slot is
 built without calibration and its captured graphs are replayed with every row inactive (the
@@ -12,7 +13,9 @@ the figures are the graphs' device time at fixed shapes, not a speedup:
   - a head's chain graph of K drafts (the head alone outside the target's step: its first draft
     is a product and an argmax, each later one a forward of the head).
 Each figure is the mean of --reps replays after one untimed replay, in microseconds; --rounds
-repeats the step graphs' line to show the spread.
+repeats the step graphs' line to show the spread. --num-draft-tokens sets the most drafts a step
+holds (SpecConfig's; the step graphs reach t = 1 + that, the head's chain graphs that many drafts),
+for what a large token tree's verify would cost if it ran in a graph.
 """
 from __future__ import annotations
 
@@ -46,11 +49,14 @@ def main() -> None:
     p.add_argument("--keys", type=int, default=512, help="the step graphs' key length (a captured bucket)")
     p.add_argument("--reps", type=int, default=300)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--num-draft-tokens", type=int, default=SpecConfig.num_draft_tokens,
+                   help="the most drafts a step holds (default: SpecConfig's)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("graph_costs.py times CUDA graphs: it needs a CUDA GPU")
     for name in args.spec:
         extra = dict(draft_head=args.draft_head) if name != "ngram" else {}
+        extra["num_draft_tokens"] = args.num_draft_tokens
         llm = LLM(args.model, spec=SpecConfig(**SPECS[name], **extra), device="cuda", max_num_seqs=1, calibrate=False)
         runner = llm.engine.runner
         tiers = [t for t in runner.tiers if (1, t, args.keys) in runner.graphs]
