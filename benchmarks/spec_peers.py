@@ -6,9 +6,11 @@
                   generation (generate(..., assistant_model=the draft model)), and plain generate,
                   on the models dequantized from the same GGUFs, in outpace's dtype
     llama.cpp     llama-cpp-python on the GGUF file itself (its own quantized kernels), with its
-                  LlamaPromptLookupDecoding draft model and without (plain alone with --spec draft:
-                  the binding drafts by prompt lookup only); skipped with a message when
-                  llama-cpp-python is not installed (pip install 'outpace[llamacpp]')
+                  LlamaPromptLookupDecoding draft model, or with --spec draft a draft model of the
+                  draft GGUF through the same hook (the binding ships prompt lookup only:
+                  peers.LlamaCppModelDraft runs a second Llama, --llamacpp-draft-tokens a call),
+                  and without; skipped with a message when llama-cpp-python is not installed
+                  (pip install 'outpace[llamacpp]')
 
 Every engine decodes greedily from the same prompt token ids (outpace's tokenizer and chat
 template); a multi-turn question is a conversation with each engine's own earlier answers. Within
@@ -85,8 +87,14 @@ def build_engines(args, llm: LLM) -> dict[str, dict]:
         else:
             threads = args.threads or os.cpu_count() or 1
             draft_tokens = {"spec": args.llamacpp_draft_tokens, "plain": 0}
-            modes = [m for m in args.peer_modes if m == "plain" or not drafts_by_model]
-            loaded = {m: load_llamacpp(gguf, args.max_model_len, threads, draft_tokens[m]) for m in modes}
+            draft_gguf = None
+            if drafts_by_model:
+                draft_gguf = gguf_file(llm.engine.config.spec.draft_model)
+                if draft_gguf is None:
+                    print("llama.cpp drafts no model: the draft model is not a .gguf", file=sys.stderr)
+            modes = [m for m in args.peer_modes if m == "plain" or not drafts_by_model or draft_gguf is not None]
+            loaded = {m: load_llamacpp(gguf, args.max_model_len, threads, draft_tokens[m], draft_gguf)
+                      for m in modes}
             if None not in loaded.values():
                 engines["llama.cpp"] = {m: LlamaCppEngine(llama, eos) for m, llama in loaded.items()}
     return engines
@@ -197,9 +205,11 @@ def main() -> None:
     p.add_argument("--hf-lookup-tokens", type=int, default=10,
                    help="transformers' prompt_lookup_num_tokens (default 10, its documented example)")
     p.add_argument("--llamacpp-draft-tokens", type=int, default=10,
-                   help="LlamaPromptLookupDecoding num_pred_tokens (default 10, its default)")
+                   help="LlamaPromptLookupDecoding num_pred_tokens, or with --spec draft the draft "
+                        "model's tokens a call (default 10, the former's default)")
     p.add_argument("--peer-modes", nargs="+", choices=MODES, default=list(MODES),
-                   help="the peers' modes: spec (their prompt lookup) and plain (default both; outpace runs both)")
+                   help="the peers' modes: spec (their prompt lookup, or their draft model with --spec draft) "
+                        "and plain (default both; outpace runs both)")
     p.add_argument("--prompt-tokens", type=int, default=512,
                    help="the prompt-processing prompt's length (0: skip that measurement)")
     p.add_argument("--prompt-rounds", type=int, default=3, help="prompt-processing rounds, the best kept (default 3)")

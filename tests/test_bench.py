@@ -300,3 +300,21 @@ def test_transformers_assisted_generation_is_a_peer(tiny_folder):
     assisted = TransformersEngine(hf, [0], assistant=assistant).generate(prompt, 12, ignore_eos=True)
     assert assisted.token_ids == plain.token_ids and len(plain.token_ids) == 12
     assert assisted.prefill_s > 0 and assisted.decode_s > 0
+
+
+def test_llamacpp_model_draft_drafts_its_tokens_from_the_whole_sequence():
+    """llama.cpp's draft-model hook: the second Llama gets the sequence's ids with its prefix reuse
+    on (reset=True) and is stopped after num_tokens greedy tokens."""
+    import numpy as np
+
+    from outpace.bench.peers import LlamaCppModelDraft
+
+    class Fake:
+        def generate(self, tokens, temp, top_k, reset, **kwargs):
+            self.seen = (tokens, temp, top_k, reset)
+            yield from range(100, 200)
+
+    fake = Fake()
+    drafted = LlamaCppModelDraft(fake, 3)(np.array([5, 6, 7], dtype=np.intc))
+    assert drafted.tolist() == [100, 101, 102] and drafted.dtype == np.intc
+    assert fake.seen == ([5, 6, 7], 0.0, 1, True)

@@ -99,9 +99,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def load_llamacpp(gguf: str | Path, n_ctx: int, threads: int, draft_tokens: int = 0):
+def load_llamacpp(gguf: str | Path, n_ctx: int, threads: int, draft_tokens: int = 0,
+                  draft_gguf: str | Path | None = None):
     """llama.cpp on the GGUF file itself, through llama-cpp-python; draft_tokens > 0 attaches its
-    prompt lookup draft model. None (with a message) when llama-cpp-python is not installed."""
+    prompt lookup draft model, or with draft_gguf a draft model of that GGUF (LlamaCppModelDraft).
+    None (with a message) when llama-cpp-python is not installed."""
     try:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -109,11 +111,38 @@ def load_llamacpp(gguf: str | Path, n_ctx: int, threads: int, draft_tokens: int 
         print(f"llama.cpp skipped: llama-cpp-python is not importable ({e}); "
               "pip install 'outpace[llamacpp]' to include it")
         return None
-    draft = LlamaPromptLookupDecoding(num_pred_tokens=draft_tokens) if draft_tokens else None
+    draft = None
+    if draft_tokens and draft_gguf is not None:
+        draft = LlamaCppModelDraft(Llama(model_path=str(draft_gguf), n_ctx=n_ctx, n_threads=threads,
+                                         n_threads_batch=threads, verbose=False), draft_tokens)
+    elif draft_tokens:
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=draft_tokens)
     # logits_all: with a draft model llama-cpp-python keeps every position's logits, but sizes that
     # buffer from this argument; left False, prompts longer than n_batch fail in eval()
     return Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                  draft_model=draft, logits_all=draft is not None, verbose=False)
+
+
+class LlamaCppModelDraft:
+    """A draft model for llama-cpp-python's draft_model hook (its LlamaDraftModel interface: the
+    sequence's token ids in, drafted ids out), which the binding fills only with prompt lookup: a
+    second Llama on the draft GGUF drafts num_tokens tokens greedily a call. Its generate(reset=True)
+    keeps the longest prefix its cache shares with the sequence, so a call reads the tokens the
+    target accepted since the last one, then drafts one forward a token."""
+
+    def __init__(self, llama, num_tokens: int):
+        self.llama, self.num_tokens = llama, num_tokens
+
+    def __call__(self, input_ids, /, **kwargs):
+        import numpy as np
+
+        drafted = []
+        for token in self.llama.generate(input_ids.tolist(), temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
+                                         repeat_penalty=1.0, reset=True):
+            drafted.append(token)
+            if len(drafted) == self.num_tokens:
+                break
+        return np.array(drafted, dtype=np.intc)
 
 
 class LlamaCppEngine:
