@@ -204,9 +204,9 @@ def main() -> None:
                    choices=["outpace", "transformers", "llamacpp"], help="outpace always runs")
     p.add_argument("--hf-lookup-tokens", type=int, default=10,
                    help="transformers' prompt_lookup_num_tokens (default 10, its documented example)")
-    p.add_argument("--llamacpp-draft-tokens", type=int, default=10,
-                   help="LlamaPromptLookupDecoding num_pred_tokens, or with --spec draft the draft "
-                        "model's tokens a call (default 10, the former's default)")
+    p.add_argument("--llamacpp-draft-tokens", type=int, default=None,
+                   help="LlamaPromptLookupDecoding num_pred_tokens (default 10, its default), or with --spec "
+                        "draft the draft model's tokens a call (default 5: it has no confidence stop)")
     p.add_argument("--peer-modes", nargs="+", choices=MODES, default=list(MODES),
                    help="the peers' modes: spec (their prompt lookup, or their draft model with --spec draft) "
                         "and plain (default both; outpace runs both)")
@@ -220,6 +220,8 @@ def main() -> None:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     records = load_spec_bench(args.dataset, args.category, args.limit_per_category)
     spec = spec_config(args)
+    if args.llamacpp_draft_tokens is None:
+        args.llamacpp_draft_tokens = 5 if spec.method == "draft" else 10
     llm = LLM(args.model, spec=spec, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
               max_num_seqs=1)
     engines = build_engines(args, llm)
