@@ -181,13 +181,13 @@ static void NAME(attend_group)(const T *q_heads, const T *cos, const T *sin, con
  * `group` query heads each (unrotated, token t's at qk + t * qk_stride); out: token t's heads at
  * out + t * out_stride. Keys go in blocks of 16 at fixed positions (16b .. 16b + 15), each
  * widened to float32 and transposed once for all the queries, so a query's 16 scores are one
- * register of FMAs, four queries sharing each load. Two passes: every score and each query's running maximum (lane by lane), then the exponentials and
- * the weighted values. A query's arithmetic depends on its own position (and window) alone: blocks
- * outside its keys are skipped and its masked keys weigh exact zeros, so its result is the same
- * in any call. scratch: tokens * group * (2 D + D / 2 + 32 + keys + 16) + 32 D floats (rope_attend
- * sizes it). Where DOT_PAIRS (bfloat16 with AVX512_BF16) and D is a multiple of 32, the scores are
- * vdpbf16ps sums over pairs of values, the keys moved as pairs without widening.
- * D a multiple of 16. */
+ * register of FMAs, four queries sharing each load. Two passes: every score and each query's
+ * running maximum (lane by lane), then the exponentials and the weighted values. A query's
+ * arithmetic depends on its own position (and window) alone: blocks outside its keys are skipped
+ * and its masked keys weigh exact zeros, so its result is the same in any call. scratch: tokens *
+ * group * (2 D + D / 2 + 32 + keys + 16) + 32 D floats (rope_attend sizes it). Where DOT_PAIRS
+ * (bfloat16 with AVX512_BF16) and D is a multiple of 32, the scores are vdpbf16ps sums over pairs
+ * of values, the keys moved as pairs without widening. D a multiple of 16. */
 static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, const T *sin, const T *keys,
                                  const T *values, const int64_t *positions, const int64_t *map, long tokens,
                                  long window, long group, long D, float scale, float *scratch, T *out,
