@@ -393,12 +393,10 @@ class DraftController:
 
     def _pooled_saving(self, batch_size: int) -> float:
         """The seconds a token saves in a batch of batch_size sequences that each draft at the
-        pool's rates (_prior; None is the id of no sequence), at the length num_draft would choose
-        for them (no probe)."""
-        row = self._gains([None], None)[0]
-        k = self._best_prefix(batch_size, (batch_size * (1 + k) for k in itertools.count(1)),
-                              (batch_size * g for g in row))
-        return self._savings([None], batch_size, k)[0]
+        pool's rates (_prior; None is the id of no sequence), at the length num_draft chooses for
+        them (pays_setup asks only once probing ended, so no probe's length)."""
+        rows = [None] * batch_size
+        return self._savings(rows[:1], batch_size, self.num_draft(rows, batch_size))[0]
 
     def remaining(self, num_output: int, room: int) -> float:
         """Tokens a sequence that has output num_output tokens is expected to output yet: its room
