@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from outpace.config import SamplingParams
@@ -134,8 +135,6 @@ class LlamaCppModelDraft:
         self.llama, self.num_tokens = llama, num_tokens
 
     def __call__(self, input_ids, /, **kwargs):
-        import numpy as np
-
         drafted = []
         for token in self.llama.generate(input_ids.tolist(), temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
                                          repeat_penalty=1.0, reset=True):
