@@ -475,3 +475,26 @@ def test_trees_or_chains_whichever_yields_more_tokens_a_second():
     slow = run(c, 1, lambda width: 4, lambda width: 10.0)              # one tree step 1000 times slower
     assert slow == [3] and run(c, 40, lambda width: 3 if width == 1 else 4)[-16:].count(3) >= 15
     assert c.shapes.keys() == {1}                                      # one bucket (FLAT's) for all sizes
+
+
+def test_decisions_asked_again_within_a_step_follow_new_evidence():
+    """The controller answers a step's repeated questions from what it worked out for the first,
+    until new evidence arrives: a controller asked between observations decides as one that was
+    not."""
+    asked, fresh = DraftController(8, STEEP), DraftController(8, STEEP)
+    for step in range(12):
+        assert asked.num_draft([0, 1], 2) == asked.num_draft([0, 1], 2)
+        asked.row_lengths([0, 1], 2, [0.0, 0.5], [100.0, 100.0])
+        for c in (asked, fresh):
+            c.observe(0, 8, 8, 8 if step < 6 else 0, match_len=2)
+            c.observe(1, 0, 0, 0)
+        assert asked.num_draft([0, 1], 2) == fresh.num_draft([0, 1], 2)
+        assert asked.draft_lengths([0, 1], 2, [3, 5], [2, 0]) == fresh.draft_lengths([0, 1], 2, [3, 5], [2, 0])
+    c = DraftController(8, STEEP)
+    for _ in range(30):
+        c.observe(1, 8, 8, 8)                   # the pool accepts: a new sequence would draft
+    for _ in range(20):
+        c.observe(0, 8, 8, 0)
+    assert c.num_draft([0], 1) == 0 < c.num_draft([99], 1)
+    c.end(0)
+    assert c.num_draft([0], 1) == c.num_draft([99], 1)     # an ended sequence starts afresh

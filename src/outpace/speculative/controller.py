@@ -184,6 +184,7 @@ class DraftController:
                        for b, curve in (cost or {}).items()}
         self.buckets = sorted(self.curves)
         self.tables: dict[int, list[float]] = {}       # packed: bucket -> forward seconds by drafted tokens
+        self.padded: dict[tuple[int, int], float] = {}  # padded: (bucket, tokens a row) -> forward seconds
         self._prior_rates: Rates | None = None          # _prior(), while the pool holds
         self.rates: dict[int, Rates] = {}               # by seq_id
         # bucket -> what a step takes beyond the calibrated forward, alpha + beta * x, x its drafting
@@ -202,6 +203,10 @@ class DraftController:
         self.outputs = [0.0, 0.0]   # finished sequences' output lengths, decayed: [sum, count]
         self.tree_width = tree_width
         self.shapes: dict[int, ShapeChoice] = {}        # bucket -> its choice of trees or chains
+        # _gains' answers since the evidence last changed (observe and end clear it): a step asks
+        # for the same rows' gains up to four times (paid and free lengths, the savings, the rows
+        # that repay their setup)
+        self._gains_memo: dict[tuple, list[list[float]]] = {}
 
     @property
     def is_timed(self) -> bool:
@@ -260,7 +265,13 @@ class DraftController:
 
     def _forward(self, bucket: int, batch_size: int, tokens: int) -> float:
         if not self.packed:
-            return interpolate(self.curves[bucket], tokens / batch_size)
+            if tokens % batch_size:             # rows of unequal lengths: no padded step's shape
+                return interpolate(self.curves[bucket], tokens / batch_size)
+            key = (bucket, tokens // batch_size)
+            seconds = self.padded.get(key)
+            if seconds is None:
+                seconds = self.padded[key] = interpolate(self.curves[bucket], key[1])
+            return seconds
         table = self.tables.setdefault(bucket, [])      # by drafted tokens, filled as asked
         while len(table) <= tokens - batch_size:
             table.append(interpolate(self.curves[bucket], len(table)))
@@ -296,6 +307,10 @@ class DraftController:
         says (match_factor). available[i], when the drafts are already known, is how many tokens
         row i has (a row without a draft gains nothing); otherwise a row's gain is weighted by its
         hit rate."""
+        key = (tuple(seq_ids), None if available is None else tuple(available), tuple(matches or ()))
+        known = self._gains_memo.get(key)
+        if known is not None:
+            return known
         gains, prior = [], None
         for i, s in enumerate(seq_ids):
             # the rates read inline (acceptance, follow_rate, hit_rate): this runs for every row of
@@ -321,6 +336,7 @@ class DraftController:
                 row.append(reach)
                 rate = follow
             gains.append(row)
+        self._gains_memo[key] = gains
         return gains
 
     def num_draft(self, seq_ids: list[int], batch_size: int, available: list[int] | None = None,
@@ -333,10 +349,8 @@ class DraftController:
         1 + k tokens."""
         gains = self._gains(seq_ids, available, matches)
         longest = max(map(len, gains), default=0)
-        columns = [0.0] * longest           # by draft position, the rows' gains summed
-        for row in gains:
-            for k, g in enumerate(row):
-                columns[k] += g
+        # by draft position, the rows' gains summed in the rows' order (a shorter row adds 0.0)
+        columns = [sum(column, 0.0) for column in itertools.zip_longest(*gains, fillvalue=0.0)]
         best = self._best_prefix(batch_size, (batch_size * (1 + k) for k in itertools.count(1)), columns, paid)
         return 1 if best == 0 and longest and self.probing else best
 
@@ -463,8 +477,10 @@ class DraftController:
         with a budget of 0 carries no evidence: the estimate relaxes toward the prior instead,
         so a sequence whose drafting was switched off is probed again after a few steps (without
         this, one bad stretch would end speculation for the rest of the sequence)."""
-        r, d, p = self._rates(seq_id), SEQ_DECAY, self._prior()
+        self._gains_memo.clear()
+        r, d = self._rates(seq_id), SEQ_DECAY
         if budget == 0:
+            p = self._prior()
             self.rates[seq_id] = Rates(r.first_accepted * d + p.first_accepted * (1 - d),
                                        r.first_trials * d + p.first_trials * (1 - d),
                                        r.later_accepted * d + p.later_accepted * (1 - d),
@@ -477,7 +493,9 @@ class DraftController:
             self._observe_positions(self.pool, num_draft, num_accepted)
             self._prior_rates = None
             if match_len:
-                table = self.by_match.setdefault(match_len, [Reached() for _ in range(self.num_draft_tokens)])
+                table = self.by_match.get(match_len)
+                if table is None:
+                    table = self.by_match[match_len] = [Reached() for _ in range(self.num_draft_tokens)]
                 self._observe_positions(table, num_draft, num_accepted)
             r.first_accepted, r.first_trials = r.first_accepted * d + (num_accepted > 0), r.first_trials * d + 1
             # later positions reached: 2..num_accepted + 1 (a rejection ends the draft)
@@ -571,6 +589,7 @@ class DraftController:
 
     def end(self, seq_id: int, num_output: int = 0) -> None:
         """The sequence finished with num_output tokens (0: cancelled, or unknown)."""
+        self._gains_memo.clear()
         self.rates.pop(seq_id, None)
         if num_output:
             total, count = self.outputs
