@@ -200,10 +200,12 @@ static void quantize_rows(const void *x, int wide, long M, long K, QuantRows int
         int8_t *q = (int8_t *)into.q + g * 32;
         int32_t sum = 0, half_sum = 0;
         if (finite && d > 0.0f) {
-            for (int i = 0; i < 32; i++) q[i] = (int8_t)(int32_t)rintf(v[i] / d);
-            for (int i = 0; i < 16; i++) half_sum += q[i];
+            int32_t qi[32];     /* summed as int32 lanes: sums over the int8 stores took a byte extract each */
+            for (int i = 0; i < 32; i++) qi[i] = (int32_t)rintf(v[i] / d);
+            for (int i = 0; i < 32; i++) q[i] = (int8_t)qi[i];
+            for (int i = 0; i < 16; i++) half_sum += qi[i];
             sum = half_sum;
-            for (int i = 16; i < 32; i++) sum += q[i];
+            for (int i = 16; i < 32; i++) sum += qi[i];
         } else {
             memset(q, 0, 32);
         }
