@@ -39,34 +39,6 @@ MAX_HEAD_DIM, MAX_GROUP = 256, 64       # cpu_kernels.c's limits
 # cpu_products.h's WeightFormat of each packed weight dtype, and of each GGUF block type it computes on
 WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
 QUANT_FORMATS = {"Q8_0": 2, "Q4_1": 3, "Q4_0": 4, "Q5_0": 5, "Q4_K": 6, "Q6_K": 7}
-# the byte ranges of a k-quant block (256 inputs, one column) that pack_quantized lays out one after
-# another per 16 columns, as cpu_products.h's W_Q4_K and W_Q6_K: the 16 columns' float16 values
-# side by side ("half"), scale bytes transposed (byte k of the 16 columns side by side, "bytes"),
-# quantized bytes in runs of 4 ([16 columns][4 bytes] a run, "runs"), Q6_K's 6-bit values in quads
-# of 3 runs ("quads", _q6_k_quads)
-_KQUANT_PARTS = {"Q4_K": ((0, 2, "half"), (2, 4, "half"), (4, 16, "bytes"), (16, 144, "runs")),     # d, dmin, scales, q
-                 "Q6_K": ((208, 210, "half"), (192, 208, "bytes"), (0, 192, "quads"))}             # d, scales, ql and qh
-# input i of a Q6_K block, among its ql (bytes 0-127) and qh (128-191): its low 4 bits in byte
-# _Q6_LOW[i] from bit _Q6_LOW_SHIFT[i], its high 2 in byte _Q6_HIGH[i] from bit _Q6_HIGH_SHIFT[i]
-# (inputs 128h + r, r < 128: ql byte 64h + r % 64, nibble r / 64; qh byte 32h + r % 32, bits 2 (r / 32) on)
-_Q6_INPUT = torch.arange(256)
-_Q6_LOW = 64 * (_Q6_INPUT // 128) + _Q6_INPUT % 64
-_Q6_LOW_SHIFT = (4 * (_Q6_INPUT % 128 // 64)).to(torch.uint8)
-_Q6_HIGH = 128 + 32 * (_Q6_INPUT // 128) + _Q6_INPUT % 32
-_Q6_HIGH_SHIFT = (2 * (_Q6_INPUT % 128 // 32)).to(torch.uint8)
-
-
-def _q6_k_quads(quants: torch.Tensor) -> torch.Tensor:
-    """Q6_K blocks' ql and qh bytes [..., 16 columns, 192] -> cpu_products.h's W_Q6_K quads
-    [..., 16 quads, 3 runs, 16 columns, 4]: run r < 3 of quad u holds inputs 16u + 4r + j in bits
-    0-5 of byte j, and in bits 6-7 bits 2r, 2r + 1 of input 16u + 12 + j."""
-    q = ((quants[..., _Q6_LOW] >> _Q6_LOW_SHIFT) & 15) | (((quants[..., _Q6_HIGH] >> _Q6_HIGH_SHIFT) & 3) << 4)
-    runs = q.view(*q.shape[:-1], 16, 4, 4)                      # [..., 16 columns, quad u, run t, byte j]
-    last = runs[..., 3, :]
-    quads = torch.stack([runs[..., r, :] | ((last >> 2 * r) & 3) << 6 for r in range(3)], dim=-2)
-    return quads.movedim(-4, -2)                                # [..., quad, run, 16 columns, 4]
-
-
 @functools.cache
 def _loaded() -> tuple[ctypes.CDLL, str] | None:
     """The compiled kernels at the chosen level and its name, built on first use; None when
@@ -94,6 +66,8 @@ def _loaded() -> tuple[ctypes.CDLL, str] | None:
     lib.linear.argtypes = [p, ctypes.c_int, i, i, p, ctypes.c_int, i, p, p, i]
     lib.linear.restype = ctypes.c_int
     lib.linear_bf16_dot.restype = ctypes.c_int
+    lib.pack_blocks.argtypes = [p, i, i, ctypes.c_int, p]
+    lib.pack_blocks.restype = ctypes.c_int
     return lib, level.name
 
 
@@ -159,33 +133,16 @@ def pack_quantized(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """A GGUF weight's raw blocks [N, K / block inputs * block bytes] uint8 (rows of type `qtype`, a
     key of QUANT_FORMATS; blocks of 32 inputs, 256 for the k-quants) regrouped for linear: blocks
     of 16 output columns (the last padded with zero blocks), each K / block inputs groups of
-    cpu_products.h's layout. Bits are moved, never converted, so the packed weight is the file's
-    size. The same layout at every level."""
-    N = blocks.shape[0]
-    padded = blocks.new_zeros((N + 15) // 16 * 16, blocks.shape[1])
-    padded[:N] = blocks
-    size = {"Q8_0": 34, "Q4_1": 20, "Q4_0": 18, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210}[qtype]
-    cols = padded.view(-1, 16, blocks.shape[1] // size, size).transpose(1, 2)    # [N / 16, K / block, 16, size]
-    if qtype in _KQUANT_PARTS:  # float16 [16, 2] as it is, bytes [16, n] -> [n, 16], runs -> [n / 4, 16, 4]
-        parts = [cols[..., a:b] if kind == "half" else cols[..., a:b].transpose(-1, -2) if kind == "bytes"
-                 else _q6_k_quads(cols[..., a:b]) if kind == "quads"
-                 else cols[..., a:b].reshape(*cols.shape[:-1], -1, 4).transpose(-2, -3)
-                 for a, b, kind in _KQUANT_PARTS[qtype]]
-        return torch.cat([part.reshape(*cols.shape[:2], -1) for part in parts], dim=-1).contiguous()
-    # GGUF: d float16 (Q4_1: then m), (Q5_0: then the fifth bits, uint32 bit i: input i), then
-    # q: Q8_0 32 int8, the others 16 bytes, byte i input i in the low nibble and i + 16 in the high
-    start = {"Q8_0": 2, "Q4_1": 4, "Q4_0": 2, "Q5_0": 6}[qtype]
-    parts = [cols[..., :2]] + ([cols[..., 2:4]] if qtype == "Q4_1" else [])          # d[16] (then m[16])
-    if qtype == "Q5_0":
-        # per run t, two uint64: bit 4c + j is column c's fifth bit of input 4t + j, then of 16 + 4t + j
-        qh = sum(cols[..., 2 + b].long() << (8 * b) for b in range(4))               # [..., 16]
-        bits = ((qh.unsqueeze(-1) >> torch.arange(32)) & 1).view(*qh.shape, 2, 4, 4)  # [..., c, half, t, j]
-        at = (4 * torch.arange(16)).view(16, 1, 1, 1) + torch.arange(4)              # 4c + j
-        masks = (bits << at).sum(-4).sum(-1)                                         # [..., half, t]: disjoint bits
-        parts.append(masks.transpose(-1, -2).contiguous().view(torch.uint8))         # [..., t, half] uint64
-    q = cols[..., start:]                                                           # [..., 16, 32 or 16]
-    parts.append(q.reshape(*q.shape[:-1], -1, 4).transpose(-2, -3))                 # runs [..., t, 16, 4]
-    return torch.cat([part.reshape(*cols.shape[:2], -1) for part in parts], dim=-1).contiguous()
+    cpu_products.h's layout (cpu_pack.h moves the bits, never converting them, so the packed weight
+    is the file's size). The same layout at every level."""
+    blocks = blocks.contiguous()
+    N, row_bytes = blocks.shape
+    size = {"Q8_0": 34, "Q4_1": 20, "Q4_0": 18, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210}[qtype]      # a block's bytes
+    group = {"Q8_0": 544, "Q4_1": 320, "Q4_0": 288, "Q5_0": 352, "Q4_K": 2304, "Q6_K": 3360}[qtype]
+    out = torch.empty((N + 15) // 16, row_bytes // size, group, dtype=torch.uint8)     # [N / 16, K / inputs, group]
+    if _library().pack_blocks(blocks.data_ptr(), N, row_bytes, QUANT_FORMATS[qtype], out.data_ptr()):
+        raise ValueError(f"{qtype} blocks of {row_bytes} bytes a row are not whole blocks")
+    return out
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, fmt: int, bias: torch.Tensor | None,
