@@ -7,15 +7,29 @@ attention mask never lets a query see a position beyond its own.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+# numpy's dtype of the same width as each torch dtype a cache may hold (bfloat16 has none: int16 bits)
+_NUMPY_BITS = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+               torch.bfloat16: np.int16}
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """torch.zeros, but on the CPU from calloc's pages (numpy's zeros), which the OS zeroes as they
+    are first touched: torch.zeros writes every byte at once, 0.1-0.4 s for a 0.5 GB cache at
+    every start, most of which a short conversation never reaches."""
+    if torch.device(device).type != "cpu" or dtype not in _NUMPY_BITS:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.from_numpy(np.zeros(shape, dtype=_NUMPY_BITS[dtype])).view(dtype)
 
 
 class KVCache:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
         shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = zeros(shape, dtype, device)
+        self.v = zeros(shape, dtype, device)
         self.num_slots = num_slots
         self.max_len = max_len
 
