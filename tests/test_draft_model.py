@@ -180,6 +180,25 @@ def test_the_catch_up_is_priced_by_the_tokens_the_model_lacks(folders):
     assert drafter.setup_seconds([1]) == [0.0]
 
 
+def test_the_draft_models_costs_are_measured_once_per_model_and_machine(folders, tmp_path, monkeypatch):
+    """A second engine of the same pair reads the costs the first measured (a start-up of the
+    Qwen pair spent 1.6 s timing them each time); another draft model measures its own."""
+    from outpace.speculative.draft_model import DraftModelDrafter
+
+    monkeypatch.setenv("OUTPACE_HOME", str(tmp_path))
+    timed, time_rows = [], DraftModelDrafter._time
+    monkeypatch.setattr(DraftModelDrafter, "_time", lambda self, rows, repeats: timed.append(1) or time_rows(
+        self, rows, repeats))
+    costs = []
+    for draft in (folders[0], folders[0], folders[1]):
+        timed.clear()
+        drafter = LLM(str(folders[0]), spec=SpecConfig(method="draft", draft_model=str(draft), num_draft_tokens=4,
+                                                       draft_vocab=0), **OPTIONS).engine.drafter
+        costs.append((bool(timed), drafter.per_token, drafter.catch_up))
+    assert [measured for measured, _, _ in costs] == [True, False, True]
+    assert costs[1][1:] == costs[0][1:] and set(costs[1][1]) == {1, 2, 3}
+
+
 def test_another_draft_model_keeps_greedy_output(folders, plain):
     spec = SpecConfig(method="draft", draft_model=str(folders[1]), num_draft_tokens=5)
     out = LLM(str(folders[0]), spec=spec, **OPTIONS).generate(PROMPTS, PARAMS)

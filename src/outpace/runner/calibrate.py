@@ -39,21 +39,35 @@ def measure_verify_cost(runner: ModelRunner, max_seqs: int, num_draft_tokens: in
     to b*num_draft_tokens. Runs before
     any request is admitted: it writes scratch keys into the slots it uses, which later prefills
     overwrite."""
-    shape = dataclasses.asdict(runner.model.cfg)
-    kernels = cpu_kernels.build_key() if runner.device.type == "cpu" and cpu_kernels.has_library() else None
-    quantized = sorted({m.qtype for m in runner.model.modules() if isinstance(m, QuantizedLinear)})
     # a graph step's drafter part (a head's chains, a lookup) and the hidden states it writes cost
     # time in every forward measured here: an engine with another drafter measures its own
     extension = getattr(runner, "extension", None)
     drafting = [extension.cost_key, list(runner.hidden_layers)] if extension is not None else list(
         getattr(runner, "hidden_layers", ()))
-    key = json.dumps([shape, str(runner.dtype), str(runner.device), torch.get_num_threads(), torch.__version__,
-                      type(runner).__name__, runner.packs_rows, max_seqs, num_draft_tokens + 1, kernels, VERSION]
-                     + ([quantized] if quantized else []) + ([drafting] if drafting else []),
-                     sort_keys=True, default=str)
-    path = outpace_home() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    return {int(b): curve for b, curve in kept(
+        runner, [max_seqs, num_draft_tokens + 1] + ([drafting] if drafting else []),
+        lambda: _measure(runner, max_seqs, num_draft_tokens, reps)).items()}
+
+
+def kept(runner: ModelRunner, key: list, measure):
+    """measure()'s result (JSON), kept in the calibration folder under what it depends on: the
+    runner's model shapes, dtype, device, threads, torch, kind of runner, kernels' build and
+    weight types, and `key`; measured where no run on this machine kept it yet."""
+    kernels = cpu_kernels.build_key() if runner.device.type == "cpu" and cpu_kernels.has_library() else None
+    quantized = sorted({m.qtype for m in runner.model.modules() if isinstance(m, QuantizedLinear)})
+    whole = json.dumps([dataclasses.asdict(runner.model.cfg), str(runner.dtype), str(runner.device),
+                        torch.get_num_threads(), torch.__version__, type(runner).__name__, runner.packs_rows, kernels,
+                        VERSION] + ([quantized] if quantized else []) + key, sort_keys=True, default=str)
+    path = outpace_home() / "calibration" / f"{hashlib.sha256(whole.encode()).hexdigest()[:16]}.json"
     if path.exists():
-        return {int(b): curve for b, curve in json.loads(path.read_text()).items()}
+        return json.loads(path.read_text())
+    result = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result))
+    return result
+
+
+def _measure(runner: ModelRunner, max_seqs: int, num_draft_tokens: int, reps: int) -> dict[int, list]:
     draft = num_draft_tokens
     if runner.packs_rows:
         shapes = [(b, e) for b in batch_buckets(max_seqs)
@@ -77,6 +91,4 @@ def measure_verify_cost(runner: ModelRunner, max_seqs: int, num_draft_tokens: in
                 torch.cuda.synchronize(runner.device)
             best = min(best, time.perf_counter() - t0)
         cost.setdefault(b, []).append([extra, best] if runner.packs_rows else best)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(cost))
     return cost

@@ -45,7 +45,7 @@ from typing import Sequence
 import torch
 
 from outpace.errors import InvalidParameterError
-from outpace.runner.calibrate import batch_buckets
+from outpace.runner.calibrate import batch_buckets, kept
 from outpace.runner.model_runner import Row
 from outpace.runner.staging import to_device
 from outpace.sampling.sampler import SamplingState, inverse_cdf, logits_to_probs
@@ -99,12 +99,16 @@ class DraftModelDrafter(Drafter):
         A GPU replays graphs of rows up to `width` tokens (a verify row's) and runs longer rows
         eagerly, at about the same cost for any length (launches, not arithmetic): the curve has
         points on both sides of that step. Writes scratch keys into the slots it uses; prefills
-        overwrite them."""
-        for b in batch_buckets(num_slots):
-            self.per_token[b] = self._time([Row(slot, [0], 1) for slot in range(b)], 3) / b
-        single = self.per_token[1]          # one row of one token (bucket 1 is always measured)
-        self.catch_up = [(1, 0.0)] + [(n, max(self._time([Row(0, [0] * n, 0)], 2) - single, 0.0))
-                                      for n in sorted({width, width + 1, 32, 128}) if 1 < n < max_len]
+        overwrite them. Measured once per model and machine (calibrate.kept), as the verify cost."""
+        def measure() -> dict:
+            per_token = {b: self._time([Row(slot, [0], 1) for slot in range(b)], 3) / b for b in batch_buckets(num_slots)}
+            single = per_token[1]           # one row of one token (bucket 1 is always measured)
+            return {"per_token": per_token,
+                    "catch_up": [(1, 0.0)] + [(n, max(self._time([Row(0, [0] * n, 0)], 2) - single, 0.0))
+                                              for n in sorted({width, width + 1, 32, 128}) if 1 < n < max_len]}
+        costs = kept(self.runner, ["draft model", num_slots, max_len, width], measure)
+        self.per_token = {int(b): seconds for b, seconds in costs["per_token"].items()}
+        self.catch_up = [tuple(point) for point in costs["catch_up"]]
 
     def _time(self, rows: list[Row], repeats: int) -> float:
         """The fastest of `repeats` forwards of these rows, in seconds."""
