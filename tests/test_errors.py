@@ -76,6 +76,14 @@ def test_cli_prints_one_clear_line(args, words):
     assert words in result.stderr and result.stderr.startswith("outpace: error:")
 
 
+def test_cli_summary_of_one_token_gives_no_rate():
+    """One token has no decode rate (regression: the summary read "1 tokens, 0.0 tokens/s")."""
+    one, three = (run_cli("generate", "--prompt", "hi", "--spec", "none", "--max-tokens", n) for n in ("1", "3"))
+    assert one.returncode == three.returncode == 0
+    assert "[1 token, the first after " in one.stderr and "tokens/s" not in one.stderr
+    assert "[3 tokens, " in three.stderr and " tokens/s, finish: length]" in three.stderr
+
+
 def test_cli_corrupt_gguf(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 64)
