@@ -181,8 +181,8 @@ def test_the_catch_up_is_priced_by_the_tokens_the_model_lacks(folders):
 
 
 def test_the_draft_models_costs_are_measured_once_per_model_and_machine(folders, tmp_path, monkeypatch):
-    """A second engine of the same pair reads the costs the first measured (a start-up of the
-    Qwen pair spent 1.6 s timing them each time); another draft model measures its own."""
+    """A second engine of the same pair reads the costs the first measured (timing them costs the
+    Qwen pair's start 1.6 s); another draft model measures its own."""
     from outpace.speculative.draft_model import DraftModelDrafter
 
     monkeypatch.setenv("OUTPACE_HOME", str(tmp_path))

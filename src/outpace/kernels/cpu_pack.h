@@ -1,7 +1,7 @@
 /* GGUF's quantized blocks regrouped into cpu_products.h's packed layouts (cpu_kernels.pack_quantized):
  * bits are moved, never converted, so a packed weight is the file's size. Every level packs
- * alike. Loading a model packs each of its matrices once; in C that is a copy at memory speed,
- * where PyTorch's gathers and transposes took about 5 s for Qwen2.5-Coder-1.5B's 1.1 GB. */
+ * alike. Loading a model packs each of its matrices once; in C that is a copy at memory speed
+ * (PyTorch's gathers and transposes of the same bytes take about 5 s for Qwen2.5-Coder-1.5B's 1.1 GB). */
 
 /* a GGUF block's bytes (one column's block of its inputs) */
 static long file_block_bytes(int format) {

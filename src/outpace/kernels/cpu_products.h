@@ -200,7 +200,7 @@ static void quantize_rows(const void *x, int wide, long M, long K, QuantRows int
         int8_t *q = (int8_t *)into.q + g * 32;
         int32_t sum = 0, half_sum = 0;
         if (finite && d > 0.0f) {
-            int32_t qi[32];     /* summed as int32 lanes: sums over the int8 stores took a byte extract each */
+            int32_t qi[32];     /* summed as int32 lanes: a sum over the int8 stores takes a byte extract each */
             for (int i = 0; i < 32; i++) qi[i] = (int32_t)rintf(v[i] / d);
             for (int i = 0; i < 32; i++) q[i] = (int8_t)qi[i];
             for (int i = 0; i < 16; i++) half_sum += qi[i];
