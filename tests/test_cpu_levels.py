@@ -73,18 +73,23 @@ def test_auto_dtype_follows_the_level(monkeypatch):
 
 @pytest.mark.skipif(not HAS_CC, reason="no C compiler: the kernels cannot build here")
 def test_each_level_is_cached_apart_and_rebuilt_when_stale(tmp_path, monkeypatch):
-    """A level's library is named by its sources and flags: a build deletes that level's stale
-    builds and leaves the other levels' alone."""
+    """A level's library is named by its sources and flags: a build keeps that level's most
+    recently used builds (two checkouts run alternately rebuild nothing) and deletes older ones,
+    and leaves the other levels' alone."""
+    import os
+
     monkeypatch.setenv("OUTPACE_HOME", str(tmp_path))
     portable, avx2 = cpu_isa.levels("x86_64")[:2]
     folder = tmp_path / "kernels"
     folder.mkdir()
-    stale = [folder / "cpu_kernels-portable-0123456789abcdef.so", folder / "cpu_kernels-avx2-0123456789abcdef.so"]
-    for path in stale:
+    older = [folder / f"cpu_kernels-portable-{i:016x}.so" for i in range(cpu_build.KEEP_BUILDS)]
+    other = folder / "cpu_kernels-avx2-0123456789abcdef.so"
+    for age, path in enumerate([*older, other]):
         path.write_bytes(b"")
+        os.utime(path, (1e9 - age, 1e9 - age))         # older[0] the most recently used
     built = cpu_build.build(portable)
     assert built.exists() and built.name.startswith("cpu_kernels-portable-")
-    assert not stale[0].exists() and stale[1].exists()
+    assert [p.exists() for p in older] == [True] * (cpu_build.KEEP_BUILDS - 1) + [False] and other.exists()
     assert cpu_build.build(portable) == built                       # cached: not rebuilt
     assert cpu_build.library_path(avx2, "cc") != cpu_build.library_path(portable, "cc")
 

@@ -2,8 +2,9 @@
 outpace's cache, once.
 
 A level's library is `outpace_home()/kernels/<source's stem>-<level>-<key>.so`, the key a hash of
-the sources, the compiler and the flags: a change to any of them builds anew, and a new build of a
-level deletes that level's earlier ones. One compile of one translation unit per level (about a
+the sources, the compiler and the flags: a change to any of them builds anew. A level keeps its
+KEEP_BUILDS most recently used builds (two checkouts of outpace run alternately, as
+benchmarks/ab_revisions.py does, would otherwise rebuild at every switch) and deletes older ones. One compile of one translation unit per level (about a
 second), with OpenMP where the compiler has it (the libgomp PyTorch has already loaded), else
 single-threaded.
 """
@@ -25,6 +26,7 @@ HEADERS = tuple(sorted(FOLDER.glob("cpu_*.h")))
 # every level: optimised, no contraction of a * b + c into one rounding where the C does not ask
 # for it (kernels and their scalar tails compute alike)
 COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
+KEEP_BUILDS = 4
 
 
 def compiler() -> str | None:
@@ -58,13 +60,22 @@ def build(level: Level, source: Path = SOURCE) -> Path:
         raise OSError("no C compiler found (install gcc, or set CC)")
     library = library_path(level, cc, source)
     if library.exists():
+        library.touch()         # recently used: kept before the level's older builds
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
         partial = Path(tmp) / library.name
         compile_library(level, partial, cc, source=source)
         os.replace(partial, library)
-    for stale in library.parent.glob(f"{source.stem}-{level.name}-*.so"):
-        if stale != library:
-            stale.unlink(missing_ok=True)
+    builds = sorted(library.parent.glob(f"{source.stem}-{level.name}-*.so"), key=_used, reverse=True)
+    for stale in builds[KEEP_BUILDS:]:
+        stale.unlink(missing_ok=True)
     return library
+
+
+def _used(build: Path) -> float:
+    """When a build was last built or loaded (0 for one another process deleted meanwhile)."""
+    try:
+        return build.stat().st_mtime
+    except OSError:
+        return 0.0
