@@ -60,7 +60,10 @@ def build(level: Level, source: Path = SOURCE) -> Path:
         raise OSError("no C compiler found (install gcc, or set CC)")
     library = library_path(level, cc, source)
     if library.exists():
-        library.touch()         # recently used: kept before the level's older builds
+        try:
+            library.touch()     # recently used: kept before the level's older builds
+        except OSError:         # a cache this process may read but not write
+            pass
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
