@@ -400,22 +400,26 @@ def test_a_row_drafts_only_where_drafting_repays_its_setup():
     assert c.row_lengths([0, 1], 2, [0.0, 100.0], [100, 100]) == [k, 0]
     assert c.row_lengths([0, 1], 2, [0.0, 1.0], [1, 1]) == [k, 0]
     assert 0.0 < c.saving[2] < 0.5
-    assert c.pays_setup(1.0, 100, 2) and not c.pays_setup(100.0, 100, 2)
+    assert c.pays_setup(1.0, 100, 2, 7) and not c.pays_setup(100.0, 100, 2, 7)
     untimed = DraftController(8)
-    assert untimed.row_lengths([0, 1], 1, [0.0, 1e9], [1, 1]) == [8, 8] and untimed.pays_setup(1e9, 1, 1)
+    assert untimed.row_lengths([0, 1], 1, [0.0, 1e9], [1, 1]) == [8, 8] and untimed.pays_setup(1e9, 1, 1, 7)
 
 
 def test_a_load_not_run_yet_weighs_setups_at_the_pools_rates():
-    """Before any decision at a batch size, a setup is paid on trust while the drafter is probed;
-    once drafts were measured, at the saving sequences at the pool's rates would see there: a
-    server's first burst at a load where drafting cannot pay caches no prompt in the draft model."""
+    """Before any decision at a batch size, while the drafter is probed, one sequence at a time is
+    set up on trust (a server's first burst caches one prompt in the draft model, not every
+    one); once drafts were measured, setups are weighed at the saving sequences at the pool's
+    rates would see there: at a load where drafting cannot pay no prompt is cached."""
     c = DraftController(8, {1: [1.0 + 0.02 * k for k in range(9)], 4: [1.0 + 1.0 * k for k in range(9)]})
-    assert c.pays_setup(1e9, 100, 4)
+    assert c.pays_setup(1e9, 100, 4, 0)
+    assert not c.pays_setup(1e-3, 100, 4, 1)        # another of the burst: priced, and it does not pay
+    c.end(0, 50)
+    assert c.pays_setup(1e9, 100, 4, 2)             # the probed sequence ended: the next is trusted
     for s in range(20):
         c.observe(s, 8, 4, 3)
     assert not c.probing and not c.saving
-    assert not c.pays_setup(1e-3, 100, 4)
-    assert c.pays_setup(1e-3, 100, 1) and not c.pays_setup(1e9, 100, 1)
+    assert not c.pays_setup(1e-3, 100, 4, 3)
+    assert c.pays_setup(1e-3, 100, 1, 3) and not c.pays_setup(1e9, 100, 1, 3)
 
 
 def test_a_row_that_does_not_pay_to_draft_pays_no_setup():
@@ -425,7 +429,7 @@ def test_a_row_that_does_not_pay_to_draft_pays_no_setup():
     for _ in range(20):
         c.observe(0, 8, 8, 0)
     assert c.row_lengths([0], 1, [1e-6], [1000]) == [0] and c.saving[1] == 0.0
-    assert not c.pays_setup(1e-6, 1000, 1)
+    assert not c.pays_setup(1e-6, 1000, 1, 0)
 
 
 def test_remaining_tokens_follow_finished_sequences():

@@ -126,7 +126,7 @@ def test_deferred_prompts_wait_for_the_catch_up(folders, plain):
     chunked one."""
     spec = SpecConfig(method="draft", draft_model=str(folders[0]), num_draft_tokens=4, draft_vocab=0)
     llm = LLM(str(folders[0]), spec=spec, **OPTIONS)
-    llm.engine.controller.pays_setup = lambda seconds, room, batch_size: False
+    llm.engine.controller.pays_setup = lambda seconds, room, batch_size, seq_id: False
     drafter = llm.engine.drafter
     forward, prefills = drafter.runner.forward, []
 

@@ -247,7 +247,7 @@ class LLMEngine:
         setup = self.drafter.setup_seconds([c.seq.seq_id for c in chunks])
         load = len(self.scheduler.running)
         defer = None if setup is None else [
-            c.start == 0 and not self.controller.pays_setup(seconds, c.seq.params.max_tokens, load)
+            c.start == 0 and not self.controller.pays_setup(seconds, c.seq.params.max_tokens, load, c.seq.seq_id)
             for c, seconds in zip(chunks, setup)]
         self.drafter.prefilled(Prefilled([c.seq.seq_id for c in chunks], [c.seq.slot for c in chunks],
                                          [c.start for c in chunks], [c.seq.token_ids[c.start:c.end] for c in chunks],

@@ -201,6 +201,7 @@ class DraftController:
         # decision: what a new sequence's prompt setup is weighed against
         self.saving: dict[int, float] = {}
         self.outputs = [0.0, 0.0]   # finished sequences' output lengths, decayed: [sum, count]
+        self.probe_setup: int | None = None    # the running sequence set up on trust while probing (pays_setup)
         self.tree_width = tree_width
         self.shapes: dict[int, ShapeChoice] = {}        # bucket -> its choice of trees or chains
         # _gains' answers since the evidence last changed (observe and end clear it): a step asks
@@ -389,18 +390,21 @@ class DraftController:
         drafting = cost(batch_size * (1 + k)) / batch_size
         return [max(0.0, plain - drafting / (1 + g) - token_cost) for g in gains]
 
-    def pays_setup(self, seconds: float, room: int, batch_size: int) -> bool:
-        """Whether a new sequence's setup of `seconds` (a draft model reading its prompt) is
+    def pays_setup(self, seconds: float, room: int, batch_size: int, seq_id: int) -> bool:
+        """Whether sequence seq_id's setup of `seconds` (a draft model reading its prompt) is
         repaid over the tokens it is expected to output (room: its max_tokens) at the saving per
         token of the last decision at its batch's size (the sequences running with it). Where no
         decision was made at that size yet, the saving that sequences at the pool's rates would
         see there (a load the engine has not run yet: the first burst of a server already
-        serving), or while the drafter is still probed, on trust. True untimed."""
+        serving), but while the drafter is still probed one sequence at a time is set up on
+        trust, so that its drafts are measured: a burst's every prompt would cost a prompt's
+        setup each (4 on the CPU: about 2 s of a 24 s round). True untimed."""
         if not self.buckets or seconds <= 0:
             return True
         saving = self.saving.get(self._bucket(batch_size))
         if saving is None:
-            if self.probing:
+            if self.probing and self.probe_setup is None:
+                self.probe_setup = seq_id
                 return True
             saving = self._pooled_saving(batch_size)
         return saving * self.remaining(0, room) >= MIN_RETURN * seconds
@@ -591,6 +595,8 @@ class DraftController:
         """The sequence finished with num_output tokens (0: cancelled, or unknown)."""
         self._gains_memo.clear()
         self.rates.pop(seq_id, None)
+        if self.probe_setup == seq_id:
+            self.probe_setup = None
         if num_output:
             total, count = self.outputs
             self.outputs = [total * OUTPUT_DECAY + num_output, count * OUTPUT_DECAY + 1.0]
