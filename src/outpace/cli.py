@@ -125,11 +125,9 @@ def cmd_generate(args) -> None:
     else:
         sys.stdout.write(out.text[printed:] + "\n")
         sys.stdout.flush()
-        t = out.timing
+        t, n = out.timing, out.num_generated_tokens
         # a rate needs two tokens: the first one's time is the prompt's
-        rate = f"{t['decode_tokens_per_s']:.1f} tokens/s" if out.num_generated_tokens > 1 else \
-            f"the first after {t['prefill_s']:.2f} s"
-        n = out.num_generated_tokens
+        rate = f"{t['decode_tokens_per_s']:.1f} tokens/s" if n > 1 else f"the first after {t['prefill_s']:.2f} s"
         print(f"[{n} token{'' if n == 1 else 's'}, {rate}, finish: {out.finish_reason}]", file=sys.stderr)
 
 

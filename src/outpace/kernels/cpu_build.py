@@ -4,9 +4,9 @@ outpace's cache, once.
 A level's library is `outpace_home()/kernels/<source's stem>-<level>-<key>.so`, the key a hash of
 the sources, the compiler and the flags: a change to any of them builds anew. A level keeps its
 KEEP_BUILDS most recently used builds (two checkouts of outpace run alternately, as
-benchmarks/ab_revisions.py does, would otherwise rebuild at every switch) and deletes older ones. One compile of one translation unit per level (about a
-second), with OpenMP where the compiler has it (the libgomp PyTorch has already loaded), else
-single-threaded.
+benchmarks/ab_revisions.py does, would otherwise rebuild at every switch) and deletes older
+ones. One compile of one translation unit per level (about a second), with OpenMP where the
+compiler has it (the libgomp PyTorch has already loaded), else single-threaded.
 """
 from __future__ import annotations
 

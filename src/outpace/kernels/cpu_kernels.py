@@ -31,6 +31,7 @@ import os
 import sys
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from outpace.kernels import cpu_build, cpu_isa
 
@@ -137,9 +138,9 @@ def pack_quantized(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     is the file's size). The same layout at every level."""
     blocks = blocks.contiguous()
     N, row_bytes = blocks.shape
-    size = {"Q8_0": 34, "Q4_1": 20, "Q4_0": 18, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210}[qtype]      # a block's bytes
-    group = {"Q8_0": 544, "Q4_1": 320, "Q4_0": 288, "Q5_0": 352, "Q4_K": 2304, "Q6_K": 3360}[qtype]
-    out = torch.empty((N + 15) // 16, row_bytes // size, group, dtype=torch.uint8)     # [N / 16, K / inputs, group]
+    size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][1]         # a block's bytes
+    # [N / 16, K / block inputs, a group: the 16 columns' blocks of those inputs, as many bytes]
+    out = torch.empty((N + 15) // 16, row_bytes // size, 16 * size, dtype=torch.uint8)
     if _library().pack_blocks(blocks.data_ptr(), N, row_bytes, QUANT_FORMATS[qtype], out.data_ptr()):
         raise ValueError(f"{qtype} blocks of {row_bytes} bytes a row are not whole blocks")
     return out

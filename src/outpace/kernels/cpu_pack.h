@@ -69,7 +69,9 @@ static void pack_group(const uint8_t *const col[16], int format, uint8_t *o) {
     }
     long start = format == W_Q4_1 ? 64 : format == W_Q5_0 ? 96 : 32;       /* the runs, packed */
     long from = format == W_Q4_1 ? 4 : format == W_Q5_0 ? 6 : 2;           /* the quantized bytes, in a block */
-    if (format == W_Q5_0) {     /* per run t, two uint64: bit 4c + j column c's fifth bit of input 4t + j, then of 16 + 4t + j */
+    /* Q5_0's fifth bits: per run t, two uint64, bit 4c + j column c's fifth bit of input 4t + j,
+     * then of input 16 + 4t + j */
+    if (format == W_Q5_0) {
         uint64_t masks[4][2] = {{0}};
         for (int c = 0; c < 16; c++) {
             uint32_t qh;

@@ -101,7 +101,8 @@ class DraftModelDrafter(Drafter):
         points on both sides of that step. Writes scratch keys into the slots it uses; prefills
         overwrite them. Measured once per model and machine (calibrate.kept), as the verify cost."""
         def measure() -> dict:
-            per_token = {b: self._time([Row(slot, [0], 1) for slot in range(b)], 3) / b for b in batch_buckets(num_slots)}
+            per_token = {b: self._time([Row(slot, [0], 1) for slot in range(b)], 3) / b
+                         for b in batch_buckets(num_slots)}
             single = per_token[1]           # one row of one token (bucket 1 is always measured)
             return {"per_token": per_token,
                     "catch_up": [(1, 0.0)] + [(n, max(self._time([Row(0, [0] * n, 0)], 2) - single, 0.0))
