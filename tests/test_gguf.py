@@ -12,11 +12,12 @@ import torch
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from outpace.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
+from outpace.errors import CorruptModelError, ModelNotFoundError, OutpaceError, UnsupportedModelError
 from outpace.weights import gguf, hub
 from gguf_writer import write_test_gguf
 from outpace.weights.gguf import convert_gguf
 from outpace.weights.hub import resolve_model
+from outpace.weights.loader import load_model
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +36,18 @@ def home(tmp_path, monkeypatch):
 
 
 def test_weights_equal_transformers_gguf_loading(default_model_dir, hf_model):
-    """Every tensor, q/k rows included (llama.cpp permutes them for its rotary layout), is bit-equal."""
+    """Every tensor, q/k rows included (llama.cpp permutes them for its rotary layout), is bit-equal:
+    those of model.safetensors and those of the float32 copy written later, which hold every
+    tensor once between them."""
     reference = hf_model.state_dict()
-    with safe_open(default_model_dir / "model.safetensors", "pt") as f:
-        names = set(f.keys())
-        assert names == set(reference) - {"lm_head.weight"}  # tied: lm_head is the embedding
-        for name in sorted(names):
-            assert torch.equal(f.get_tensor(name), reference[name]), name
+    names = set()
+    for file in (default_model_dir / "model.safetensors", gguf.dequantized_copy(default_model_dir)):
+        with safe_open(file, "pt") as f:
+            assert not names & set(f.keys())
+            names |= set(f.keys())
+            for name in f.keys():
+                assert torch.equal(f.get_tensor(name), reference[name]), name
+    assert names == set(reference) - {"lm_head.weight"}  # tied: lm_head is the embedding
 
 
 def test_config_matches_transformers(default_model_dir, hf_model):
@@ -64,7 +70,8 @@ def test_second_resolve_is_a_cache_hit(default_model_dir, monkeypatch):
 
 
 def test_converted_folder_is_hugging_face_layout(default_model_dir):
-    assert {p.name for p in default_model_dir.iterdir()} == {
+    # dequantized.safetensors: where a test loaded float weights
+    assert {p.name for p in default_model_dir.iterdir()} - {"dequantized.safetensors"} == {
         "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
         "quantized"}
     assert json.loads((default_model_dir / "generation_config.json").read_text())["eos_token_id"] == [2]
@@ -77,13 +84,15 @@ def test_quantized_blocks_are_the_float_copy(default_model_dir):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
     with safe_open(default_model_dir / "quantized" / "model.safetensors", "np") as f, \
-            safe_open(default_model_dir / "model.safetensors", "np") as floats:
+            safe_open(default_model_dir / "model.safetensors", "np") as now, \
+            safe_open(gguf.dequantized_copy(default_model_dir), "np") as later:
         qtypes = json.loads(f.metadata()["qtypes"])
         assert set(qtypes) == set(f.keys()) and len(qtypes) == 30 * 7 + 1     # the linears and the embedding
         assert set(qtypes.values()) == {"Q4_1", "Q8_0"}
         for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
                      "model.layers.29.mlp.down_proj.weight", "model.embed_tokens.weight"):
             dequantized = dequantize(f.get_tensor(name), GGMLQuantizationType[qtypes[name]])
+            floats = now if name == "model.embed_tokens.weight" else later
             assert np.array_equal(dequantized, floats.get_tensor(name)), name
 
 
@@ -139,7 +148,7 @@ def test_random_bytes_are_corrupt(home, tmp_path, content):
 def test_interrupted_conversion_leaves_no_folder(home, tmp_path, monkeypatch):
     write_test_gguf(tmp_path / "m.gguf")
 
-    def interrupted(*args):
+    def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(gguf, "write_safetensors", interrupted)
@@ -149,6 +158,97 @@ def test_interrupted_conversion_leaves_no_folder(home, tmp_path, monkeypatch):
     monkeypatch.undo()
     monkeypatch.setenv("OUTPACE_HOME", str(home))
     assert (convert_gguf(tmp_path / "m.gguf") / "model.safetensors").is_file()
+
+
+# q and down in types the CPU kernels take (their float copy waits); the embedding, and up in a
+# type without kernels, get theirs at conversion
+LEAN = {"attn_q": "Q4_1", "ffn_down": "Q8_0", "token_embd": "Q8_0", "ffn_up": "Q5_1"}
+
+
+def test_matrices_the_cpu_reads_as_blocks_get_their_float_copy_when_a_load_needs_it(home, tmp_path, monkeypatch):
+    """Conversion leaves out of model.safetensors the linear matrices the CPU kernels compute on;
+    dequantized_copy writes them once, and the two files hold every tensor once, as converting
+    the file gives them (the writer's dequantized values)."""
+    expected = write_test_gguf(tmp_path / "m.gguf", "llama", {"tie_word_embeddings": False}, quantized=LEAN)
+    folder = convert_gguf(tmp_path / "m.gguf")
+    later = {f"model.layers.{i}.{name}.weight" for i in range(2) for name in ("self_attn.q_proj", "mlp.down_proj")}
+    now = load_file(folder / "model.safetensors")
+    assert set(now) == set(expected) - later and not (folder / gguf.DEQUANTIZED_FILE).exists()
+    copy = gguf.dequantized_copy(folder)
+    assert copy == folder / gguf.DEQUANTIZED_FILE and [p.name for p in folder.glob(".*")] == []
+    got = {**now, **load_file(copy)}
+    assert set(got) == set(expected)
+    for name, tensor in expected.items():
+        np.testing.assert_array_equal(got[name], tensor, err_msg=name)
+    write_test_gguf(tmp_path / "f.gguf", "llama")           # float tensors only: nothing left out
+    assert gguf.dequantized_copy(convert_gguf(tmp_path / "f.gguf")) is None
+    monkeypatch.setattr(gguf, "write_safetensors", lambda *a, **k: pytest.fail("written again"))
+    assert gguf.dequantized_copy(folder) == copy
+
+
+def test_float_copy_is_written_once_by_concurrent_loads(home, tmp_path, monkeypatch):
+    """Tensor-parallel ranks load at once: one writes, the others wait and read it."""
+    import threading
+    write_test_gguf(tmp_path / "m.gguf", "llama", quantized=LEAN)
+    folder = convert_gguf(tmp_path / "m.gguf")
+    writes, write = [], gguf.write_safetensors
+
+    def slow_write(path, *args, **kwargs):
+        writes.append(path)
+        time.sleep(0.2)         # the others arrive while this one holds the lock
+        write(path, *args, **kwargs)
+    monkeypatch.setattr(gguf, "write_safetensors", slow_write)
+    paths = []
+    threads = [threading.Thread(target=lambda: paths.append(gguf.dequantized_copy(folder))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(writes) == 1 and paths == [folder / gguf.DEQUANTIZED_FILE] * 3
+
+
+def test_float_copy_on_a_full_disk_is_a_clear_error(home, tmp_path, monkeypatch):
+    """A failed write says what failed, how much it needs and what to do, and leaves nothing
+    behind; the next call writes it whole."""
+    write_test_gguf(tmp_path / "m.gguf", "llama", quantized=LEAN)
+    folder = convert_gguf(tmp_path / "m.gguf")
+    write = gguf.write_safetensors
+
+    def full(path, *args, **kwargs):
+        path.write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(gguf, "write_safetensors", full)
+    with pytest.raises(OutpaceError, match=r"No space left on device.*0\.0 GB.*Free disk space.*weights quantized"):
+        load_model(folder, torch.float32, "cpu", max_len=64, weights="fp32")
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        ["config.json", "generation_config.json", "model.safetensors", "quantized", "tokenizer.json",
+         "tokenizer_config.json"])
+    monkeypatch.setattr(gguf, "write_safetensors", write)
+    assert load_model(folder, torch.float32, "cpu", max_len=64, weights="fp32") is not None
+
+
+def test_a_quantized_load_reads_a_float_part_from_the_float_copy(home, tmp_path):
+    """q in Q8_0 beside float k and v: the fused qkv cannot compute on blocks, so the quantized
+    load takes q from the float copy, which it writes, and equals the float load."""
+    write_test_gguf(tmp_path / "m.gguf", "llama", quantized={"attn_q": "Q8_0"})
+    folder = convert_gguf(tmp_path / "m.gguf")
+    models = [load_model(folder, torch.float32, "cpu", max_len=64, weights=w) for w in ("quantized", "fp32")]
+    assert (folder / gguf.DEQUANTIZED_FILE).is_file()
+    for a, b in zip(*(m.state_dict().values() for m in models)):
+        assert torch.equal(a, b)
+
+
+def test_an_older_converters_folder_of_the_same_file_is_removed(home, tmp_path, monkeypatch):
+    """A new FORMAT converts again; the old folder of that file (never read again) goes, another
+    file's stays."""
+    write_test_gguf(tmp_path / "m.gguf")
+    write_test_gguf(tmp_path / "other.gguf", seed=1)
+    monkeypatch.setattr(gguf, "FORMAT", gguf.FORMAT - 1)
+    old, other = convert_gguf(tmp_path / "m.gguf"), convert_gguf(tmp_path / "other.gguf")
+    monkeypatch.undo()
+    monkeypatch.setenv("OUTPACE_HOME", str(home))
+    new = convert_gguf(tmp_path / "m.gguf")
+    assert new != old and new.is_dir() and not old.exists() and other.is_dir()
 
 
 def test_missing_path_and_unknown_name(home, tmp_path):

@@ -24,7 +24,7 @@ from outpace.kernels import cpu_kernels
 from outpace.kernels.cpu_linear import QuantizedLinear, QuantizedParts
 from outpace.model.decoder import DecoderLM
 from outpace.runner.model_runner import ModelRunner, Row
-from outpace.weights import quantized
+from outpace.weights import gguf, quantized
 from outpace.weights.gguf import QTYPES_KEY, GGUFFile, convert_gguf
 from outpace.weights.loader import load_model
 from gguf_writer import write_test_gguf
@@ -210,9 +210,10 @@ def test_quantized_layers_stacked_compute_as_the_layers_do(home, tmp_path, monke
 def test_inputs_not_whole_blocks_are_dequantized_with_a_warning(home, tmp_path, capsys):
     """A matrix whose inputs are not whole blocks of its type (a converted folder whose block types
     say Q4_K for 64 inputs a row; llama.cpp never writes one) is left to the float copy, and stderr
-    says why."""
+    says why. The float copy is written before the types are edited, as a float load writes it."""
     write_test_gguf(tmp_path / "m.gguf", "llama", quantized={"ffn_down": "Q8_0", "ffn_gate": "Q8_0", "ffn_up": "Q8_0"})
     folder = convert_gguf(tmp_path / "m.gguf")
+    gguf.dequantized_copy(folder)
     blocks = quantized.blocks_file(folder)
     with safe_open(str(blocks), framework="pt") as f:
         tensors, metadata = {n: f.get_tensor(n) for n in f.keys()}, f.metadata()

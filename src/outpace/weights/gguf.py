@@ -1,22 +1,32 @@
 """GGUF files -> Hugging Face style model folders, converted once into the outpace cache.
 
-    <home>/models/<stem>-<key>/   config.json, model.safetensors (float32, Hugging Face names),
-                                  tokenizer.json, tokenizer_config.json, generation_config.json,
-                                  quantized/model.safetensors (the quantized matrices' GGUF blocks)
+    <home>/models/<stem>-<key>/   config.json, tokenizer.json, tokenizer_config.json,
+                                  generation_config.json,
+                                  quantized/model.safetensors (the quantized matrices' GGUF blocks),
+                                  model.safetensors (float32, Hugging Face names: every tensor but
+                                    the matrices the CPU computes on as blocks),
+                                  dequantized.safetensors (float32: those matrices, written when a
+                                    load first needs them)
 
-The quantized matrices are kept a second time as the file holds them (uint8 [rows, bytes a row],
-their GGUF types in the header's metadata, weights.quantized), so a CPU model computes on them
-(--weights quantized) and any other model reads the float32 copy.
+The quantized matrices are kept as the file holds them (uint8 [rows, bytes a row], their GGUF types
+in the header's metadata, weights.quantized), so a CPU model computes on them (--weights
+quantized). A linear layer's matrix in a type the CPU kernels take gets its float32 copy only when
+a load needs it (a GPU, tensor-parallel ranks, --weights bf16|fp32: `dequantized_copy`): a CPU
+user's folder then holds about the GGUF's bytes plus the embedding's float32 copy, where a full
+copy took 7 times the file for Qwen2.5-1.5B's Q4_K_M.
 
 <home> is $OUTPACE_HOME or ~/.cache/outpace. <key> hashes the GGUF's path, size and mtime and the
-converter's FORMAT, so an unchanged file converts once and a changed file (or converter) again.
-A folder is written under a temporary name and renamed into place: if it exists, it is whole.
+converter's FORMAT, so an unchanged file converts once and a changed file (or converter) again; a
+folder an older converter made of the same file is removed then. A folder is written under a
+temporary name and renamed into place: if it exists, it is whole (so is the float copy written
+later, under a temporary name too).
 
 The header is parsed here (the format is small, and gguf.GGUFReader spends seconds building a
 numpy view per vocabulary string); tensors are dequantized with gguf.quants.dequantize.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
@@ -35,15 +45,19 @@ from typing import Any, Iterator
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quant_shape_to_byte_shape
+from safetensors import safe_open
 from tqdm import tqdm
 
 from outpace.errors import CorruptModelError, ModelNotFoundError, OutpaceError, UnsupportedModelError
+from outpace.kernels.cpu_kernels import QUANT_FORMATS
 from outpace.paths import outpace_home
 from outpace.weights.tokenizer import tokenizer_from_gguf
 
 _REQUIRED = object()
-FORMAT = 2  # bump when the converted folder changes, so old conversions are redone
+FORMAT = 3  # bump when the converted folder changes, so old conversions are redone
 QUANTIZED_FOLDER, QTYPES_KEY = "quantized", "qtypes"      # the GGUF blocks' file, and its metadata's key
+# model.safetensors' metadata key: the matrices whose float32 copy waits for DEQUANTIZED_FILE
+LATER_KEY, DEQUANTIZED_FILE = "dequantized_later", "dequantized.safetensors"
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 # GGUF architecture -> (Hugging Face class, model_type). llama.cpp files Mistral under llama.
@@ -66,9 +80,7 @@ def convert_gguf(path: str | Path) -> Path:
     source = Path(path).expanduser().resolve()
     if not source.is_file():
         raise ModelNotFoundError(f"no GGUF file at {source}; check the path.")
-    stat = source.stat()
-    key = hashlib.sha256(f"{FORMAT}\0{source}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    folder = outpace_home() / "models" / f"{source.stem}-{key}"
+    folder = _folder(source, FORMAT)
     if (folder / "config.json").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -83,7 +95,66 @@ def convert_gguf(path: str | Path) -> Path:
             raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    for old in range(1, FORMAT):        # this file's conversions by older converters: never read again
+        shutil.rmtree(_folder(source, old), ignore_errors=True)
     return folder
+
+
+def _folder(source: Path, version: int) -> Path:
+    """Where converter FORMAT version keeps the conversion of the GGUF file at source."""
+    stat = source.stat()
+    key = hashlib.sha256(f"{version}\0{source}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return outpace_home() / "models" / f"{source.stem}-{key}"
+
+
+def dequantized_copy(folder: Path) -> Path | None:
+    """The float32 copy of the matrices a converted folder keeps as blocks only (LATER_KEY),
+    dequantized from those blocks and written on the first call (one writer at a time: tensor-
+    parallel ranks load together); None where the folder left none out (a GGUF of float tensors,
+    a Hugging Face folder)."""
+    folder = Path(folder)
+    path, floats = folder / DEQUANTIZED_FILE, folder / "model.safetensors"
+    if path.is_file() or not floats.is_file() or not (folder / QUANTIZED_FOLDER).is_dir():
+        return path if path.is_file() else None
+    with safe_open(str(floats), framework="np") as f:
+        later = json.loads((f.metadata() or {}).get(LATER_KEY, "[]"))
+    if not later:
+        return None
+    blocks = str(folder / QUANTIZED_FOLDER / "model.safetensors")
+    with safe_open(blocks, framework="np") as f:
+        qtypes = json.loads(f.metadata()[QTYPES_KEY])
+        types = {name: GGMLQuantizationType[qtypes[name]] for name in later}
+        specs = [(name, _float_shape(f.get_slice(name).get_shape(), types[name])) for name in later]
+    work = folder / f".{DEQUANTIZED_FILE}.tmp-{os.getpid()}"
+    try:
+        lock = os.open(folder, os.O_RDONLY)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if path.is_file():      # another process wrote it while this one waited
+                return path
+            for dead in folder.glob(f".{DEQUANTIZED_FILE}.tmp-*"):     # a writer killed midway
+                dead.unlink(missing_ok=True)
+            with safe_open(blocks, framework="np") as f:
+                arrays = (dequantize(f.get_tensor(name), types[name])
+                          for name in tqdm(later, desc=f"outpace: float32 copy of {folder.name}", unit="tensor",
+                                           file=sys.stderr, disable=None))
+                write_safetensors(work, specs, arrays)
+            os.replace(work, path)
+        finally:
+            os.close(lock)
+    except OSError as error:
+        work.unlink(missing_ok=True)
+        need = sum(4 * math.prod(shape) for _, shape in specs) / 1e9
+        raise OutpaceError(f"could not write the float32 copy of {folder.name}'s quantized matrices "
+                           f"({error.strerror or error}); it takes {need:.1f} GB in {folder}. Free disk space "
+                           "(or make the folder writable), or run on the CPU with weights quantized.") from None
+    return path
+
+
+def _float_shape(block_shape: list[int], qtype: GGMLQuantizationType) -> tuple[int, int]:
+    """[rows, bytes a row] of a matrix's blocks -> its [rows, columns]."""
+    weights, nbytes = GGML_QUANT_SIZES[qtype]
+    return block_shape[0], block_shape[1] // nbytes * weights
 
 
 @dataclass(frozen=True)
@@ -312,8 +383,11 @@ def _convert(gguf: GGUFFile, folder: Path) -> None:
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     is_permuted = meta["general.architecture"] == "llama"
 
+    # the float32 copy now of every tensor but the matrices the CPU kernels read as blocks
+    now = [t for t in by_name.values() if _float_now(t)]
+
     def tensors() -> Iterator[np.ndarray]:
-        for info in tqdm(by_name.values(), desc=f"outpace: converting {gguf.path.name}", unit="tensor",
+        for info in tqdm(now, desc=f"outpace: converting {gguf.path.name}", unit="tensor",
                          file=sys.stderr, disable=None):
             weight = gguf.load(info)
             role = info.name.split(".")[-2]
@@ -321,8 +395,9 @@ def _convert(gguf: GGUFFile, folder: Path) -> None:
                 weight = rotary_permute(weight, heads[role], inverse=True)
             yield weight
 
-    specs = [(hf_tensor_name(t.name), t.shape) for t in by_name.values()]
-    write_safetensors(folder / "model.safetensors", specs, tensors())
+    later = [hf_tensor_name(t.name) for t in by_name.values() if not _float_now(t)]
+    write_safetensors(folder / "model.safetensors", [(hf_tensor_name(t.name), t.shape) for t in now], tensors(),
+                      metadata={LATER_KEY: json.dumps(later)} if later else None)
 
     quantized = [t for t in by_name.values() if len(t.shape) == 2 and t.qtype.name not in FLOAT_TYPES]
 
@@ -335,6 +410,15 @@ def _convert(gguf: GGUFFile, folder: Path) -> None:
     write_safetensors(folder / QUANTIZED_FOLDER / "model.safetensors",
                       [(hf_tensor_name(t.name), (t.shape[0], t.num_bytes // t.shape[0])) for t in quantized], blocks(),
                       np.uint8, {QTYPES_KEY: json.dumps({hf_tensor_name(t.name): t.qtype.name for t in quantized})})
+
+
+def _float_now(info: TensorInfo) -> bool:
+    """Whether conversion writes a tensor's float32 copy: all but a linear layer's matrix (not the
+    embedding, which a CPU model looks rows up in) in a type the CPU kernels compute on, with whole
+    blocks a row, whose blocks a CPU model reads instead (weights.quantized)."""
+    qtype = info.qtype
+    return (qtype.name in FLOAT_TYPES or len(info.shape) != 2 or info.name.split(".")[-2] == "token_embd"
+            or qtype.name not in QUANT_FORMATS or info.shape[1] % GGML_QUANT_SIZES[qtype][0] != 0)
 
 
 def write_safetensors(path: Path, specs: list[tuple[str, tuple[int, ...]]], arrays: Iterator[np.ndarray],

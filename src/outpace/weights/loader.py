@@ -14,7 +14,7 @@ from outpace.model.decoder import DecoderLM
 from outpace.model.registry import FAMILIES
 from outpace.model.rope import rope_tables
 from outpace.model.tensor_parallel import Shard, TensorParallelLM, check_shardable
-from outpace.weights import quantized
+from outpace.weights import gguf, quantized
 
 
 def load_model(folder: Path, dtype: torch.dtype, device: str, max_len: int, shard: Shard | None = None,
@@ -24,47 +24,60 @@ def load_model(folder: Path, dtype: torch.dtype, device: str, max_len: int, shar
     the CPU)."""
     folder = Path(folder)
     cfg = ModelConfig.from_folder(folder)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
+    if not any(folder.glob("*.safetensors")):
         raise ModelNotFoundError(f"no *.safetensors weights in {folder}")
     is_quantized = quantized.chosen(folder, weights, device, shard is not None)
+    if not is_quantized:        # a GGUF folder's float32 copy of every matrix
+        gguf.dequantized_copy(folder)
     taken: set[str] = set()         # weights held by QuantizedLinear layers, not read from the float copy
     model = empty_model(cfg, dtype, device, max_len, shard,
                         before_cast=(lambda m: taken.update(quantized.install(m, folder))) if is_quantized else None)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    files = sorted(folder.glob("*.safetensors"))
     for file in files:
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for hf_name in f.keys():
-                    mapped = model.map_weight(hf_name)
-                    if mapped is None:
-                        continue
-                    if mapped[0] in taken:
-                        loaded.add(mapped[0] if mapped[1] is None else f"{mapped[0]}#{mapped[1]}")
-                        continue
-                    tensor = model.read_weight(f, hf_name)
-                    try:
-                        parts = model.convert_weight(hf_name, tensor)
-                    except RuntimeError:        # a fused tensor that does not split as config.json's sizes do
-                        raise CorruptModelError(f"tensor {hf_name} has shape {tuple(tensor.shape)}, which does "
-                                                f"not split as config.json implies") from None
-                    for part_name, part in parts:
-                        name, index = model.map_weight(part_name)
-                        if name not in params:
-                            raise CorruptModelError(f"{file.name}: tensor {hf_name} has no place in {cfg.architecture}")
-                        _copy_into(model, params[name], name, index, part, hf_name)
-                        loaded.add(name if index is None else f"{name}#{index}")
-        except SafetensorError as e:
-            raise CorruptModelError(f"{file} is not a readable safetensors file: {e}") from None
+        _read(model, params, file, taken, loaded)
     if "lm_head.weight" not in taken:
         model.tie_weights()
-    missing = [n for n in _expected(model) if n not in loaded]
+    if is_quantized and _missing(model, loaded):
+        # a matrix the blocks could not serve (a fused layer with a float part): the float32 copy's
+        extra = gguf.dequantized_copy(folder)
+        if extra is not None and extra not in files:
+            _read(model, params, extra, taken, loaded)
+    missing = _missing(model, loaded)
     if missing:
         raise CorruptModelError(f"weights missing from {folder}: {', '.join(missing[:5])}"
                                 f"{' ...' if len(missing) > 5 else ''}")
     del params  # packing replaces each linear's weight: the replaced ones must not outlive it
     return ready(model, device)
+
+
+def _read(model: DecoderLM, params: dict, file: Path, taken: set[str], loaded: set[str]) -> None:
+    """Copies file's tensors into the model's parameters (those not in taken), adding their names
+    (with a fused part's index: name#i) to loaded."""
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for hf_name in f.keys():
+                mapped = model.map_weight(hf_name)
+                if mapped is None:
+                    continue
+                if mapped[0] in taken:
+                    loaded.add(mapped[0] if mapped[1] is None else f"{mapped[0]}#{mapped[1]}")
+                    continue
+                tensor = model.read_weight(f, hf_name)
+                try:
+                    parts = model.convert_weight(hf_name, tensor)
+                except RuntimeError:        # a fused tensor that does not split as config.json's sizes do
+                    raise CorruptModelError(f"tensor {hf_name} has shape {tuple(tensor.shape)}, which does "
+                                            f"not split as config.json implies") from None
+                for part_name, part in parts:
+                    name, index = model.map_weight(part_name)
+                    if name not in params:
+                        raise CorruptModelError(f"{file.name}: tensor {hf_name} has no place in {model.cfg.architecture}")
+                    _copy_into(model, params[name], name, index, part, hf_name)
+                    loaded.add(name if index is None else f"{name}#{index}")
+    except SafetensorError as e:
+        raise CorruptModelError(f"{file} is not a readable safetensors file: {e}") from None
 
 
 def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: str, max_len: int,
@@ -123,6 +136,10 @@ def _copy_into(model: DecoderLM, param: torch.nn.Parameter, name: str, shard: in
         raise CorruptModelError(f"tensor {hf_name} has shape {tuple(tensor.shape)}, "
                                 f"config.json implies {tuple(dest.shape)}")
     dest.copy_(tensor)
+
+
+def _missing(model: DecoderLM, loaded: set[str]) -> list[str]:
+    return [n for n in _expected(model) if n not in loaded]
 
 
 def _expected(model: DecoderLM) -> list[str]:
