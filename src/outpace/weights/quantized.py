@@ -1,7 +1,8 @@
 """A GGUF model's quantized matrices kept in their GGUF types on the CPU (`weights="quantized"`).
 
-A converted GGUF folder holds each quantized matrix twice: dequantized to float32 in
-model.safetensors, and as the file's blocks in quantized/model.safetensors (weights.gguf). Here a
+A converted GGUF folder holds each quantized matrix as the file's blocks in
+quantized/model.safetensors, and a float32 copy (weights.gguf: at conversion for those the kernels
+cannot take, else written when a load first needs it). Here a
 model's linear layers whose blocks have CPU kernels (cpu_kernels.QUANT_FORMATS) become
 QuantizedLinear layers over those blocks before any float weight is allocated for them, so memory
 holds about the GGUF's bytes for them; a fused layer (qkv, gate_up) takes its parts' rows in order,
