@@ -287,6 +287,22 @@ def test_inputs_not_whole_blocks_are_refused(qtype, n_in, bad_in):
         cpu_kernels.linear(torch.randn(1, bad_in), packed, cpu_kernels.QUANT_FORMATS[qtype], None, 16)
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequantized_rows_are_ggufs_dequantizer_bit_for_bit(qtype):
+    """An embedding's lookups (QuantizedEmbedding): rows of the blocks (a k-quant's random bit
+    patterns, int8's ends and a block of zeros among them) in any order, repeated, as
+    gguf.quants.dequantize gives them in float32, and those rounded once to bfloat16; an id
+    outside the rows is an error."""
+    n_in = 512
+    blocks, weight = quantized(qtype, 40, n_in, seed=3)
+    ids = torch.tensor([[39, 0, 20], [0, 25, 39]])
+    got = cpu_kernels.dequantize_rows(blocks, qtype, ids, torch.float32)
+    assert got.shape == (2, 3, n_in) and torch.equal(got, weight[ids])
+    assert torch.equal(cpu_kernels.dequantize_rows(blocks, qtype, ids, torch.bfloat16), weight[ids].bfloat16())
+    with pytest.raises(IndexError, match=r"\[0, 40\)"):
+        cpu_kernels.dequantize_rows(blocks, qtype, torch.tensor([40]), torch.float32)
+
+
 def test_quantize_q8_0_writes_ggmls_blocks():
     """quantize_q8_0 (a head beside a quantized target): the bytes of ggml's reference Q8_0
     quantizer, a block of zeros and a large weight included, and a QuantizedLinear over them

@@ -92,8 +92,8 @@ def test_quantized_blocks_are_the_float_copy(default_model_dir):
         for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
                      "model.layers.29.mlp.down_proj.weight", "model.embed_tokens.weight"):
             dequantized = dequantize(f.get_tensor(name), GGMLQuantizationType[qtypes[name]])
-            floats = now if name == "model.embed_tokens.weight" else later
-            assert np.array_equal(dequantized, floats.get_tensor(name)), name
+            assert np.array_equal(dequantized, later.get_tensor(name)), name
+        assert not set(qtypes) & set(now.keys())       # no matrix the CPU reads as blocks is there twice
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -160,8 +160,8 @@ def test_interrupted_conversion_leaves_no_folder(home, tmp_path, monkeypatch):
     assert (convert_gguf(tmp_path / "m.gguf") / "model.safetensors").is_file()
 
 
-# q and down in types the CPU kernels take (their float copy waits); the embedding, and up in a
-# type without kernels, get theirs at conversion
+# q, down and the embedding in types the CPU kernels take (their float copy waits); up, in a type
+# without kernels, gets its copy at conversion
 LEAN = {"attn_q": "Q4_1", "ffn_down": "Q8_0", "token_embd": "Q8_0", "ffn_up": "Q5_1"}
 
 
@@ -172,6 +172,7 @@ def test_matrices_the_cpu_reads_as_blocks_get_their_float_copy_when_a_load_needs
     expected = write_test_gguf(tmp_path / "m.gguf", "llama", {"tie_word_embeddings": False}, quantized=LEAN)
     folder = convert_gguf(tmp_path / "m.gguf")
     later = {f"model.layers.{i}.{name}.weight" for i in range(2) for name in ("self_attn.q_proj", "mlp.down_proj")}
+    later.add("model.embed_tokens.weight")
     now = load_file(folder / "model.safetensors")
     assert set(now) == set(expected) - later and not (folder / gguf.DEQUANTIZED_FILE).exists()
     copy = gguf.dequantized_copy(folder)

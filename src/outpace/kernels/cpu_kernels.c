@@ -122,6 +122,7 @@ static inline float lanes_sum(const float *parts) {
 #include "cpu_vec.h"
 #include "cpu_products.h"
 #include "cpu_pack.h"
+#include "cpu_dequant.h"
 
 /* out[r] = the index of row r's largest value in x [rows, cols] float32, as torch.argmax picks it:
  * the first of equal values, and the first NaN where a row has one. Rows are shared among OpenMP

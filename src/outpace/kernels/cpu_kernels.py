@@ -69,6 +69,8 @@ def _loaded() -> tuple[ctypes.CDLL, str] | None:
     lib.linear_bf16_dot.restype = ctypes.c_int
     lib.pack_blocks.argtypes = [p, i, i, ctypes.c_int, p]
     lib.pack_blocks.restype = ctypes.c_int
+    lib.dequantize_rows.argtypes = [p, i, ctypes.c_int, p, i, ctypes.c_int, p]
+    lib.dequantize_rows.restype = ctypes.c_int
     return lib, level.name
 
 
@@ -142,6 +144,22 @@ def pack_quantized(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     # [N / 16, K / block inputs, a group: the 16 columns' blocks of those inputs, as many bytes]
     out = torch.empty((N + 15) // 16, row_bytes // size, 16 * size, dtype=torch.uint8)
     if _library().pack_blocks(blocks.data_ptr(), N, row_bytes, QUANT_FORMATS[qtype], out.data_ptr()):
+        raise ValueError(f"{qtype} blocks of {row_bytes} bytes a row are not whole blocks")
+    return out
+
+
+def dequantize_rows(blocks: torch.Tensor, qtype: str, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ids (int64, any shape) of a GGUF matrix's blocks (uint8 [rows, bytes a row], a key of
+    QUANT_FORMATS) as float32 or bfloat16 [*ids.shape, K]: gguf.quants.dequantize's values bit
+    for bit (cpu_dequant.h), bfloat16 rounded once from them."""
+    rows, row_bytes = blocks.shape
+    weights, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    flat = ids.reshape(-1).contiguous()
+    if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < rows:
+        raise IndexError(f"token ids must be in [0, {rows}), got {int(flat.min())}..{int(flat.max())}")
+    out = torch.empty(*ids.shape, row_bytes // size * weights, dtype=dtype)
+    if _library().dequantize_rows(blocks.data_ptr(), row_bytes, QUANT_FORMATS[qtype], flat.data_ptr(), flat.numel(),
+                                  dtype == torch.bfloat16, out.data_ptr()):
         raise ValueError(f"{qtype} blocks of {row_bytes} bytes a row are not whole blocks")
     return out
 

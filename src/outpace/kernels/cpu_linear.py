@@ -167,6 +167,22 @@ class QuantizedLinear(nn.Module):
         return cpu_kernels.linear(x, self.packed, self.format, bias, n)
 
 
+class QuantizedEmbedding(nn.Module):
+    """An embedding over a GGUF matrix's blocks, kept in the file's type and bytes: ids -> their
+    rows [..., H] dequantized in C (cpu_kernels.dequantize_rows), the float32 copy's rows bit for
+    bit, in the model's dtype (the float embedding it replaces would have been cast to it; an
+    empty float buffer follows Module.to's dtype for it)."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: str, embedding_dim: int):
+        super().__init__()
+        self.qtype, self.num_embeddings, self.embedding_dim = qtype, blocks.shape[0], embedding_dim
+        self.register_buffer("blocks", blocks, persistent=False)
+        self.register_buffer("like", torch.empty(0), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.dequantize_rows(self.blocks, self.qtype, ids, self.like.dtype)
+
+
 class QuantizedParts(nn.Module):
     """A fused layer (qkv, gate_up) whose parts are GGUF weights of different types (cpu_kernels.
     QUANT_FORMATS): one QuantizedLinear a run of parts of one type, over its rows in order, each

@@ -10,10 +10,10 @@
 
 The quantized matrices are kept as the file holds them (uint8 [rows, bytes a row], their GGUF types
 in the header's metadata, weights.quantized), so a CPU model computes on them (--weights
-quantized). A linear layer's matrix in a type the CPU kernels take gets its float32 copy only when
-a load needs it (a GPU, tensor-parallel ranks, --weights bf16|fp32: `dequantized_copy`): a CPU
-user's folder then holds about the GGUF's bytes plus the embedding's float32 copy, where a full
-copy took 7 times the file for Qwen2.5-1.5B's Q4_K_M.
+quantized). A matrix in a type the CPU kernels take gets its float32 copy only when a load needs
+it (a GPU, tensor-parallel ranks, --weights bf16|fp32: `dequantized_copy`): a CPU user's folder
+then holds about the GGUF's bytes, where a full copy took 7 times the file for Qwen2.5-1.5B's
+Q4_K_M.
 
 <home> is $OUTPACE_HOME or ~/.cache/outpace. <key> hashes the GGUF's path, size and mtime and the
 converter's FORMAT, so an unchanged file converts once and a changed file (or converter) again; a
@@ -54,7 +54,7 @@ from outpace.paths import outpace_home
 from outpace.weights.tokenizer import tokenizer_from_gguf
 
 _REQUIRED = object()
-FORMAT = 3  # bump when the converted folder changes, so old conversions are redone
+FORMAT = 4  # bump when the converted folder changes, so old conversions are redone
 QUANTIZED_FOLDER, QTYPES_KEY = "quantized", "qtypes"      # the GGUF blocks' file, and its metadata's key
 # model.safetensors' metadata key: the matrices whose float32 copy waits for DEQUANTIZED_FILE
 LATER_KEY, DEQUANTIZED_FILE = "dequantized_later", "dequantized.safetensors"
@@ -413,12 +413,12 @@ def _convert(gguf: GGUFFile, folder: Path) -> None:
 
 
 def _float_now(info: TensorInfo) -> bool:
-    """Whether conversion writes a tensor's float32 copy: all but a linear layer's matrix (not the
-    embedding, which a CPU model looks rows up in) in a type the CPU kernels compute on, with whole
-    blocks a row, whose blocks a CPU model reads instead (weights.quantized)."""
+    """Whether conversion writes a tensor's float32 copy: all but a matrix in a type the CPU
+    kernels take, with whole blocks a row, whose blocks a CPU model reads instead
+    (weights.quantized: products, and the embedding's rows)."""
     qtype = info.qtype
-    return (qtype.name in FLOAT_TYPES or len(info.shape) != 2 or info.name.split(".")[-2] == "token_embd"
-            or qtype.name not in QUANT_FORMATS or info.shape[1] % GGML_QUANT_SIZES[qtype][0] != 0)
+    return (qtype.name in FLOAT_TYPES or len(info.shape) != 2 or qtype.name not in QUANT_FORMATS
+            or info.shape[1] % GGML_QUANT_SIZES[qtype][0] != 0)
 
 
 def write_safetensors(path: Path, specs: list[tuple[str, tuple[int, ...]]], arrays: Iterator[np.ndarray],

@@ -6,9 +6,10 @@ cannot take, else written when a load first needs it). Here a
 model's linear layers whose blocks have CPU kernels (cpu_kernels.QUANT_FORMATS) become
 QuantizedLinear layers over those blocks before any float weight is allocated for them, so memory
 holds about the GGUF's bytes for them; a fused layer (qkv, gate_up) takes its parts' rows in order,
-one QuantizedLinear when they share one type, else a QuantizedParts of one a part. The tied LM head
-computes on the embedding's blocks; the embedding, the norms, layers of types without kernels and
-layers whose inputs are not whole blocks of their type keep float weights in the model's dtype.
+one QuantizedLinear when they share one type, else a QuantizedParts of one a part. The embedding
+looks its rows up in its blocks (QuantizedEmbedding), and a tied LM head computes on them; the
+norms, matrices of types without kernels and those whose inputs are not whole blocks of their
+type keep float weights in the model's dtype.
 
 `weights`: "quantized" or "auto" (quantized where it can be: a GGUF folder, on the CPU, the kernels
 loaded, one rank), or "bf16" / "fp32" (the float copy, EngineConfig makes them the model's dtype).
@@ -26,7 +27,7 @@ from torch import nn
 
 from outpace.errors import InvalidParameterError
 from outpace.kernels import cpu_kernels
-from outpace.kernels.cpu_linear import QuantizedLinear, QuantizedParts
+from outpace.kernels.cpu_linear import QuantizedEmbedding, QuantizedLinear, QuantizedParts
 from outpace.weights.gguf import QTYPES_KEY, QUANTIZED_FOLDER
 
 _SIZES = {qtype.name: sizes for qtype, sizes in GGML_QUANT_SIZES.items()}     # (weights, bytes) a block
@@ -73,6 +74,15 @@ def install(model: nn.Module, folder: Path) -> set[str]:
         for name, by_index in parts.items():
             module_name = name.rpartition(".")[0]
             linear = model.get_submodule(module_name)
+            parent, _, child = module_name.rpartition(".")
+            if isinstance(linear, nn.Embedding) and None in by_index and name.endswith(".weight"):
+                qtype = qtypes[by_index[None]]
+                if _unserved([qtype], linear.embedding_dim) is None:     # lookups dequantize rows of the blocks
+                    # a copy: the file's tensor keeps the whole file mapped, its read pages resident
+                    embedding = QuantizedEmbedding(f.get_tensor(by_index[None]).clone(), qtype, linear.embedding_dim)
+                    setattr(model.get_submodule(parent) if parent else model, child, embedding)
+                    taken.add(name)
+                continue
             if not isinstance(linear, nn.Linear) or name.endswith(".bias"):
                 continue
             hf_names = [by_index[i] for i in sorted(by_index, key=lambda i: i or 0)]      # the parts' rows in order
@@ -84,7 +94,6 @@ def install(model: nn.Module, folder: Path) -> set[str]:
             blocks = [f.get_tensor(hf_name) for hf_name in hf_names]
             if sum(b.shape[0] for b in blocks) != linear.out_features:
                 continue                                        # a part is not quantized: the float copy serves
-            parent, _, child = module_name.rpartition(".")
             shape = (linear.in_features, linear.out_features, linear.bias is not None)
             layer = (QuantizedLinear(torch.cat(blocks), types[0], *shape) if len(set(types)) == 1
                      else QuantizedParts(list(zip(blocks, types)), *shape))
