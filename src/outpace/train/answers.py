@@ -100,9 +100,10 @@ def run_counts(runs: dict[int, int]) -> tuple[int, int, int]:
 
 def lm_head_rows(target, ids: torch.Tensor) -> torch.Tensor:
     """The target's LM head rows of `ids` [n, H]. A CPU model's LM head may hold only a packed copy
-    of its weight, so the rows are read through its forward (the identity's products are exact)."""
+    of its weight (and its embedding only blocks), so the rows are read through its forward (the
+    identity's products are exact) in the dtype of its final norm's weight, the model's."""
     weight = getattr(target.lm_head, "weight", None)
     if isinstance(weight, torch.Tensor) and weight.shape == (target.cfg.vocab_size, target.cfg.hidden_size):
         return weight[ids]
-    eye = torch.eye(target.cfg.hidden_size, dtype=target.embed.weight.dtype, device=ids.device)
+    eye = torch.eye(target.cfg.hidden_size, dtype=target.norm.weight.dtype, device=ids.device)
     return linear(eye, target.lm_head).T[ids]

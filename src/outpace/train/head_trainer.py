@@ -252,7 +252,7 @@ def _new_head(target, layers: tuple[int, ...], ids: torch.Tensor, max_len: int, 
     torch.manual_seed(seed)
     head = Eagle3Head(cfg, max_len)
     with torch.no_grad():
-        head.lm_head.weight.copy_(lm_head_rows(target, ids.to(target.embed.weight.device)).float().cpu())
+        head.lm_head.weight.copy_(lm_head_rows(target, ids.to(target.norm.weight.device)).float().cpu())
         head.d2t.copy_(ids - torch.arange(len(ids)))
     return head
 
