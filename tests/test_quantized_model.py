@@ -199,6 +199,11 @@ def test_a_quantized_embedding_is_its_float_copys_rows(home, tmp_path, dtype):
     ids = torch.tensor([[5, 319, 0, 5]])
     got = model.embed(ids)
     assert got.dtype == dtype and torch.equal(got, reference.embed(ids))
+    # a head's trainer reads the tied LM head's rows (its draft vocabulary's) through its forward
+    from outpace.train.answers import lm_head_rows
+    rows = lm_head_rows(model, torch.tensor([3, 7]))
+    assert rows.dtype == dtype
+    close(rows.float(), reference.embed(torch.tensor([3, 7])).float(), 0.05)
     write_test_gguf(tmp_path / "n.gguf", "qwen2", {"vocab_size": 320}, quantized={"token_embd": "Q5_1"})
     assert type(load_model(convert_gguf(tmp_path / "n.gguf"), dtype, "cpu", max_len=64).embed) is torch.nn.Embedding
 
