@@ -2,14 +2,14 @@
 
 A converted GGUF folder holds each quantized matrix as the file's blocks in
 quantized/model.safetensors, and a float32 copy (weights.gguf: at conversion for those the kernels
-cannot take, else written when a load first needs it). Here a
-model's linear layers whose blocks have CPU kernels (cpu_kernels.QUANT_FORMATS) become
-QuantizedLinear layers over those blocks before any float weight is allocated for them, so memory
-holds about the GGUF's bytes for them; a fused layer (qkv, gate_up) takes its parts' rows in order,
-one QuantizedLinear when they share one type, else a QuantizedParts of one a part. The embedding
-looks its rows up in its blocks (QuantizedEmbedding), and a tied LM head computes on them; the
-norms, matrices of types without kernels and those whose inputs are not whole blocks of their
-type keep float weights in the model's dtype.
+cannot take, else written when a load first needs it). Here a model's linear layers whose blocks
+have CPU kernels (cpu_kernels.QUANT_FORMATS) become QuantizedLinear layers over those blocks
+before any float weight is allocated for them, so memory holds about the GGUF's bytes for them; a
+fused layer (qkv, gate_up) takes its parts' rows in order, one QuantizedLinear when they share one
+type, else a QuantizedParts of one a part. The embedding looks its rows up in its blocks
+(QuantizedEmbedding), and a tied LM head computes on them; the norms, matrices of types without
+kernels and those whose inputs are not whole blocks of their type keep float weights in the
+model's dtype.
 
 `weights`: "quantized" or "auto" (quantized where it can be: a GGUF folder, on the CPU, the kernels
 loaded, one rank), or "bf16" / "fp32" (the float copy, EngineConfig makes them the model's dtype).
