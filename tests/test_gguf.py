@@ -165,10 +165,15 @@ def test_interrupted_conversion_leaves_no_folder(home, tmp_path, monkeypatch):
 LEAN = {"attn_q": "Q4_1", "ffn_down": "Q8_0", "token_embd": "Q8_0", "ffn_up": "Q5_1"}
 
 
-def test_matrices_the_cpu_reads_as_blocks_get_their_float_copy_when_a_load_needs_it(home, tmp_path, monkeypatch):
-    """Conversion leaves out of model.safetensors the linear matrices the CPU kernels compute on;
-    dequantized_copy writes them once, and the two files hold every tensor once, as converting
-    the file gives them (the writer's dequantized values)."""
+@pytest.mark.parametrize("kernels", [True, False], ids=["C", "numpy"])
+def test_matrices_the_cpu_reads_as_blocks_get_their_float_copy_when_a_load_needs_it(home, tmp_path, monkeypatch,
+                                                                                     kernels):
+    """Conversion leaves out of model.safetensors the matrices the CPU kernels compute on;
+    dequantized_copy writes them once (dequantized by the kernels, or by gguf's numpy where they
+    are not built), and the two files hold every tensor once, as converting the file gives them
+    (the writer's dequantized values)."""
+    if not kernels:
+        monkeypatch.setattr(gguf.cpu_kernels, "has_library", lambda: False)
     expected = write_test_gguf(tmp_path / "m.gguf", "llama", {"tie_word_embeddings": False}, quantized=LEAN)
     folder = convert_gguf(tmp_path / "m.gguf")
     later = {f"model.layers.{i}.{name}.weight" for i in range(2) for name in ("self_attn.q_proj", "mlp.down_proj")}

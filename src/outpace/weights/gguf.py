@@ -43,12 +43,14 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
+import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 from safetensors import safe_open
 from tqdm import tqdm
 
 from outpace.errors import CorruptModelError, ModelNotFoundError, OutpaceError, UnsupportedModelError
+from outpace.kernels import cpu_kernels
 from outpace.kernels.cpu_kernels import QUANT_FORMATS
 from outpace.paths import outpace_home
 from outpace.weights.tokenizer import tokenizer_from_gguf
@@ -134,8 +136,8 @@ def dequantized_copy(folder: Path) -> Path | None:
                 return path
             for dead in folder.glob(f".{DEQUANTIZED_FILE}.tmp-*"):     # a writer killed midway
                 dead.unlink(missing_ok=True)
-            with safe_open(blocks, framework="np") as f:
-                arrays = (dequantize(f.get_tensor(name), types[name])
+            with safe_open(blocks, framework="pt") as f:
+                arrays = (_dequantized(f.get_tensor(name), types[name])
                           for name in tqdm(later, desc=f"outpace: float32 copy of {folder.name}", unit="tensor",
                                            file=sys.stderr, disable=None))
                 write_safetensors(work, specs, arrays)
@@ -149,6 +151,14 @@ def dequantized_copy(folder: Path) -> Path | None:
                            f"({error.strerror or error}); it takes {need:.1f} GB in {folder}. Free disk space "
                            "(or make the folder writable), or run on the CPU with weights quantized.") from None
     return path
+
+
+def _dequantized(blocks: torch.Tensor, qtype: GGMLQuantizationType) -> np.ndarray:
+    """A matrix's blocks [rows, bytes a row] as float32, by the CPU kernels' dequantizer where
+    they are built (gguf's numpy dequantizer bit for bit, several times faster), else by gguf's."""
+    if cpu_kernels.has_library():
+        return cpu_kernels.dequantize_rows(blocks, qtype.name, torch.arange(blocks.shape[0]), torch.float32).numpy()
+    return dequantize(blocks.numpy(), qtype)
 
 
 def _float_shape(block_shape: list[int], qtype: GGMLQuantizationType) -> tuple[int, int]:
