@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -213,24 +215,35 @@ def test_float_copy_is_written_once_by_concurrent_loads(home, tmp_path, monkeypa
     assert len(writes) == 1 and paths == [folder / gguf.DEQUANTIZED_FILE] * 3
 
 
-def test_float_copy_on_a_full_disk_is_a_clear_error(home, tmp_path, monkeypatch):
-    """A failed write says what failed, how much it needs and what to do, and leaves nothing
-    behind; the next call writes it whole."""
+@pytest.mark.parametrize("how", ["write fails", "too little free"])
+def test_float_copy_on_a_full_disk_is_read_in_memory(home, tmp_path, monkeypatch, capsys, how):
+    """Where the copy cannot be written (the write fails, or the disk has too little room to
+    try), stderr says so, what it takes and what to do; nothing is left behind; the load reads the
+    blocks as floats in memory and equals the load from the written copy."""
     write_test_gguf(tmp_path / "m.gguf", "llama", quantized=LEAN)
     folder = convert_gguf(tmp_path / "m.gguf")
-    write = gguf.write_safetensors
 
     def full(path, *args, **kwargs):
         path.write_bytes(b"partial")
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(gguf, "write_safetensors", full)
-    with pytest.raises(OutpaceError, match=r"No space left on device.*0\.0 GB.*Free disk space.*weights quantized"):
-        load_model(folder, torch.float32, "cpu", max_len=64, weights="fp32")
+    if how == "write fails":
+        monkeypatch.setattr(gguf, "write_safetensors", full)
+    else:
+        monkeypatch.setattr(gguf.shutil, "disk_usage", lambda path: SimpleNamespace(free=0))
+        monkeypatch.setattr(gguf, "write_safetensors", lambda *a, **k: pytest.fail("tried to write"))
+    capsys.readouterr()
+    in_memory = load_model(folder, torch.float32, "cpu", max_len=64, weights="fp32")
+    assert re.search(r"No space left on device; it takes 0\.0 GB in .*dequantized in memory at every start instead"
+                     r"\. Free disk space", capsys.readouterr().err)
     assert sorted(p.name for p in folder.iterdir()) == sorted(
         ["config.json", "generation_config.json", "model.safetensors", "quantized", "tokenizer.json",
          "tokenizer_config.json"])
-    monkeypatch.setattr(gguf, "write_safetensors", write)
-    assert load_model(folder, torch.float32, "cpu", max_len=64, weights="fp32") is not None
+    monkeypatch.undo()
+    monkeypatch.setenv("OUTPACE_HOME", str(home))
+    written = load_model(folder, torch.float32, "cpu", max_len=64, weights="fp32")
+    assert (folder / gguf.DEQUANTIZED_FILE).is_file()
+    for (name, a), b in zip(in_memory.state_dict().items(), written.state_dict().values()):
+        assert torch.equal(a, b), name
 
 
 def test_a_quantized_load_reads_a_float_part_from_the_float_copy(home, tmp_path):

@@ -26,6 +26,7 @@ numpy view per vocabulary string); tensors are dequantized with gguf.quants.dequ
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -109,11 +110,12 @@ def _folder(source: Path, version: int) -> Path:
     return outpace_home() / "models" / f"{source.stem}-{key}"
 
 
-def dequantized_copy(folder: Path) -> Path | None:
+def dequantized_copy(folder: Path) -> Path | BlocksAsFloats | None:
     """The float32 copy of the matrices a converted folder keeps as blocks only (LATER_KEY),
     dequantized from those blocks and written on the first call (one writer at a time: tensor-
-    parallel ranks load together); None where the folder left none out (a GGUF of float tensors,
-    a Hugging Face folder)."""
+    parallel ranks load together); where it cannot be written (a full disk, a read-only folder:
+    stderr says so), the blocks read as floats in memory instead. None where the folder left none
+    out (a GGUF of float tensors, a Hugging Face folder)."""
     folder = Path(folder)
     path, floats = folder / DEQUANTIZED_FILE, folder / "model.safetensors"
     if path.is_file() or not floats.is_file() or not (folder / QUANTIZED_FOLDER).is_dir():
@@ -127,6 +129,7 @@ def dequantized_copy(folder: Path) -> Path | None:
         qtypes = json.loads(f.metadata()[QTYPES_KEY])
         types = {name: GGMLQuantizationType[qtypes[name]] for name in later}
         specs = [(name, _float_shape(f.get_slice(name).get_shape(), types[name])) for name in later]
+    need = sum(4 * math.prod(shape) for _, shape in specs)
     work = folder / f".{DEQUANTIZED_FILE}.tmp-{os.getpid()}"
     try:
         lock = os.open(folder, os.O_RDONLY)
@@ -136,6 +139,8 @@ def dequantized_copy(folder: Path) -> Path | None:
                 return path
             for dead in folder.glob(f".{DEQUANTIZED_FILE}.tmp-*"):     # a writer killed midway
                 dead.unlink(missing_ok=True)
+            if shutil.disk_usage(folder).free < need + (64 << 20):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             with safe_open(blocks, framework="pt") as f:
                 arrays = (_dequantized(f.get_tensor(name), types[name])
                           for name in tqdm(later, desc=f"outpace: float32 copy of {folder.name}", unit="tensor",
@@ -146,11 +151,52 @@ def dequantized_copy(folder: Path) -> Path | None:
             os.close(lock)
     except OSError as error:
         work.unlink(missing_ok=True)
-        need = sum(4 * math.prod(shape) for _, shape in specs) / 1e9
-        raise OutpaceError(f"could not write the float32 copy of {folder.name}'s quantized matrices "
-                           f"({error.strerror or error}); it takes {need:.1f} GB in {folder}. Free disk space "
-                           "(or make the folder writable), or run on the CPU with weights quantized.") from None
+        print(f"outpace: could not write the float32 copy of {folder.name}'s quantized matrices "
+              f"({error.strerror or error}; it takes {need / 1e9:.1f} GB in {folder}): they are dequantized in "
+              "memory at every start instead. Free disk space or make the folder writable to keep them.",
+              file=sys.stderr)
+        return BlocksAsFloats(blocks, types)
     return path
+
+
+class BlocksAsFloats:
+    """Matrices of a blocks file read as float32 in memory, as a safetensors file of them would
+    give them (keys, get_tensor, get_slice; a context manager, as safe_open)."""
+
+    name = "quantized/model.safetensors, dequantized in memory"
+
+    def __init__(self, blocks: str, types: dict[str, GGMLQuantizationType]):
+        self.blocks, self.types = blocks, types
+
+    def __enter__(self) -> BlocksAsFloats:
+        self._open = safe_open(self.blocks, framework="pt")
+        self._file = self._open.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._open.__exit__(*exc)
+
+    def keys(self) -> list[str]:
+        return list(self.types)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return torch.from_numpy(_dequantized(self._file.get_tensor(name), self.types[name]))
+
+    def get_slice(self, name: str) -> _Slice:
+        return _Slice(self.get_tensor(name))
+
+
+class _Slice:
+    """A tensor read as safetensors' slices are: its shape, and its parts by index."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.tensor[index]
 
 
 def _dequantized(blocks: torch.Tensor, qtype: GGMLQuantizationType) -> np.ndarray:

@@ -27,15 +27,15 @@ def load_model(folder: Path, dtype: torch.dtype, device: str, max_len: int, shar
     if not any(folder.glob("*.safetensors")):
         raise ModelNotFoundError(f"no *.safetensors weights in {folder}")
     is_quantized = quantized.chosen(folder, weights, device, shard is not None)
-    if not is_quantized:        # a GGUF folder's float32 copy of every matrix
-        gguf.dequantized_copy(folder)
+    # a GGUF folder's float32 copy of the matrices kept as blocks (its file, or the blocks in memory)
+    copy = None if is_quantized else gguf.dequantized_copy(folder)
     taken: set[str] = set()         # weights held by QuantizedLinear layers, not read from the float copy
     model = empty_model(cfg, dtype, device, max_len, shard,
                         before_cast=(lambda m: taken.update(quantized.install(m, folder))) if is_quantized else None)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     files = sorted(folder.glob("*.safetensors"))
-    for file in files:
+    for file in files + ([copy] if copy is not None and copy not in files else []):
         _read(model, params, file, taken, loaded)
     if "lm_head.weight" not in taken:
         model.tie_weights()
@@ -52,11 +52,12 @@ def load_model(folder: Path, dtype: torch.dtype, device: str, max_len: int, shar
     return ready(model, device)
 
 
-def _read(model: DecoderLM, params: dict, file: Path, taken: set[str], loaded: set[str]) -> None:
-    """Copies file's tensors into the model's parameters (those not in taken), adding their names
-    (with a fused part's index: name#i) to loaded."""
+def _read(model: DecoderLM, params: dict, file: Path | gguf.BlocksAsFloats, taken: set[str], loaded: set[str]) -> None:
+    """Copies file's tensors (a safetensors file, or blocks read as floats) into the model's
+    parameters (those not in taken), adding their names (with a fused part's index: name#i) to
+    loaded."""
     try:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with safe_open(str(file), framework="pt", device="cpu") if isinstance(file, Path) else file as f:
             for hf_name in f.keys():
                 mapped = model.map_weight(hf_name)
                 if mapped is None:
