@@ -26,6 +26,7 @@ numpy view per vocabulary string); tensors are dequantized with gguf.quants.dequ
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -61,6 +62,7 @@ FORMAT = 4  # bump when the converted folder changes, so old conversions are red
 QUANTIZED_FOLDER, QTYPES_KEY = "quantized", "qtypes"      # the GGUF blocks' file, and its metadata's key
 # model.safetensors' metadata key: the matrices whose float32 copy waits for DEQUANTIZED_FILE
 LATER_KEY, DEQUANTIZED_FILE = "dequantized_later", "dequantized.safetensors"
+FREE_MARGIN = 64 << 20      # bytes a disk keeps free beyond the float copy, for the files others write
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 # GGUF architecture -> (Hugging Face class, model_type). llama.cpp files Mistral under llama.
@@ -139,7 +141,7 @@ def dequantized_copy(folder: Path) -> Path | BlocksAsFloats | None:
                 return path
             for dead in folder.glob(f".{DEQUANTIZED_FILE}.tmp-*"):     # a writer killed midway
                 dead.unlink(missing_ok=True)
-            if shutil.disk_usage(folder).free < need + (64 << 20):
+            if shutil.disk_usage(folder).free < need + FREE_MARGIN:     # the write would fill the disk
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             with safe_open(blocks, framework="pt") as f:
                 arrays = (_dequantized(f.get_tensor(name), types[name])
@@ -150,7 +152,8 @@ def dequantized_copy(folder: Path) -> Path | BlocksAsFloats | None:
         finally:
             os.close(lock)
     except OSError as error:
-        work.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):      # a read-only folder has none to remove
+            work.unlink(missing_ok=True)
         print(f"outpace: could not write the float32 copy of {folder.name}'s quantized matrices "
               f"({error.strerror or error}; it takes {need / 1e9:.1f} GB in {folder}): they are dequantized in "
               "memory at every start instead. Free disk space or make the folder writable to keep them.",
