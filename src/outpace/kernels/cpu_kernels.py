@@ -132,6 +132,20 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, 16, K // 2, 2).transpose(1, 2).contiguous()
 
 
+def unserved(qtypes: list[str], in_features: int) -> str | None:
+    """Why matrices of these GGUF types with this many inputs a row cannot be computed on as
+    blocks here (None: they can, as products and as an embedding's rows)."""
+    lacking = sorted(set(qtypes) - set(QUANT_FORMATS))
+    if lacking:
+        return f"no CPU kernels for {', '.join(lacking)} (kernels: {', '.join(sorted(QUANT_FORMATS))})"
+    inputs = {t: GGML_QUANT_SIZES[GGMLQuantizationType[t]][0] for t in qtypes}      # a block's
+    partial = sorted(t for t in inputs if in_features % inputs[t])
+    if partial:
+        return (f"{in_features} inputs are not whole blocks of {', '.join(partial)} "
+                f"({', '.join(str(inputs[t]) for t in partial)} inputs a block)")
+    return None
+
+
 def pack_quantized(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """A GGUF weight's raw blocks [N, K / block inputs * block bytes] uint8 (rows of type `qtype`, a
     key of QUANT_FORMATS; blocks of 32 inputs, 256 for the k-quants) regrouped for linear: blocks

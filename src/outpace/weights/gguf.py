@@ -47,13 +47,12 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize, quant_shape_to_byte_shape
+from gguf.quants import dequantize, quant_shape_from_byte_shape, quant_shape_to_byte_shape
 from safetensors import safe_open
 from tqdm import tqdm
 
 from outpace.errors import CorruptModelError, ModelNotFoundError, OutpaceError, UnsupportedModelError
 from outpace.kernels import cpu_kernels
-from outpace.kernels.cpu_kernels import QUANT_FORMATS
 from outpace.paths import outpace_home
 from outpace.weights.tokenizer import tokenizer_from_gguf
 
@@ -127,38 +126,37 @@ def dequantized_copy(folder: Path) -> Path | BlocksAsFloats | None:
     if not later:
         return None
     blocks = str(folder / QUANTIZED_FOLDER / "model.safetensors")
-    with safe_open(blocks, framework="np") as f:
+    work = folder / f".{DEQUANTIZED_FILE}.tmp-{os.getpid()}"
+    with safe_open(blocks, framework="pt") as f:
         qtypes = json.loads(f.metadata()[QTYPES_KEY])
         types = {name: GGMLQuantizationType[qtypes[name]] for name in later}
-        specs = [(name, _float_shape(f.get_slice(name).get_shape(), types[name])) for name in later]
-    need = sum(4 * math.prod(shape) for _, shape in specs)
-    work = folder / f".{DEQUANTIZED_FILE}.tmp-{os.getpid()}"
-    try:
-        lock = os.open(folder, os.O_RDONLY)
+        specs = [(name, quant_shape_from_byte_shape(f.get_slice(name).get_shape(), types[name])) for name in later]
+        need = sum(4 * math.prod(shape) for _, shape in specs)
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if path.is_file():      # another process wrote it while this one waited
-                return path
-            for dead in folder.glob(f".{DEQUANTIZED_FILE}.tmp-*"):     # a writer killed midway
-                dead.unlink(missing_ok=True)
-            if shutil.disk_usage(folder).free < need + FREE_MARGIN:     # the write would fill the disk
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            with safe_open(blocks, framework="pt") as f:
+            lock = os.open(folder, os.O_RDONLY)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if path.is_file():      # another process wrote it while this one waited
+                    return path
+                for dead in folder.glob(f".{DEQUANTIZED_FILE}.tmp-*"):     # a writer killed midway
+                    dead.unlink(missing_ok=True)
+                if shutil.disk_usage(folder).free < need + FREE_MARGIN:     # the write would fill the disk
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 arrays = (_dequantized(f.get_tensor(name), types[name])
                           for name in tqdm(later, desc=f"outpace: float32 copy of {folder.name}", unit="tensor",
                                            file=sys.stderr, disable=None))
                 write_safetensors(work, specs, arrays)
-            os.replace(work, path)
-        finally:
-            os.close(lock)
-    except OSError as error:
-        with contextlib.suppress(OSError):      # a read-only folder has none to remove
-            work.unlink(missing_ok=True)
-        print(f"outpace: could not write the float32 copy of {folder.name}'s quantized matrices "
-              f"({error.strerror or error}; it takes {need / 1e9:.1f} GB in {folder}): they are dequantized in "
-              "memory at every start instead. Free disk space or make the folder writable to keep them.",
-              file=sys.stderr)
-        return BlocksAsFloats(blocks, types)
+                os.replace(work, path)
+            finally:
+                os.close(lock)
+        except OSError as error:
+            with contextlib.suppress(OSError):      # a read-only folder has none to remove
+                work.unlink(missing_ok=True)
+            print(f"outpace: could not write the float32 copy of {folder.name}'s quantized matrices "
+                  f"({error.strerror or error}; it takes {need / 1e9:.1f} GB in {folder}): they are dequantized "
+                  "in memory at every start instead. Free disk space or make the folder writable to keep them.",
+                  file=sys.stderr)
+            return BlocksAsFloats(blocks, types)
     return path
 
 
@@ -208,12 +206,6 @@ def _dequantized(blocks: torch.Tensor, qtype: GGMLQuantizationType) -> np.ndarra
     if cpu_kernels.has_library():
         return cpu_kernels.dequantize_rows(blocks, qtype.name, torch.arange(blocks.shape[0]), torch.float32).numpy()
     return dequantize(blocks.numpy(), qtype)
-
-
-def _float_shape(block_shape: list[int], qtype: GGMLQuantizationType) -> tuple[int, int]:
-    """[rows, bytes a row] of a matrix's blocks -> its [rows, columns]."""
-    weights, nbytes = GGML_QUANT_SIZES[qtype]
-    return block_shape[0], block_shape[1] // nbytes * weights
 
 
 @dataclass(frozen=True)
@@ -475,9 +467,8 @@ def _float_now(info: TensorInfo) -> bool:
     """Whether conversion writes a tensor's float32 copy: all but a matrix in a type the CPU
     kernels take, with whole blocks a row, whose blocks a CPU model reads instead
     (weights.quantized: products, and the embedding's rows)."""
-    qtype = info.qtype
-    return (qtype.name in FLOAT_TYPES or len(info.shape) != 2 or qtype.name not in QUANT_FORMATS
-            or info.shape[1] % GGML_QUANT_SIZES[qtype][0] != 0)
+    return (info.qtype.name in FLOAT_TYPES or len(info.shape) != 2
+            or cpu_kernels.unserved([info.qtype.name], info.shape[1]) is not None)
 
 
 def write_safetensors(path: Path, specs: list[tuple[str, tuple[int, ...]]], arrays: Iterator[np.ndarray],

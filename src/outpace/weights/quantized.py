@@ -58,7 +58,8 @@ def chosen(folder: Path, weights: str, device: str, sharded: bool) -> bool:
 def install(model: nn.Module, folder: Path) -> set[str]:
     """Replaces model's linear layers (on the CPU, their float weights allocated but untouched, as
     loader.empty_model calls it) with QuantizedLinear (or QuantizedParts) layers over the folder's
-    blocks wherever every part has kernels and the inputs are whole blocks of each part's type.
+    blocks wherever every part has kernels and the inputs are whole blocks of each part's type, and
+    its embedding with a QuantizedEmbedding where its type allows.
     Returns the weight names (model.map_weight's) they took; says on stderr which matrices stay
     float, why, and what that costs."""
     with safe_open(str(blocks_file(folder)), framework="pt", device="cpu") as f:
@@ -75,19 +76,20 @@ def install(model: nn.Module, folder: Path) -> set[str]:
             module_name = name.rpartition(".")[0]
             linear = model.get_submodule(module_name)
             parent, _, child = module_name.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
             if isinstance(linear, nn.Embedding) and None in by_index and name.endswith(".weight"):
                 qtype = qtypes[by_index[None]]
-                if _unserved([qtype], linear.embedding_dim) is None:     # lookups dequantize rows of the blocks
+                if cpu_kernels.unserved([qtype], linear.embedding_dim) is None:     # lookups dequantize rows of the blocks
                     # a copy: the file's tensor keeps the whole file mapped, its read pages resident
                     embedding = QuantizedEmbedding(f.get_tensor(by_index[None]).clone(), qtype, linear.embedding_dim)
-                    setattr(model.get_submodule(parent) if parent else model, child, embedding)
+                    setattr(owner, child, embedding)
                     taken.add(name)
                 continue
             if not isinstance(linear, nn.Linear) or name.endswith(".bias"):
                 continue
             hf_names = [by_index[i] for i in sorted(by_index, key=lambda i: i or 0)]      # the parts' rows in order
             types = [qtypes[hf_name] for hf_name in hf_names]
-            why = _unserved(types, linear.in_features)
+            why = cpu_kernels.unserved(types, linear.in_features)
             if why is not None:
                 dequantized.setdefault(why, []).extend(hf_names)
                 continue
@@ -97,23 +99,11 @@ def install(model: nn.Module, folder: Path) -> set[str]:
             shape = (linear.in_features, linear.out_features, linear.bias is not None)
             layer = (QuantizedLinear(torch.cat(blocks), types[0], *shape) if len(set(types)) == 1
                      else QuantizedParts(list(zip(blocks, types)), *shape))
-            setattr(model.get_submodule(parent) if parent else model, child, layer)
+            setattr(owner, child, layer)
             taken.add(name)
         for why, names in dequantized.items():
             _warn(why, names, qtypes, {n: f.get_slice(n).get_shape() for n in names})
     return taken
-
-
-def _unserved(types: list[str], in_features: int) -> str | None:
-    """Why a layer whose parts have these GGUF types cannot compute on them (None: it can)."""
-    lacking = sorted(set(types) - set(cpu_kernels.QUANT_FORMATS))
-    if lacking:
-        return f"no CPU kernels for {', '.join(lacking)} (kernels: {', '.join(sorted(cpu_kernels.QUANT_FORMATS))})"
-    partial = sorted({t for t in types if in_features % _SIZES[t][0]})
-    if partial:
-        return (f"{in_features} inputs are not whole blocks of {', '.join(partial)} "
-                f"({', '.join(str(_SIZES[t][0]) for t in partial)} inputs a block)")
-    return None
 
 
 def _warn(why: str, names: list[str], qtypes: dict[str, str], shapes: dict[str, list[int]]) -> None:
