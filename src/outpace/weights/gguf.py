@@ -12,8 +12,8 @@ The quantized matrices are kept as the file holds them (uint8 [rows, bytes a row
 in the header's metadata, weights.quantized), so a CPU model computes on them (--weights
 quantized). A matrix in a type the CPU kernels take gets its float32 copy only when a load needs
 it (a GPU, tensor-parallel ranks, --weights bf16|fp32: `dequantized_copy`): a CPU user's folder
-then holds about the GGUF's bytes, where a full copy took 7 times the file for Qwen2.5-1.5B's
-Q4_K_M.
+then holds about the GGUF's bytes, where a full float32 copy would take 7 times the file for
+Qwen2.5-1.5B's Q4_K_M.
 
 <home> is $OUTPACE_HOME or ~/.cache/outpace. <key> hashes the GGUF's path, size and mtime and the
 converter's FORMAT, so an unchanged file converts once and a changed file (or converter) again; a
