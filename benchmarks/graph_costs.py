@@ -1,14 +1,16 @@
 """What each drafter's CUDA graphs cost on this GPU at batch 1: replays timed on the device.
 
-    python benchmarks/graph_costs.py [--model smollm2-135m] [--spec ngram eagle3 chain] [--keys 512]
-        [--num-draft-tokens 32]
+    python benchmarks/graph_costs.py [--model smollm2-135m] [--spec ngram eagle3 chain trees] [--keys 512]
+        [--num-draft-tokens 32] [--tree-width 3]
 
-For each drafter (`chain`: the EAGLE-3 head with n-gram lookup first) one engine of one slot is
+For each drafter (`chain`: the EAGLE-3 head with n-gram lookup first; `trees`: the head alone
+drafting token trees of --tree-width, in the step graphs) one engine of one slot is
 built without calibration and its captured graphs are replayed with every row inactive (the
 inputs the capture left: the target's dummy rows, the head's rows writing the spare region), so
 the figures are the graphs' device time at fixed shapes, not a speedup:
   - the target's step graph of t tokens a row (t = 1 plain, t > 1 verifying t - 1 drafts; for the
-    n-gram twin and the chain this includes their drafting inside the step), at --keys keys;
+    n-gram twin, the head and the chain this includes their drafting inside the step: a tree of
+    t - 1 nodes for `trees`), at --keys keys;
   - a head's catch-up graph of S verified pairs (replayed at the read of every step);
   - a head's chain graph of K drafts (the head alone outside the target's step: its first draft
     is a product and an argmax, each later one a forward of the head).
@@ -28,7 +30,7 @@ from outpace.config import SpecConfig
 from outpace.llm import LLM
 
 SPECS = {"ngram": dict(method="ngram"), "eagle3": dict(method="eagle3"),
-         "chain": dict(method="eagle3", ngram_first=True)}
+         "chain": dict(method="eagle3", ngram_first=True), "trees": dict(method="eagle3")}
 
 
 def replay_us(graph: torch.cuda.CUDAGraph, reps: int) -> float:
@@ -51,12 +53,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--num-draft-tokens", type=int, default=SpecConfig.num_draft_tokens,
                    help="the most drafts a step holds (default: SpecConfig's)")
+    p.add_argument("--tree-width", type=int, default=3, help="the `trees` drafter's candidates per node (default 3)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("graph_costs.py times CUDA graphs: it needs a CUDA GPU")
     for name in args.spec:
         extra = dict(draft_head=args.draft_head) if name != "ngram" else {}
         extra["num_draft_tokens"] = args.num_draft_tokens
+        if name == "trees":
+            extra["tree_width"] = args.tree_width
         llm = LLM(args.model, spec=SpecConfig(**SPECS[name], **extra), device="cuda", max_num_seqs=1, calibrate=False)
         runner = llm.engine.runner
         tiers = [t for t in runner.tiers if (1, t, args.keys) in runner.graphs]

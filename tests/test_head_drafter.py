@@ -319,6 +319,73 @@ def test_a_head_drafts_inside_the_targets_graph_step(folders, plain):
     _assert_drafts_from_scratch(llm, drafter, calls[::3])
 
 
+@pytest.mark.parametrize("shapes", ["trees", "trees and chains"])
+def test_a_tree_head_drafts_inside_the_targets_graph_step(folders, plain, shapes):
+    """The GPU path with a tree head's part of the target's graph step (HeadTreeGraphStep, run
+    eagerly here): greedy steps are drafted as token trees, verified with the trees' mask and
+    positions inside the target's step (launched ahead too), and output stays plain's. A random
+    head's drafts are all rejected, so each tree also gets the target's own tokens along a path
+    of late siblings: verifying them accepts that path and moves its keys, values and hidden
+    states into place. Each tree the head drafted holds at each node one of the best children
+    along its path, by the head run from scratch (so its catch-up read the moved hidden states).
+    Steps the controller gives chains draft them outside the graph and verify them through the
+    same graph, as chains."""
+    width = 3
+    llm = _llm(folders, tree_width=width, num_draft_tokens=6)
+    engine, drafter = llm.engine, llm.engine.drafter
+    drafter.graphs = HeadGraphs(drafter, 3, 256, 7, 6, chains=False)
+    step = drafter.graph_step(3, 7)
+    assert step.trees
+    engine.runner = CudaGraphRunner(engine.model, 3, 256, 8, num_draft_tokens=6, progress=False,
+                                    hidden_layers=drafter.hidden_layers, extension=step)
+    engine.steps = GraphStep(engine.runner, drafter, engine.controller, 256, 6, scheduler=engine.scheduler,
+                             overlap=True)
+    engine.controller.num_draft = lambda *args, **kwargs: 5
+    steps = itertools.count()
+    engine.controller.step_tree_width = lambda batch_size: 1 if shapes != "trees" and next(steps) % 3 == 0 else width
+    proposed = Recorded(llm, drafter)
+    launched, launch = [], engine.steps._launch_next
+    engine.steps._launch_next = lambda *args: launched.append(launch(*args)) or launched[-1]
+    seqs = [engine.add_request(p, PARAMS) for p in PROMPTS]
+    full = {s.seq_id: p + out for s, p, out in zip(seqs, PROMPTS, plain)}
+    trees, tree = [], drafter.graphs.tree
+
+    def tree_with_a_right_path(b, N, k, starts, active, rooms):
+        tokens, parents, depth, is_node, levels = tree(b, N, k, starts, active, rooms)
+        at = {s.slot: s.seq_id for s in engine.scheduler.running}
+        tokens = tokens.clone()
+        for r in range(b):
+            if not active[r, 0]:
+                continue
+            sequence, start = full[at[r]], int(starts[r])
+            kept = is_node[r].tolist()
+            index = {j: n for n, j in enumerate(j for j, keep in enumerate(kept) if keep)}
+            trees.append((sequence[:start + 1], [t for t, keep in zip(tokens[r].tolist(), kept) if keep],
+                          [index.get(p, -1) for p, keep in zip(parents[r].tolist(), kept) if keep]))
+            assert len(trees[-1][1]) == min(int(rooms[r]), N)
+            node = -1
+            for d in range(1, len(sequence) - start):   # the last of each node's children gets its token
+                children = [j for j in range(N) if kept[j] and parents[r, j] == node]
+                if not children:
+                    break
+                node = children[-1]
+                tokens[r, node] = sequence[start + d]
+        return tokens, parents, depth, is_node, levels
+    drafter.graphs.tree = tree_with_a_right_path
+    while engine.has_unfinished():
+        engine.step()
+    assert [s.output_ids for s in seqs] == plain
+    assert sum(x is not None and any(x.budget) for x in launched) > 5
+    assert sum(s.stats.num_draft_tokens for s in seqs) > 100
+    assert sum(s.stats.num_accepted_tokens for s in seqs) > 50
+    if shapes == "trees":
+        assert not proposed.calls
+    else:
+        assert proposed.calls and all(tree is None for _, _, tree in proposed.calls)
+    assert len(trees) > 20
+    _assert_best_children(llm, trees[::3], width)
+
+
 def test_a_chains_lookup_in_the_graph_keeps_the_heads_cache(folders):
     """The GPU path with n-gram first: where the controller gives the head no row, the lookup's
     device twin drafts and verifies inside the graph step (launched ahead too), and the head
@@ -481,17 +548,17 @@ def test_a_catch_up_graph_ignores_a_stale_row_past_its_pairs(folders):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("ngram_first", [False, True])
-def test_the_heads_cuda_graphs_keep_greedy_output(folders, ngram_first):
+@pytest.mark.parametrize("ngram_first,tree_width", [(False, 1), (True, 1), (False, 3)])
+def test_the_heads_cuda_graphs_keep_greedy_output(folders, ngram_first, tree_width):
     """On a GPU the head replays its own graphs (catch-up and chains) beside the target's, and
-    alone drafts greedy steps' chains inside the target's graphs: greedy
+    alone drafts greedy steps' chains (or token trees) inside the target's graphs: greedy
     output equals plain greedy output of the same engine setup, batched, with rollback (float64:
     no near-ties between the target's decode and verify steps); with n-gram first, its lookup's
     device twin drafting in the target's graphs too."""
     options = OPTIONS | dict(device="cuda")
     plain = [o.token_ids for o in LLM(str(folders[0]), spec="none", **options).generate(PROMPTS, PARAMS)]
     llm = LLM(str(folders[0]), spec=SpecConfig(method="eagle3", draft_head=str(folders[1]), num_draft_tokens=4,
-                                               ngram_first=ngram_first), **options)
+                                               ngram_first=ngram_first, tree_width=tree_width), **options)
     drafter = llm.engine.drafter.drafters[1] if ngram_first else llm.engine.drafter
     assert drafter.graphs is not None and drafter.graphs.graphs
     calls, catch_up = [], drafter.graphs.catch_up
@@ -500,10 +567,10 @@ def test_the_heads_cuda_graphs_keep_greedy_output(folders, ngram_first):
     assert [o.token_ids for o in out] == plain
     assert len(calls) > 20 and all(calls)
     assert sum(o.spec["num_draft_tokens"] for o in out) > 0
-    # the head drafts inside the target's graph steps: alone (HeadGraphStep), or beside the
-    # lookup's device twin (ChainGraphStep)
+    # the head drafts inside the target's graph steps: alone (HeadGraphStep, or HeadTreeGraphStep
+    # for trees), or beside the lookup's device twin (ChainGraphStep)
     extension = llm.engine.runner.extension
-    assert drafter.step is not None
+    assert drafter.step is not None and getattr(drafter.step, "trees", False) == (tree_width > 1)
     assert extension.head is drafter.step if ngram_first else extension is drafter.step
 
 

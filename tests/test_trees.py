@@ -16,7 +16,7 @@ from outpace import LLM, SamplingParams, SpecConfig
 from outpace.kernels import cpu_kernels
 from outpace.runner.model_runner import ModelRunner, Row
 from outpace.sampling.rejection import verify_greedy
-from outpace.sampling.tree import verify_tree
+from outpace.sampling.tree import tree_ancestors, verify_tree, verify_tree_paths
 from outpace.speculative import controller
 from outpace.speculative.drafter import Drafter, Drafts
 from outpace.weights.loader import load_model
@@ -84,6 +84,61 @@ def test_the_matching_branch_is_taken():
     parents = torch.tensor([[-1, -1, 0, 1, 0]])
     out, num_out, path = verify_tree(target, drafts, parents, torch.tensor([5]))
     assert num_out.tolist() == [3] and out[0, :3].tolist() == [7, 8, 9] and path[0, :2].tolist() == [2, 4]
+
+
+def _random_tree(rng: random.Random, K: int, vocab: int):
+    """A tree of K nodes in order of depth (each depth's nodes after the one above's), siblings
+    of distinct tokens: (parents, depths, tokens)."""
+    parents, depths, tokens, level = [], [], [], [-1]
+    while len(parents) < K:
+        below = []
+        for parent in level:
+            children = rng.sample(range(vocab), rng.randint(0, 3) if parent >= 0 else rng.randint(1, 3))
+            for token in children[:K - len(parents)]:
+                below.append(len(parents))
+                parents.append(parent)
+                depths.append(depths[parent] + 1 if parent >= 0 else 1)
+                tokens.append(token)
+        level = below or [len(parents) - 1]
+    return parents, depths, tokens
+
+
+def test_paths_by_ancestors_are_verify_trees():
+    """verify_tree_paths (fixed work for CUDA graphs, through tree_ancestors) gives verify_tree's
+    tokens, lengths and paths on random trees of a few tokens (so paths run deep), with rows cut
+    short (is_node) and targets that follow a path of the tree for a while."""
+    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    for _ in range(200):
+        B, K, vocab = 3, rng.randint(1, 12), 4
+        trees = [_random_tree(rng, K, vocab) for _ in range(B)]
+        parents = torch.tensor([t[0] for t in trees])
+        depths = torch.tensor([t[1] for t in trees])
+        drafts = torch.tensor([t[2] for t in trees])
+        num = torch.randint(0, K + 1, (B,), generator=gen)
+        target = torch.randint(0, vocab, (B, K + 1), generator=gen)
+        for b in range(B):              # the target takes a random branch at each depth it can
+            at = 0
+            while True:
+                children = [j for j in range(int(num[b])) if parents[b, j] == at - 1]
+                if not children:
+                    break
+                child = rng.choice(children)
+                target[b, at] = drafts[b, child]
+                at = child + 1
+        ancestors = tree_ancestors(parents, int(depths.max()))
+        for b in range(B):
+            for j in range(K):
+                path, at = set(), j
+                while at >= 0:
+                    path.add(at)
+                    at = int(parents[b, at])
+                assert {i for i in range(K) if ancestors[b, j, i]} == path
+        is_node = torch.arange(K)[None, :] < num[:, None]
+        out, num_out, path = verify_tree_paths(target, drafts, parents, ancestors, depths, is_node)
+        want, want_num, want_path = verify_tree(target, drafts, parents, num)
+        assert torch.equal(num_out, want_num) and torch.equal(path, want_path)
+        for b in range(B):
+            assert out[b, :int(num_out[b])].tolist() == want[b, :int(num_out[b])].tolist()
 
 
 class TreeDrafter(Drafter):

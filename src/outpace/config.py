@@ -129,6 +129,7 @@ class SpecConfig:
         _check(1 <= self.tree_width <= MAX_TREE_WIDTH, f"tree_width must be in [1, {MAX_TREE_WIDTH}], got {self.tree_width}")
         _check(self.tree_width == 1 or self.method in ("ngram", "eagle3", "mtp") and not self.ngram_first,
                "tree_width above 1 (token trees) needs method 'ngram', 'eagle3' or 'mtp' without ngram_first")
+        _check(self.tree_width == 1 or not self.exact, "exact mode verifies chains: use tree_width 1 with exact")
 
     @property
     def enabled(self) -> bool:

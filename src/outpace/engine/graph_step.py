@@ -52,7 +52,10 @@ class GraphStep(EagerStep):
         and its paying drafter's (budget) where that drafts inside the graph too (a head:
         ChainGraphStep); where it does not and would draft for some row, the chain drafts on the
         host."""
-        if self.extension is not None and all(s.params.is_greedy for s in seqs):
+        # an extension that drafts trees drafts nothing else: a step the controller gives chains
+        # (to weigh them against trees) drafts them outside the graph
+        trees_only = getattr(self.extension, "trees", False) and tree_width == 1
+        if self.extension is not None and not trees_only and all(s.params.is_greedy for s in seqs):
             lookup, paid = self._chain_lengths(seqs, budget, room) if self.drafter.uses_room else (budget, None)
             if lookup is None:
                 return super()._draft(seqs, budget, room, tree_width)

@@ -77,11 +77,10 @@ class LLMEngine:
         # the CUDA graph runner on a GPU; a recurrent model's steps need the Triton kernels there
         self.uses_graphs = self.device.startswith("cuda") and (not self.model.is_recurrent or has_triton())
         spec = config.spec
-        if self.uses_graphs and spec.enabled and spec.tree_width > 1:
-            print(f"outpace: token trees (tree width {spec.tree_width}) verify outside the CUDA graphs and a tree "
-                  "drafter drafts outside them (its chains too), which on a GPU measured slower than plain decoding "
-                  "(docs/BENCHMARKS.md, \"GPU: EAGLE-3 head\"): --tree-width 1 drafts chains in the graphs",
-                  file=sys.stderr)
+        if self.uses_graphs and spec.method == "ngram" and spec.tree_width > 1:
+            print(f"outpace: n-gram token trees (tree width {spec.tree_width}) are drafted and verified outside the "
+                  "CUDA graphs, which on a GPU measured slower than plain decoding (docs/BENCHMARKS.md, \"GPU: "
+                  "EAGLE-3 head\"): --tree-width 1 drafts chains in the graphs", file=sys.stderr)
         num_draft_tokens = spec.num_draft_tokens if spec.enabled or drafter is not None else 0
         self.num_draft_tokens = num_draft_tokens
         exact_width = spec.num_draft_tokens + 1 if spec.exact else None     # exact mode's one width

@@ -103,6 +103,8 @@ class CudaGraphRunner(ModelRunner):
         self.chunk_host = HostSide(self.chunk_inputs)
         queries = max(rows * tokens, chunk)             # a step's queries, or a chunk's
         self.positions = torch.zeros(queries, dtype=torch.long, device=device)          # [b*t] -> [b, t]
+        # token trees' rotary positions (an extension that drafts them: its nodes' depths past the start)
+        self.rope_positions = torch.zeros(queries, dtype=torch.long, device=device)
         self.mask = torch.zeros(queries * self.cache_len, dtype=torch.bool, device=device)  # -> [b, 1, t, L]
         # the mask as the additive bias attention takes without converting it in every layer
         self.bias = torch.zeros(queries * self.cache_len, dtype=self.dtype, device=device)  # -> [b, 1, t, L]
@@ -134,20 +136,62 @@ class CudaGraphRunner(ModelRunner):
         positions = self.positions[:b * t].view(b, t)
         torch.add(self.starts[:b, None], self._arange[:t], out=positions)              # [b, t]
         cfg = self.model.cfg
-        kernel = fused.graph_attention(self.dtype, cfg.head_dim, self.device, cfg.num_heads // cfg.num_kv_heads * t)
-        bias = None if kernel else self._bias(positions, L)
         input_ids = self.input_ids[:b * t].view(b, t)
         if self.extension:
             self.extension.before(b, t, input_ids)
+        trees = t > 1 and getattr(self.extension, "trees", False)
+        kernel = not trees and fused.graph_attention(self.dtype, cfg.head_dim, self.device,
+                                                     cfg.num_heads // cfg.num_kv_heads * t)
+        rope = None
+        if trees:       # the extension's token trees: each node rotated at its depth, seeing its ancestors
+            rope = self.rope_positions[:b * t].view(b, t)
+            torch.add(self.starts[:b, None], self.extension.depths[:b, :t], out=rope)
+            bias = self._tree_bias(positions, rope, self.extension.ancestors[:b, :t, :t - 1], L)
+        else:
+            bias = None if kernel else self._bias(positions, L)
         batch = ForwardBatch(input_ids=input_ids, positions=positions, slots=self.slot_ids[:b], kv_len=L,
                              attention=AttentionKind.GRAPH if kernel else AttentionKind.DENSE, mask=bias,
-                             slot_start=0, window=self.window, idle_start=self.max_len)
+                             slot_start=0, window=self.window, idle_start=self.max_len, rope_positions=rope)
         out, hidden = self.model(batch, self.cache, self.hidden_layers)                 # [b*t, V], [b*t, layers, H]
         self.logits[:b * t].copy_(out)
         if hidden is not None:
             self.hidden[:b * t].copy_(hidden)
         if self.extension:
             self.extension.after(b, t, input_ids, self.logits[:b * t].view(b, t, -1))
+        if trees:
+            self._compact(b, t)
+
+    def _tree_bias(self, positions: torch.Tensor, rope: torch.Tensor, ancestors: torch.Tensor, L: int) -> torch.Tensor:
+        """The additive mask [b, 1, t, L] of token trees whose row position j sits at cache position
+        positions [b, t] and rotary position rope [b, t]: every query sees the row's keys up to
+        its last token (position j = 0) within the sliding window of its rotary position, and the
+        entries of its ancestors and itself (ancestors [b, t, t - 1]: row position j's, over the
+        nodes; the first row, the last token, has none)."""
+        b, t = positions.shape
+        mask = self.mask[:b * t * L].view(b, 1, t, L)
+        keys = self._arange[:L]
+        torch.le(keys, positions[:, None, :1, None].expand(b, 1, t, 1), out=mask)
+        if self.window:
+            mask &= keys > rope[:, None, :, None] - self.window
+        # the nodes' entries, at positions 1 .. t - 1 past the row's start (an idle row's clamped)
+        nodes = (positions[:, None, None, 1:]).clamp(max=L - 1).expand(b, 1, t, t - 1)
+        mask.scatter_(3, nodes, ancestors[:, None])
+        bias = self.bias[:b * t * L].view(b, 1, t, L)
+        return torch.where(mask, self.bias_values[0], self.bias_values[1], out=bias)
+
+    def _compact(self, b: int, t: int) -> None:
+        """After a step of token trees: each row's accepted path (the extension's path: the row
+        position of its node at each depth) moved into consecutive positions, its keys and values
+        in the cache and its hidden states in the step's buffer, so the step reads as a chain's."""
+        depth = self._arange[1:t]                                                       # [t - 1]
+        moved = depth < self.extension.result[:b, :1]
+        order = torch.where(moved, self.extension.path[:b, :t - 1], depth)               # [b, t - 1]
+        starts = self.starts[:b, None]
+        self.cache.compact(self.slot_ids[:b, None].expand(b, t - 1).flatten(), (starts + order).flatten(),
+                           (starts + depth).flatten())
+        if self.hidden is not None:
+            hidden = self.hidden[:b * t].view(b, t, -1)
+            hidden[:, 1:] = hidden[:, 1:].gather(1, (order - 1)[:, :, None].expand(b, t - 1, hidden.shape[-1]))
 
     def _bias(self, positions: torch.Tensor, L: int) -> torch.Tensor:
         """The additive mask [b, 1, t, L] of queries at positions [b, t]: keys up to each query's

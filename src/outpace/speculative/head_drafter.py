@@ -56,7 +56,7 @@ from outpace.model.eagle3 import load_eagle3_head
 from outpace.model.mtp import load_mtp_head
 from outpace.runner.calibrate import batch_buckets
 from outpace.speculative.drafter import DraftBatch, DraftContext, Drafter, Drafts, Prefilled, Verified
-from outpace.speculative.head_graphs import HeadGraphs, HeadGraphStep
+from outpace.speculative.head_graphs import HeadGraphs, HeadGraphStep, HeadTreeGraphStep
 
 # verify steps' pairs a row may hold pending beyond one step's before it catches up undrafted
 PENDING_STEPS = 32
@@ -147,10 +147,12 @@ class HeadDrafter(Drafter):
         return self.per_token[self._bucket(batch_size)]
 
     def graph_step(self, max_rows: int, max_tokens: int) -> HeadGraphStep | None:
-        """Where the head's chains replay graphs, its part of the target's graph step: greedy rows
-        drafted and verified inside the target's graph (HeadGraphStep)."""
-        if self.graphs is not None and self.graphs.draft_shapes:
-            self.step = HeadGraphStep(self.graphs, max_rows, max_tokens)
+        """Where the head's catch-up replays graphs, its part of the target's graph step: greedy
+        rows' chains (HeadGraphStep), or trees of tree_width (HeadTreeGraphStep), drafted and
+        verified inside the target's graph."""
+        if self.graphs is not None:
+            self.step = (HeadGraphStep(self.graphs, max_rows, max_tokens) if self.tree_width == 1
+                         else HeadTreeGraphStep(self.graphs, max_rows, max_tokens, self.tree_width))
         return self.step
 
     def _bucket(self, batch_size: int) -> int:

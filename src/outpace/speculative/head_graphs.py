@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 import sys
 import time
 
@@ -38,6 +39,7 @@ from outpace.model.draft_head import attend
 from outpace.runner.calibrate import batch_buckets
 from outpace.runner.staging import HostSide, slot_rows
 from outpace.sampling.rejection import verify_greedy
+from outpace.sampling.tree import tree_ancestors, verify_tree_paths
 from outpace.speculative.drafter import DraftBatch, Drafts, Verified
 
 
@@ -70,6 +72,7 @@ class HeadGraphs:
         self._arange = torch.arange(max(max_verify, max_draft), device=device)
         self.keys = torch.arange(d.cache_len, device=device)
         self.spare_positions = spare + self._arange
+        self.spare = spare
         self.catch_up_shapes = [(b, s) for b in self.buckets for s in range(1, max_verify + 1)]
         self.draft_shapes = [(b, k) for b in self.buckets for k in range(1, max_draft + 1)] if chains else []
         self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}
@@ -121,6 +124,64 @@ class HeadGraphs:
                     out = self._forward(out, drafts[:, depth - 1:depth], starts[:, None] + depth - 1, active)
                 # the greedy draft: its argmax and the map to target ids one kernel inside graphs
                 drafts[:, depth] = _argmax_to_target(head.logits(out[:, 0], wide=False), head.d2t)
+
+    def tree(self, b: int, N: int, k: int, starts: torch.Tensor, active: torch.Tensor, rooms: torch.Tensor):
+        """Token trees of N nodes and width k for graph rows [0, b) whose last tokens sit at starts
+        [b] (active [b, 1]: a real row that drafts), as HeadDrafter._candidates drafts them eagerly,
+        at static shapes: the frontier's k best nodes by cumulative log-probability fed a depth at
+        a time, each node's entry at its own place past the row's start (the spare region's for a
+        row not active), attending to the row's entries before its start, its ancestors' and its
+        own; then the N best candidates in creation order. A row keeps its best rooms [b] of them
+        (a child never scores above its parent, and ties keep the parent first, so they form a
+        tree). Returns tokens (the target's ids), parents (-1: the root's children), depths (1
+        below the root) and whether each is a node of the row's tree, each [b, N], and the trees'
+        depth."""
+        d = self.drafter
+        head = d.head
+        device = starts.device
+        depth = min(N, math.ceil(N / k) + 1)
+        T = max((depth - 1) * k, 1)                                 # entries past each row's start
+        wide = torch.arange(k, device=device)
+        out = d.last_out[:b]                                                                # [b, H]
+        score, ids = torch.log_softmax(head.logits(out), -1).topk(k)                        # [b, k]
+        frontier = wide.expand(b, k)                                                        # candidate indices
+        feature = out[:, None].expand(b, k, out.shape[-1])
+        tokens, scores, parents = [head.to_target(ids)], [score], [torch.full_like(frontier, -1)]
+        fed = tokens[0]
+        seen = torch.zeros(b, k, T, dtype=torch.bool, device=device)                       # ancestors' entries
+        place = self.keys[None, :] - starts[:, None]                                        # [b, L]: key - start
+        inside = (place >= 0) & (place < T)
+        for level in range(1, depth):
+            own = (level - 1) * k + wide                                                    # the frontier's entries
+            seen[:, :, own] |= torch.eye(k, dtype=torch.bool, device=device)
+            mask = (place < 0)[:, None, :] | (seen.gather(2, place.clamp(0, T - 1)[:, None, :].expand(b, k, -1))
+                                              & inside[:, None, :])
+            # a row not active writes in the spare region and attends to key 0 alone
+            mask = torch.where(active[:, :, None], mask, self.keys == 0)
+            write = torch.where(active, starts[:, None] + own, self.spare + own)
+            residual, q = d.project_store(feature, fed, self.rows[:b], (starts[:, None] + level - 1).expand(b, k), write)
+            out = head.finish(residual, attend(q, d.k_cache[:b], d.v_cache[:b], mask[:, None]))    # [b, k, H]
+            child_score, child_ids = torch.log_softmax(head.logits(out), -1).topk(k)         # [b, k, k]
+            child_score = (score[:, :, None] + child_score).flatten(1)                      # [b, k * k]
+            first = sum(t.shape[1] for t in tokens)
+            tokens.append(head.to_target(child_ids.flatten(1)))
+            scores.append(child_score)
+            parents.append(frontier[:, :, None].expand(b, k, k).flatten(1))
+            score, pick = child_score.topk(k)                                               # the next frontier
+            parent = pick // k
+            frontier, fed = first + pick, tokens[-1].gather(1, pick)
+            feature = out.gather(1, parent[:, :, None].expand(b, k, out.shape[-1]))
+            seen = seen.gather(1, parent[:, :, None].expand(b, k, T))
+        levels = torch.cat([torch.full((t.shape[1],), i + 1, device=device) for i, t in enumerate(tokens)])
+        tokens, scores, parents = torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1)   # [b, C]
+        best = torch.sort(-scores, dim=1, stable=True).indices[:, :N]                       # ties: parents first
+        chosen = best.sort(dim=1).values                                                    # creation order
+        rank = torch.full_like(scores, N, dtype=torch.long).scatter_(1, best, self._arange[:N].expand(b, N))
+        node = torch.full_like(rank, -1).scatter_(1, chosen, self._arange[:N].expand(b, N))
+        parent = parents.gather(1, chosen)
+        parent = torch.where(parent < 0, -1, node.gather(1, parent.clamp(min=0)))
+        is_node = active & (rank.gather(1, chosen) < rooms[:, None])
+        return tokens.gather(1, chosen), parent, levels.expand(b, -1).gather(1, chosen), is_node, depth
 
     def _run(self, kind: str, b: int, n: int) -> None:
         graph = self.graphs.get((kind, b, n))
@@ -291,3 +352,70 @@ class HeadGraphStep:
         result[:, 0] = num_out
         result[:, 1] = self.num_draft[:b]
         result[:, 2:2 + t] = target
+
+
+class HeadTreeGraphStep(HeadGraphStep):
+    """HeadGraphStep for a head that drafts token trees (tree_width k > 1): before the forward,
+    graph rows with room r > 0 draft a tree of t - 1 nodes (HeadGraphs.tree) into input tokens
+    1..t-1, r of them its nodes; the runner then verifies the trees in the forward (each node
+    rotated at its depth, attending to the row's cache and its ancestors: `depths` and
+    `ancestors`, which a row without a tree in the graph gets as a chain's, so drafts written by
+    the host verify as they would without trees). After it, greedy verification of the trees
+    (sampling/tree.py verify_tree_paths) writes the result as a chain's would read: tokens out,
+    nodes drafted, the target's tokens along the accepted path; `path` then says which row
+    positions the path took, for the runner to move their keys, values and hidden states into
+    place (CudaGraphRunner._compact), so the step reads back as a chain step."""
+
+    trees = True
+
+    def __init__(self, graphs: HeadGraphs, max_rows: int, max_tokens: int, width: int):
+        super().__init__(graphs, max_rows, max_tokens)
+        self.width = 1                                  # host values per row: the room
+        self.tree_width = width
+        self.cost_key = f"{self.cost_key} trees of width {width}"      # its verify forwards draft trees
+        device = graphs.rows.device
+        K = max(max_tokens - 1, 1)
+        self.chain = torch.arange(K, device=device)
+        self.chain_parents = (self.chain - 1).expand(max_rows, K)
+        self.chain_ancestors = torch.ones(K, K, dtype=torch.bool, device=device).tril()
+        self.parents = torch.zeros(max_rows, K, dtype=torch.long, device=device)
+        self.depths = torch.zeros(max_rows, max_tokens, dtype=torch.long, device=device)   # [rows, t]: 0, then nodes'
+        self.ancestors = torch.zeros(max_rows, max_tokens, K, dtype=torch.bool, device=device)  # [rows, t, K]
+        self.is_node = torch.zeros(max_rows, K, dtype=torch.bool, device=device)
+        self.path = torch.zeros(max_rows, K, dtype=torch.long, device=device)
+
+    def before(self, b: int, t: int, input_ids: torch.Tensor) -> None:
+        room = self.inputs_view[0, :b]
+        K = t - 1
+        if t == 1:
+            self.num_draft[:b].zero_()
+            return
+        active = room[:, None] > 0
+        tokens, parents, depth, is_node, levels = self.graphs.tree(b, K, self.tree_width, self.starts[:b], active,
+                                                                  room)
+        input_ids[:, 1:] = torch.where(active, tokens, input_ids[:, 1:])
+        # a row without a tree verifies its tokens (the host's drafts, or padding) as a chain
+        self.parents[:b, :K] = torch.where(active, parents, self.chain_parents[:b, :K])
+        self.depths[:b, 1:t] = torch.where(active, depth, self.chain[:K] + 1)
+        self.depths[:b, 0] = 0
+        self.ancestors[:b, 1:t, :K] = torch.where(active[:, :, None], tree_ancestors(parents, levels),
+                                                  self.chain_ancestors[:K, :K])
+        self.ancestors[:b, 0] = False
+        self.is_node[:b, :K] = is_node
+        torch.clamp(room, max=K, out=self.num_draft[:b])
+
+    def after(self, b: int, t: int, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
+        K = t - 1
+        result = self.result[:b]
+        target = logits.argmax(-1)                                                      # [b, t]
+        if t == 1:
+            result[:, 0] = 1
+            result[:, 1] = 0
+            result[:, 2:3] = target
+            return
+        out, num_out, path = verify_tree_paths(target, input_ids[:, 1:], self.parents[:b, :K],
+                                               self.ancestors[:b, 1:t, :K], self.depths[:b, 1:t], self.is_node[:b, :K])
+        self.path[:b, :K] = path
+        result[:, 0] = num_out
+        result[:, 1] = self.num_draft[:b]
+        result[:, 2:2 + t] = out
