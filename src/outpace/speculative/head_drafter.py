@@ -35,8 +35,9 @@ verification keep lossless.
 
 Where the target replays CUDA graphs, the catch-up of verified rows and the drafting of chains
 replay graphs of their own (head_graphs.py), and a greedy step's chains are drafted inside the
-target's own graph (HeadGraphStep, so that such a step can be launched ahead of the host's read);
-prompt chunks and trees run the forwards here eagerly.
+target's own graph (HeadGraphStep, so that such a step can be launched ahead of the host's read),
+as are its trees (HeadTreeGraphStep); prompt chunks, sampled rows' trees and the chains the
+controller gives a tree head run the forwards here eagerly.
 """
 from __future__ import annotations
 

@@ -20,7 +20,8 @@ through a mask over the whole cache (the tests run them so on the CPU).
 
 Inputs: starts, active and num_draft per graph row come from the host in one copy; the verified
 tokens, hidden states and last accepted pairs are copied on the device from the step's result.
-Token trees (tree_width > 1) draft eagerly; their catch-up replays these graphs all the same.
+Token trees (tree_width > 1) of greedy rows draft inside the target's graph step (tree,
+HeadTreeGraphStep), sampled rows' eagerly; their catch-up replays these graphs all the same.
 """
 from __future__ import annotations
 
