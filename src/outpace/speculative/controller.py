@@ -43,7 +43,8 @@ copies the prompt yields more to either), no step counting for more than OUTLIER
 their median seconds. The other shape takes over where its probes' mean log ratio, decayed per
 probe, exceeds SHAPE_SWITCH over SHAPE_EVIDENCE probes: a shape changes only on clear evidence,
 since one step's yield is noisy, and a change of load or text is still followed. Untimed, trees
-are drafted as asked.
+are drafted as asked, and so they are where the drafter's trees run in the CUDA graphs and its
+chains would not (a head's on a GPU: weigh_shapes False).
 """
 from __future__ import annotations
 
@@ -169,13 +170,15 @@ class ShapeChoice:
 
 class DraftController:
     def __init__(self, num_draft_tokens: int, cost: dict[int, list] | None = None, packed: bool = False,
-                 draft_cost=None, tree_width: int = 1):
+                 draft_cost=None, tree_width: int = 1, weigh_shapes: bool = True):
         """cost: forward seconds by batch-size bucket b, as calibrate.measure_verify_cost gives them:
         cost[b][s-1] for b rows of s tokens (packed False: rows padded to the longest), or
         cost[b] = [[e, seconds], ...] for b rows holding e drafted tokens (packed True). None =
         flat, no timing. draft_cost(batch_size): the drafter's own seconds per drafted token in a
         step of that many rows (Drafter.cost_per_token), charged on top of the verify forward.
-        tree_width: the drafter's token trees' width (1: it drafts chains only)."""
+        tree_width: the drafter's token trees' width (1: it drafts chains only). weigh_shapes
+        False: every step drafts trees of tree_width, chains are not tried (a drafter whose trees
+        run in the CUDA graphs while its chains would not: a head's, HeadTreeGraphStep)."""
         self.num_draft_tokens = num_draft_tokens
         self.packed = packed
         self.draft_cost = draft_cost
@@ -203,6 +206,7 @@ class DraftController:
         self.outputs = [0.0, 0.0]   # finished sequences' output lengths, decayed: [sum, count]
         self.probe_setup: int | None = None    # the running sequence set up on trust while probing (pays_setup)
         self.tree_width = tree_width
+        self.weigh_shapes = weigh_shapes
         self.shapes: dict[int, ShapeChoice] = {}        # bucket -> its choice of trees or chains
         # _gains' answers since the evidence last changed (observe and end clear it): a step asks
         # for the same rows' gains up to four times (paid and free lengths, the savings, the rows
@@ -559,9 +563,9 @@ class DraftController:
     def step_tree_width(self, batch_size: int) -> int:
         """The width of a step's token trees for a batch of batch_size rows (1: chains): the
         bucket's drafted shape, or the other one where SHAPE_PROBE drafting steps passed since it
-        was last tried (the module's docstring). The drafter's width where it drafts chains only or
-        the controller is untimed."""
-        if self.tree_width == 1 or not self.buckets:
+        was last tried (the module's docstring). The drafter's width where it drafts chains only,
+        the controller is untimed or does not weigh shapes."""
+        if self.tree_width == 1 or not self.buckets or not self.weigh_shapes:
             return self.tree_width
         choice = self._choice(batch_size)
         if len(choice.recent) < 2 or choice.since < SHAPE_PROBE:
@@ -573,7 +577,7 @@ class DraftController:
         tokens in `seconds` (drafting through accepting): a step of the drafted shape joins its
         recent steps; a probe of the other is weighed against them, and the other shape takes
         over where the probes' evidence says it yields more."""
-        if self.tree_width == 1 or not self.buckets:
+        if self.tree_width == 1 or not self.buckets or not self.weigh_shapes:
             return
         choice = self._choice(batch_size)
         if tree_width == choice.width or not choice.recent:
