@@ -8,6 +8,7 @@ beside it, are the drafts of the head run over the sequence's whole history); ea
 be one of the best children of its parent along its own path (the tree's mask and positions in
 the head's cache); seeded sampled output, chains and trees, must be plain seeded sampling's.
 """
+import contextlib
 import itertools
 
 import pytest
@@ -613,16 +614,52 @@ def test_tree_nodes_are_best_children_along_their_paths(folders, plain):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_tree_nodes_are_best_children_along_their_paths(folders):
-    """On a GPU trees draft eagerly from the stored outputs that the head's catch-up graphs leave:
-    each node is among the best children along its path, as the same head run from scratch on the
-    CPU gives them (a stored output left behind by a catch-up would give other trees)."""
+    """On a GPU sampled rows' trees draft eagerly from the stored outputs that the head's catch-up
+    graphs leave: each node is among the best children along its path, as the same head run from
+    scratch on the CPU gives them (a stored output left behind by a catch-up would give other
+    trees). Greedy rows' trees draft inside the target's graph (the CPU test above)."""
     width = 3
     spec = SpecConfig(method="eagle3", draft_head=str(folders[1]), num_draft_tokens=6, tree_width=width)
     gpu = LLM(str(folders[0]), spec=spec, **OPTIONS | dict(device="cuda"))
     assert gpu.engine.drafter.graphs is not None
     recorded = Recorded(gpu, gpu.engine.drafter)
-    gpu.generate(PROMPTS, PARAMS)
+    gpu.generate(PROMPTS, SamplingParams(temperature=0.8, seed=3, max_tokens=32, ignore_eos=True))
     _assert_best_children(_llm(folders, tree_width=width, num_draft_tokens=6), recorded.calls[::3], width)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_tree_steps_attend_alike_through_the_kernel_and_the_mask(folders):
+    """A tree step in bfloat16 (the head's trees drafted, the target's forward, verification)
+    attends through the attention kernel with ancestor words where graphs are captured
+    (fused.for_graphs) and through the additive mask elsewhere: from the same random caches
+    (short contexts, so a tree key wrongly seen or missed shows), both draw the same trees and
+    verify them alike, the target's logits within bfloat16's rounding."""
+    spec = SpecConfig(method="eagle3", draft_head=str(folders[1]), num_draft_tokens=6, tree_width=3)
+    llm = LLM(str(folders[0]), spec=spec, **OPTIONS | dict(device="cuda", dtype="bfloat16"))
+    runner, head = llm.engine.runner, llm.engine.drafter
+    step = runner.extension
+    assert step.trees and fused.graph_attention(torch.bfloat16, 16, runner.device, 2 * 7)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    state = (runner.cache.k, runner.cache.v, head.k_cache, head.v_cache, head.last_out)
+    for tensor in state:
+        tensor.copy_(torch.randn(tensor.shape, generator=gen, device="cuda"))
+    saved = [tensor.clone() for tensor in state]
+    b, t, L = 2, 7, runner.kv_lens[0]
+    got = []
+    for kernel in (True, False):
+        for tensor, copy in zip(state, saved):
+            tensor.copy_(copy)
+        runner.starts[:b] = torch.tensor([3, 9])
+        runner.input_ids[:b * t] = torch.tensor([5] * t + [77] * t)
+        step.inputs_view[0, :b] = torch.tensor([6, 4])
+        with torch.inference_mode(), fused.for_graphs() if kernel else contextlib.nullcontext():
+            runner._run_step(b, t, L)
+        got.append((runner.input_ids[:b * t].clone(), step.parents[:b, :t - 1].clone(),
+                    runner.logits[:b * t].clone(), step.result[:b, :2].clone()))
+    (ids, parents, logits, result), (ids_mask, parents_mask, logits_mask, result_mask) = got
+    assert len(set(parents[0].tolist())) > 2                  # a tree, not a chain
+    assert torch.equal(ids, ids_mask) and torch.equal(parents, parents_mask) and torch.equal(result, result_mask)
+    torch.testing.assert_close(logits, logits_mask, rtol=3e-2, atol=3e-2)
 
 
 def _assert_best_children(llm, calls, width: int):

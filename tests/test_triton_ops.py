@@ -5,7 +5,8 @@ Guards: the one-row product must equal F.linear for even and ragged sizes, with 
 attention must equal masked attention for grouped and plain heads of 16 to 256 dims, several
 tokens per row, rows in a range of slots, a sliding window and key lengths that splits do not
 divide, and must not read a cache entry past a query's position (those hold large values here,
-which would swamp any result that saw them).
+which would swamp any result that saw them); with token trees' bits, exactly the keys of each
+node's ancestors past its row's position.
 """
 import pytest
 import torch
@@ -73,6 +74,44 @@ def test_decode_attention_equals_masked_attention(heads, kv_heads, dim, rows, to
     want = F.scaled_dot_product_attention(q.float(), k_rows, v_rows, attn_mask=seen)
     got = decode_attention(q, k_cache, v_cache, positions, keys, slot_start, window)
     assert got.shape == (rows, tokens, heads * dim)
+    torch.testing.assert_close(got.float(), want.transpose(1, 2).reshape(rows, tokens, -1), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,rows,nodes,keys", [
+    (9, 3, 64, 1, 16, 512),              # the default model's heads, a tree of 16 nodes
+    (9, 3, 64, 3, 8, 640),
+    (4, 2, 16, 2, 32, 192),              # a tree of 32 nodes: bits up to 31
+    (8, 2, 64, 1, 39, 300),              # a head's frontier entries: bits up to 38
+])
+def test_decode_attention_with_tree_bits_equals_masked_attention(heads, kv_heads, dim, rows, nodes, keys):
+    """Token trees: every query sees the keys up to its position and those of its ancestors among
+    the next keys (bit i of its tree word: key position + 1 + i), none of the others (they hold
+    values that would show), whatever the keys past them hold (poison)."""
+    from outpace.kernels.triton_ops import decode_attention
+    torch.manual_seed(0)
+    tokens = nodes + 1
+    k_cache = torch.randn(rows, kv_heads, keys + 64, dim, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn(rows, kv_heads, keys + 64, dim, device="cuda", dtype=torch.bfloat16)
+    starts = torch.randint(0, keys - tokens + 1, (rows,), device="cuda")
+    starts[0] = keys - tokens
+    seen = torch.zeros(rows, 1, tokens, keys, dtype=torch.bool, device="cuda")
+    bits = torch.zeros(rows, tokens, dtype=torch.long)
+    for r in range(rows):
+        k_cache[r, :, starts[r] + tokens:] = 300.0
+        v_cache[r, :, starts[r] + tokens:] = 1e4
+        parents = [-1] + [int(torch.randint(-1, j, (1,))) for j in range(1, nodes)]
+        seen[r, 0, :, :starts[r] + 1] = True
+        for j in range(nodes):                                    # token j + 1: node j
+            at = j
+            while at >= 0:
+                seen[r, 0, j + 1, starts[r] + 1 + at] = True
+                bits[r, j + 1] |= 1 << at
+                at = parents[at]
+    q = torch.randn(rows, tokens, heads, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    k_rows = k_cache[:, :, :keys].float().repeat_interleave(heads // kv_heads, 1)
+    v_rows = v_cache[:, :, :keys].float().repeat_interleave(heads // kv_heads, 1)
+    want = F.scaled_dot_product_attention(q.float(), k_rows, v_rows, attn_mask=seen)
+    got = decode_attention(q, k_cache, v_cache, starts[:, None].expand(rows, tokens), keys, tree=bits.cuda())
     torch.testing.assert_close(got.float(), want.transpose(1, 2).reshape(rows, tokens, -1), rtol=2e-2, atol=2e-2)
 
 

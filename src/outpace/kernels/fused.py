@@ -202,11 +202,17 @@ def graph_attention(dtype: torch.dtype, head_dim: int, device: torch.device, que
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                     kv_len: int, slot_start: int, window: int | None) -> torch.Tensor:
+                     kv_len: int, slot_start: int, window: int | None, tree: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of graph rows (q [B, H, S, D]) over their caches, keys j <= each query's
-    position (within the window): [B, S, H * D] (graph_attention must hold)."""
+    position (within the window), and with tree [B, S] (int64 words) key position + 1 + i for
+    each bit i set: [B, S, H * D] (graph_attention must hold)."""
     ops = _graph_kernels(q.dtype, q.device)
-    return ops.decode_attention(q, k_cache, v_cache, positions, kv_len, slot_start, window or 0)
+    return ops.decode_attention(q, k_cache, v_cache, positions, kv_len, slot_start, window or 0, tree=tree)
+
+
+def tree_words(seen: torch.Tensor) -> torch.Tensor:
+    """[..., n] bool (n < 64) as int64 words, bit i set where seen[..., i]: decode_attention's tree."""
+    return (seen.long() << torch.arange(seen.shape[-1], device=seen.device)).sum(-1)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

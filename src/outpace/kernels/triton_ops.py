@@ -69,13 +69,14 @@ def matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @triton.jit
-def _attention_part_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_ptr, stat_ptr,
+def _attention_part_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, tree_ptr, part_ptr, stat_ptr,
                            q_stride_b, q_stride_h, q_stride_t, c_stride_s, c_stride_h, c_stride_l,
-                           slot_start, split_len, num_splits, num_heads, window, scale_log2,
+                           slot_start, split_len, num_splits, num_heads, window, scale_log2, kv_len,
                            T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, TREE: tl.constexpr):
     """One (row, key/value head, split of the keys): the G query heads x T tokens of that head
-    group as M (padded) query rows, over keys [split * split_len, ...) up to the last position."""
+    group as M (padded) query rows, over keys [split * split_len, ...) up to the last position
+    (TREE: and the TREE_SPAN keys past it, each query's bits saying which of them it sees)."""
     row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = tl.arange(0, M)
     head, token = kv_head * G + m // T, m % T
@@ -85,7 +86,11 @@ def _attention_part_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_ptr, stat_ptr,
                 mask=real[:, None], other=0.0)
     pos = tl.load(pos_ptr + row * T + token, mask=real, other=-1)
     start = split * split_len
-    end = tl.minimum(start + split_len, tl.max(pos, axis=0) + 1)     # keys past every query: never read
+    last = tl.max(pos, axis=0) + 1                                    # keys past every query: never read
+    if TREE:
+        bits = tl.load(tree_ptr + row * T + token, mask=real, other=0)
+        last = tl.minimum(last + TREE_SPAN, kv_len)
+    end = tl.minimum(start + split_len, last)
     cache = (slot_start + row).to(tl.int64) * c_stride_s + kv_head * c_stride_h
     top = tl.full((M,), float("-inf"), dtype=tl.float32)
     total = tl.zeros((M,), dtype=tl.float32)
@@ -98,6 +103,10 @@ def _attention_part_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_ptr, stat_ptr,
         seen = n[None, :] <= pos[:, None]
         if window > 0:
             seen &= n[None, :] > pos[:, None] - window
+        if TREE:                    # key pos + 1 + j where the query's bit j is set
+            j = n[None, :] - pos[:, None] - 1
+            inside = (j >= 0) & (j < TREE_SPAN)
+            seen |= inside & (((bits[:, None] >> tl.where(inside, j, 0).to(tl.int64)) & 1) != 0)
         scores = tl.where(seen, scores, float("-inf"))
         new_top = tl.maximum(top, tl.max(scores, axis=1))
         base = tl.where(new_top == float("-inf"), 0.0, new_top)     # a row with no key seen yet
@@ -133,6 +142,8 @@ def _attention_combine_kernel(part_ptr, stat_ptr, out_ptr, num_splits, num_heads
     tl.store(out_ptr + ((row * T + token) * num_heads + head) * D + d, out.to(out_ptr.dtype.element_ty))
 
 
+# the keys past a query's position a token tree's bits may let it see (bits of an int64)
+TREE_SPAN = tl.constexpr(63)
 # a block's query tile, (query rows padded to a power of two, at least 16) x head size, at most
 # this many elements: its float32 accumulator and bf16 queries then fit 8 warps' registers
 QUERY_TILE = 128 * 128
@@ -150,10 +161,13 @@ def attention_fits(head_dim: int, queries: int) -> bool:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                     kv_len: int, slot_start: int = 0, window: int = 0, block: int = 64) -> torch.Tensor:
+                     kv_len: int, slot_start: int = 0, window: int = 0, block: int = 64,
+                     tree: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, T, D] (last dim contiguous) of rows in slots slot_start.. over their caches
     [slots, KVH, L, D], query (b, t) seeing keys j <= positions[b, t] (and > positions - window)
-    among [0, kv_len). Returns [B, T, H * D] in q's dtype."""
+    among [0, kv_len), and with tree [B, T] (int64) also key positions[b, t] + 1 + i where bit i
+    of tree[b, t] is set (i < TREE_SPAN: a token tree's ancestors). Returns [B, T, H * D] in q's
+    dtype."""
     B, H, T, D = q.shape
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -167,11 +181,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     stat = torch.empty(B, H, T, splits, 2, dtype=torch.float32, device=q.device)
     out = torch.empty(B, T, H * D, dtype=q.dtype, device=q.device)
     M = _query_rows(G * T)
+    positions = positions.contiguous()
     _attention_part_kernel[(B, kv_heads, splits)](
-        q, k_cache, v_cache, positions.contiguous(), part, stat,
+        q, k_cache, v_cache, positions, positions if tree is None else tree.contiguous(), part, stat,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        slot_start, split_len, splits, H, window, math.log2(math.e) / math.sqrt(D),
-        T=T, G=G, D=D, M=M, BLOCK=block if D <= 128 else block // 2, num_warps=4 if M * D <= 4096 else 8)
+        slot_start, split_len, splits, H, window, math.log2(math.e) / math.sqrt(D), kv_len,
+        T=T, G=G, D=D, M=M, BLOCK=block if D <= 128 else block // 2, TREE=tree is not None,
+        num_warps=4 if M * D <= 4096 else 8)
     _attention_combine_kernel[(B * H * T,)](part, stat, out, splits, H, T=T, D=D,
                                            SPLITS=triton.next_power_of_2(splits), num_warps=1 if D <= 64 else 2)
     return out

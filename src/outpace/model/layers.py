@@ -117,6 +117,9 @@ class ForwardBatch:
     rope_positions: torch.Tensor | None = None
     # CPU_KERNEL token trees: cpu_kernels.tree_keys' table, the keys each node attends to; None: a chain
     tree: torch.Tensor | None = None
+    # GRAPH token trees: [B, S] int64 words; a query sees its row's keys up to its first position
+    # and, for bit i set, the key at that position + 1 + i (its ancestors' and its own); None: causal
+    tree_words: torch.Tensor | None = None
     # the norms, SwiGLU and (outside the kernel's attention) rotation run as cpu_kernels: every CPU
     # forward whose activations' dtype the kernels serve
     cpu_pointwise: bool = False
@@ -196,8 +199,9 @@ class Attention(nn.Module):
 
     def _graph(self, qkv, qk, v, cos, sin, batch: ForwardBatch, k_cache, v_cache):
         q = self._rotate_and_store(qk, v, cos, sin, batch, k_cache, v_cache)
-        return fused.decode_attention(q, k_cache, v_cache, batch.positions, batch.kv_len, batch.slot_start,
-                                      batch.window)
+        seen = batch.positions if batch.tree_words is None else batch.positions[:, :1].expand_as(batch.positions)
+        return fused.decode_attention(q, k_cache, v_cache, seen, batch.kv_len, batch.slot_start, batch.window,
+                                      batch.tree_words)
 
     def _rotate_and_store(self, qk, v, cos, sin, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
         """q and k rotated together, the new keys/values written at their positions (stale

@@ -140,18 +140,25 @@ class CudaGraphRunner(ModelRunner):
         if self.extension:
             self.extension.before(b, t, input_ids)
         trees = t > 1 and getattr(self.extension, "trees", False)
-        kernel = not trees and fused.graph_attention(self.dtype, cfg.head_dim, self.device,
-                                                     cfg.num_heads // cfg.num_kv_heads * t)
-        rope = None
+        # the attention kernel takes trees as words of ancestor bits, but applies a sliding window
+        # from a query's first position, not its depth's
+        kernel = (not trees or not self.window) and fused.graph_attention(self.dtype, cfg.head_dim, self.device,
+                                                                          cfg.num_heads // cfg.num_kv_heads * t)
+        rope = words = bias = None
         if trees:       # the extension's token trees: each node rotated at its depth, seeing its ancestors
             rope = self.rope_positions[:b * t].view(b, t)
             torch.add(self.starts[:b, None], self.extension.depths[:b, :t], out=rope)
-            bias = self._tree_bias(positions, rope, self.extension.ancestors[:b, :t, :t - 1], L)
-        else:
-            bias = None if kernel else self._bias(positions, L)
+            ancestors = self.extension.ancestors[:b, :t, :t - 1]
+            if kernel:
+                words = fused.tree_words(ancestors)
+            else:
+                bias = self._tree_bias(positions, rope, ancestors, L)
+        elif not kernel:
+            bias = self._bias(positions, L)
         batch = ForwardBatch(input_ids=input_ids, positions=positions, slots=self.slot_ids[:b], kv_len=L,
                              attention=AttentionKind.GRAPH if kernel else AttentionKind.DENSE, mask=bias,
-                             slot_start=0, window=self.window, idle_start=self.max_len, rope_positions=rope)
+                             slot_start=0, window=self.window, idle_start=self.max_len, rope_positions=rope,
+                             tree_words=words)
         out, hidden = self.model(batch, self.cache, self.hidden_layers)                 # [b*t, V], [b*t, layers, H]
         self.logits[:b * t].copy_(out)
         if hidden is not None:

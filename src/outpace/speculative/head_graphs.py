@@ -150,18 +150,28 @@ class HeadGraphs:
         tokens, scores, parents = [head.to_target(ids)], [score], [torch.full_like(frontier, -1)]
         fed = tokens[0]
         seen = torch.zeros(b, k, T, dtype=torch.bool, device=device)                       # ancestors' entries
-        place = self.keys[None, :] - starts[:, None]                                        # [b, L]: key - start
-        inside = (place >= 0) & (place < T)
+        cfg = head.cfg
+        kernel = fused.graph_attention(d.last_out.dtype, cfg.head_dim, device, cfg.num_heads // cfg.num_kv_heads * k)
+        if not kernel:
+            place = self.keys[None, :] - starts[:, None]                                    # [b, L]: key - start
+            inside = (place >= 0) & (place < T)
         for level in range(1, depth):
             own = (level - 1) * k + wide                                                    # the frontier's entries
             seen[:, :, own] |= torch.eye(k, dtype=torch.bool, device=device)
-            mask = (place < 0)[:, None, :] | (seen.gather(2, place.clamp(0, T - 1)[:, None, :].expand(b, k, -1))
-                                              & inside[:, None, :])
-            # a row not active writes in the spare region and attends to key 0 alone
-            mask = torch.where(active[:, :, None], mask, self.keys == 0)
             write = torch.where(active, starts[:, None] + own, self.spare + own)
             residual, q = d.project_store(feature, fed, self.rows[:b], (starts[:, None] + level - 1).expand(b, k), write)
-            out = head.finish(residual, attend(q, d.k_cache[:b], d.v_cache[:b], mask[:, None]))    # [b, k, H]
+            # a row not active writes in the spare region and attends to key 0 alone
+            if kernel:      # keys before the start, then the entries whose bits are set
+                last = torch.where(active, starts[:, None] - 1, 0).expand(b, k)
+                words = torch.where(active, fused.tree_words(seen), 0)
+                out = fused.decode_attention(q.transpose(1, 2), d.k_cache, d.v_cache, last, d.cache_len, 0, None,
+                                             words)
+            else:
+                mask = (place < 0)[:, None, :] | (seen.gather(2, place.clamp(0, T - 1)[:, None, :].expand(b, k, -1))
+                                                  & inside[:, None, :])
+                mask = torch.where(active[:, :, None], mask, self.keys == 0)
+                out = attend(q, d.k_cache[:b], d.v_cache[:b], mask[:, None])
+            out = head.finish(residual, out)                                                # [b, k, H]
             child_score, child_ids = torch.log_softmax(head.logits(out), -1).topk(k)         # [b, k, k]
             child_score = (score[:, :, None] + child_score).flatten(1)                      # [b, k * k]
             first = sum(t.shape[1] for t in tokens)
