@@ -57,7 +57,7 @@ from outpace.model.eagle3 import load_eagle3_head
 from outpace.model.mtp import load_mtp_head
 from outpace.runner.calibrate import batch_buckets
 from outpace.speculative.drafter import DraftBatch, DraftContext, Drafter, Drafts, Prefilled, Verified
-from outpace.speculative.head_graphs import HeadGraphs, HeadGraphStep, HeadTreeGraphStep
+from outpace.speculative.head_graphs import HeadGraphs, HeadGraphStep, HeadTreeGraphStep, grow_frontier
 
 # verify steps' pairs a row may hold pending beyond one step's before it catches up undrafted
 PENDING_STEPS = 32
@@ -398,17 +398,8 @@ class HeadDrafter(Drafter):
                                                & ((place >= 0) & (place < T))[:, None, :])
             out = self._forward(feature, fed, slots, (starts + d - 1)[:, None].expand(R, k), starts[:, None] + own,
                                 mask[:, None])
-            child_score, child_ids = torch.log_softmax(self.head.logits(out), -1).topk(k)      # [R, k, k]
-            child_score = (score[:, :, None] + child_score).flatten(1)                        # [R, k * k]
-            first = sum(t.shape[1] for t in tokens)
-            tokens.append(self.head.to_target(child_ids.flatten(1)))
-            scores.append(child_score)
-            parents.append(frontier[:, :, None].expand(R, k, k).flatten(1))
-            score, pick = child_score.topk(k)                                                # the next frontier
-            parent = pick // k
-            frontier, fed = first + pick, tokens[-1].gather(1, pick)
-            feature = out.gather(1, parent[:, :, None].expand(R, k, out.shape[-1]))
-            seen = seen.gather(1, parent[:, :, None].expand(R, k, seen.shape[-1]))
+            score, frontier, fed, feature, seen = grow_frontier(self.head, out, score, frontier, tokens, scores,
+                                                                parents, seen)
         return torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1)
 
 

@@ -172,17 +172,8 @@ class HeadGraphs:
                 mask = torch.where(active[:, :, None], mask, self.keys == 0)
                 out = attend(q, d.k_cache[:b], d.v_cache[:b], mask[:, None])
             out = head.finish(residual, out)                                                # [b, k, H]
-            child_score, child_ids = torch.log_softmax(head.logits(out), -1).topk(k)         # [b, k, k]
-            child_score = (score[:, :, None] + child_score).flatten(1)                      # [b, k * k]
-            first = sum(t.shape[1] for t in tokens)
-            tokens.append(head.to_target(child_ids.flatten(1)))
-            scores.append(child_score)
-            parents.append(frontier[:, :, None].expand(b, k, k).flatten(1))
-            score, pick = child_score.topk(k)                                               # the next frontier
-            parent = pick // k
-            frontier, fed = first + pick, tokens[-1].gather(1, pick)
-            feature = out.gather(1, parent[:, :, None].expand(b, k, out.shape[-1]))
-            seen = seen.gather(1, parent[:, :, None].expand(b, k, T))
+            score, frontier, fed, feature, seen = grow_frontier(head, out, score, frontier, tokens, scores,
+                                                                parents, seen)
         levels = torch.cat([torch.full((t.shape[1],), i + 1, device=device) for i, t in enumerate(tokens)])
         tokens, scores, parents = torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1)   # [b, C]
         best = torch.sort(-scores, dim=1, stable=True).indices[:, :N]                       # ties: parents first
@@ -289,6 +280,27 @@ class HeadGraphs:
             depth = times[-1] - times[0] if K > 1 and times[-1] > times[0] else times[-1] / K
             per_token[b] = depth / b
         return per_token
+
+
+def grow_frontier(head, out: torch.Tensor, score: torch.Tensor, frontier: torch.Tensor, tokens: list, scores: list,
+                  parents: list, seen: torch.Tensor):
+    """One depth of a head's token trees (HeadDrafter._candidates, HeadGraphs.tree): the k frontier
+    nodes' outputs out [R, k, H] give each node's k best children, appended as candidates to
+    tokens (the target's ids), scores (cumulative log-probabilities; score [R, k]: the frontier's)
+    and parents (frontier [R, k]: the frontier's candidate indices); the k best children are the
+    next frontier. Returns its scores, candidate indices, tokens, features (their parents'
+    outputs) and ancestors' entries (seen [R, k, T], the parents')."""
+    R, k = score.shape
+    child_score, child_ids = torch.log_softmax(head.logits(out), -1).topk(k)               # [R, k, k]
+    child_score = (score[:, :, None] + child_score).flatten(1)                            # [R, k * k]
+    first = sum(t.shape[1] for t in tokens)
+    tokens.append(head.to_target(child_ids.flatten(1)))
+    scores.append(child_score)
+    parents.append(frontier[:, :, None].expand(R, k, k).flatten(1))
+    score, pick = child_score.topk(k)
+    parent = pick[:, :, None] // k
+    return (score, first + pick, tokens[-1].gather(1, pick), out.gather(1, parent.expand(R, k, out.shape[-1])),
+            seen.gather(1, parent.expand(R, k, seen.shape[-1])))
 
 
 @cuda_compiled
