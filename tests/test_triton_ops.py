@@ -123,5 +123,6 @@ def test_attention_fits_what_registers_hold():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_self_check_passes_on_this_card(dtype):
-    from outpace.kernels.triton_ops import self_check
+    from outpace.kernels.triton_ops import self_check, tree_check
     assert self_check(torch.device("cuda"), dtype) is None
+    assert tree_check(torch.device("cuda"), dtype) is None

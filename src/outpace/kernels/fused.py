@@ -155,6 +155,17 @@ def _checked_ops(device: torch.device, dtype: torch.dtype):
     return ops
 
 
+@functools.cache
+def _checked_trees(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode_attention's token-tree words ran correctly on this device in this dtype
+    (said once on stderr where not: trees then attend through an additive mask)."""
+    problem = _checked_ops(device, dtype).tree_check(device, dtype)
+    if problem:
+        print(f"outpace: the Triton attention of token trees is off on {device} ({problem}); trees attend "
+              "through PyTorch's kernels", file=sys.stderr)
+    return not problem
+
+
 def _graph_kernels(dtype: torch.dtype, device: torch.device):
     """triton_ops while graphs are captured for CUDA tensors of a half dtype, else None."""
     if not (_capturing and device.type == "cuda" and dtype in HALF):
@@ -199,6 +210,12 @@ def graph_attention(dtype: torch.dtype, head_dim: int, device: torch.device, que
     built for it."""
     ops = _graph_kernels(dtype, torch.device(device))
     return ops is not None and ops.attention_fits(head_dim, queries)
+
+
+def graph_tree_attention(dtype: torch.dtype, head_dim: int, device: torch.device, queries: int) -> bool:
+    """graph_attention for token trees: decode_attention with trees' words (its tree argument),
+    which must also have run correctly here."""
+    return graph_attention(dtype, head_dim, device, queries) and _checked_trees(torch.device(device), dtype)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,

@@ -193,6 +193,31 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
+def tree_check(device: torch.device, dtype: torch.dtype) -> str | None:
+    """decode_attention with token trees' words once on a small tree: None when it agrees with
+    masked attention, else what went wrong."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        k_cache, v_cache = (torch.randn(1, 2, 64, 16, generator=g).to(device, dtype) for _ in range(2))
+        q = torch.randn(1, 4, 4, 16, generator=g).to(device, dtype)
+        start, parents = 30, [-1, -1, 1]                         # the last token, then nodes 0, 1 and 1's child
+        seen = torch.arange(64) <= start
+        seen = seen.expand(4, 64).clone()
+        words = [0, 1, 2, 6]
+        for token, word in enumerate(words):
+            for i in range(3):
+                seen[token, start + 1 + i] = bool(word >> i & 1)
+        keys, values = (c.float().repeat_interleave(2, 1) for c in (k_cache, v_cache))
+        want = F.scaled_dot_product_attention(q.float(), keys, values, attn_mask=seen.to(device)[None, None])
+        got = decode_attention(q, k_cache, v_cache, torch.full((1, 4), start, device=device), 64,
+                               tree=torch.tensor([words], device=device))
+        if not torch.allclose(got.float(), want.transpose(1, 2).reshape(1, 4, -1), rtol=3e-2, atol=3e-2):
+            return "decode attention of a token tree disagrees with masked attention"
+    except Exception as e:      # compile or launch failures: Triton raises many kinds
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
 def self_check(device: torch.device, dtype: torch.dtype) -> str | None:
     """Run both kernels once on small inputs here: None when they agree with the reference ops,
     else what went wrong (a card or Triton build they do not compile or run on)."""

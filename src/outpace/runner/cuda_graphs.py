@@ -142,8 +142,9 @@ class CudaGraphRunner(ModelRunner):
         trees = t > 1 and getattr(self.extension, "trees", False)
         # the attention kernel takes trees as words of ancestor bits, but applies a sliding window
         # from a query's first position, not its depth's
-        kernel = (not trees or not self.window) and fused.graph_attention(self.dtype, cfg.head_dim, self.device,
-                                                                          cfg.num_heads // cfg.num_kv_heads * t)
+        queries = cfg.num_heads // cfg.num_kv_heads * t
+        kernel = (fused.graph_attention(self.dtype, cfg.head_dim, self.device, queries) if not trees else
+                  not self.window and fused.graph_tree_attention(self.dtype, cfg.head_dim, self.device, queries))
         rope = words = bias = None
         if trees:       # the extension's token trees: each node rotated at its depth, seeing its ancestors
             rope = self.rope_positions[:b * t].view(b, t)

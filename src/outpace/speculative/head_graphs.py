@@ -151,7 +151,8 @@ class HeadGraphs:
         fed = tokens[0]
         seen = torch.zeros(b, k, T, dtype=torch.bool, device=device)                       # ancestors' entries
         cfg = head.cfg
-        kernel = fused.graph_attention(d.last_out.dtype, cfg.head_dim, device, cfg.num_heads // cfg.num_kv_heads * k)
+        kernel = fused.graph_tree_attention(d.last_out.dtype, cfg.head_dim, device,
+                                            cfg.num_heads // cfg.num_kv_heads * k)
         if not kernel:
             place = self.keys[None, :] - starts[:, None]                                    # [b, L]: key - start
             inside = (place >= 0) & (place < T)
