@@ -52,8 +52,8 @@ class GraphStep(EagerStep):
         and its paying drafter's (budget) where that drafts inside the graph too (a head:
         ChainGraphStep); where it does not and would draft for some row, the chain drafts on the
         host."""
-        # an extension that drafts trees drafts nothing else: a step the controller gives chains
-        # (to weigh them against trees) drafts them outside the graph
+        # an extension that drafts trees drafts nothing else: a step asked for chains drafts them
+        # outside the graph (the engine's controller asks such a head for trees alone)
         trees_only = getattr(self.extension, "trees", False) and tree_width == 1
         if self.extension is not None and not trees_only and all(s.params.is_greedy for s in seqs):
             lookup, paid = self._chain_lengths(seqs, budget, room) if self.drafter.uses_room else (budget, None)

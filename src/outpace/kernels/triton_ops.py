@@ -200,10 +200,9 @@ def tree_check(device: torch.device, dtype: torch.dtype) -> str | None:
         g = torch.Generator().manual_seed(0)
         k_cache, v_cache = (torch.randn(1, 2, 64, 16, generator=g).to(device, dtype) for _ in range(2))
         q = torch.randn(1, 4, 4, 16, generator=g).to(device, dtype)
-        start, parents = 30, [-1, -1, 1]                         # the last token, then nodes 0, 1 and 1's child
-        seen = torch.arange(64) <= start
-        seen = seen.expand(4, 64).clone()
-        words = [0, 1, 2, 6]
+        # the last token at 30, then nodes 0 and 1 (its children) and node 1's child
+        start, words = 30, [0, 1, 2, 6]
+        seen = (torch.arange(64) <= start).expand(4, 64).clone()
         for token, word in enumerate(words):
             for i in range(3):
                 seen[token, start + 1 + i] = bool(word >> i & 1)
