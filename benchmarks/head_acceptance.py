@@ -13,7 +13,12 @@ position (a verify step's mean acceptance length less one, had it drafted --step
 every position) and how often the first draft was right (with --turns all, also by turn). Then, at the same positions, n-gram
 lookup (prompt plus answer so far, 1- to 4-token suffixes, the most recent match, chains of --steps)
 by the length of the suffix its draft matched (0: no draft): which drafter is the better one where,
-the rule a chain of the two (`--ngram-first`) drafts by. No timing: the figures depend on the heads
+the rule a chain of the two (`--ngram-first`) drafts by. With --tree-nodes N ..., also what
+token trees of N nodes could accept: at each position, the rank of the target's token among the
+head's best drafts at each depth of the chain along the true path, and the best static tree of
+N nodes (the N most frequent prefixes of those ranks, a prefix never rarer than its extensions,
+so they form a tree) against a chain of N (of --steps at most): drafts accepted a position, an
+upper bound for a tree drafted per position. No timing: the figures depend on the heads
 and the target's answers, not on the machine's speed. Measure only: never train on these.
 """
 from __future__ import annotations
@@ -22,7 +27,7 @@ import argparse
 import json
 import sys
 import tempfile
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
@@ -36,6 +41,9 @@ from outpace.train.head_data import generate_shards, load_shards
 from outpace.weights.hub import shipped_head
 
 
+TREE_RANKS = 8          # candidates a node of an estimated tree may take (config.MAX_TREE_WIDTH's)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", required=True, help="Spec-Bench JSONL (question_id, category, turns)")
@@ -47,6 +55,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--turns", choices=("first", "all"), default="first",
                    help="first turns only, or every turn of multi-turn questions (default: first)")
+    p.add_argument("--tree-nodes", type=int, nargs="*", default=[],
+                   help="node budgets of static token trees to estimate (e.g. 8 16 32)")
     p.add_argument("--out", default=None, help="a JSON file for the figures")
     args = p.parse_args()
     if args.threads:
@@ -90,6 +100,10 @@ def main() -> None:
         results[folder]["by_match"] = {str(m): {"positions": n, "ngram_accepted": a / n, "head_accepted": h / n,
                                                 "ngram_first_right": af / n, "head_first_right": hf / n}
                                        for m, (n, a, h, af, hf) in by_match.items()}
+        if args.tree_nodes:
+            answers = Answers(target, head.cfg.target_layers, ids, args.steps, "cpu", longest, 8)
+            ranks = [r for seq in answers.runs(head.eval(), seqs, 8, top=TREE_RANKS) for r in seq.values()]
+            results[folder]["trees"] = static_trees(ranks, args.tree_nodes, args.steps)
     print("| category | positions | " + " | ".join(f"{Path(h).name}: accepted in a row, 1st right" for h in heads) + " |")
     print("|---|---|" + "---|" * len(heads))
     turns = [f"turn {t + 1}" for t in range(max(s.turn for s in seqs) + 1)] if args.turns == "all" else []
@@ -106,8 +120,32 @@ def main() -> None:
             row = table[m]
             print(f"| {m} | {row['positions']} | {row['ngram_accepted']:.2f}, {row['ngram_first_right']:.0%} | "
                   f"{row['head_accepted']:.2f}, {row['head_first_right']:.0%} |")
+        if args.tree_nodes:
+            print(f"\n{Path(h).name}, static token trees (drafts accepted a position):")
+            print("| nodes | chain of that many | best static tree | its depth |")
+            print("|---|---|---|---|")
+            for row in results[h]["trees"]:
+                chain = f"{row['chain']:.3f}" if row["chain"] is not None else "-"
+                print(f"| {row['nodes']} | {chain} | {row['tree']:.3f} | {row['depth']} |")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+
+
+def static_trees(ranks: list[tuple[int, ...]], budgets: list[int], steps: int) -> list[dict]:
+    """For each node budget: drafts accepted a position by a chain of that many (None past
+    `steps`) and by the best static tree of that many nodes, from each position's ranks of the
+    target's tokens along the true path (TREE_RANKS: not among the head's best)."""
+    counts: Counter = Counter()
+    for path in ranks:
+        for d, rank in enumerate(path):
+            if rank >= TREE_RANKS:
+                break
+            counts[path[:d + 1]] += 1
+    best = sorted(counts.items(), key=lambda item: -item[1])
+    n = max(len(ranks), 1)
+    return [{"nodes": k, "chain": sum(counts[(0,) * d] for d in range(1, k + 1)) / n if k <= steps else None,
+             "tree": sum(c for _, c in best[:k]) / n, "depth": max((len(p) for p, _ in best[:k]), default=0)}
+            for k in budgets]
 
 
 def lookup_runs(tokens: torch.Tensor, positions: list[int], steps: int) -> tuple[list[int], list[int]]:

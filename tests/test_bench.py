@@ -216,7 +216,9 @@ def test_head_acceptance_counts_every_category(tmp_path, dataset, default_model_
     overall (and with --turns all per turn), the overall's positions those of the categories and
     of the turns, a first draft right at no more positions than drafts accepted in a row (each
     right first draft is one of them); by the lookup's match length, the same positions split,
-    and the same bound for each drafter."""
+    and the same bound for each drafter. With --tree-nodes, the chain of --steps (7) accepts what
+    the overall's drafts accepted in a row, a chain of 1 what its first drafts got right, and the
+    best static tree of N nodes never less than the chain of N nor than a smaller tree."""
     import sys
     from pathlib import Path
 
@@ -231,7 +233,7 @@ def test_head_acceptance_counts_every_category(tmp_path, dataset, default_model_
     out = tmp_path / "acceptance.json"
     monkeypatch.setattr(sys, "argv", ["head_acceptance.py", "--dataset", str(dataset), "--model", str(target),
                                       "--draft-head", str(head), "--max-tokens", "12", "--out", str(out),
-                                      "--turns", turns])
+                                      "--turns", turns, "--tree-nodes", "1", "2", "7", "9"])
     head_acceptance.main()
     results = json.loads(out.read_text())[str(head)]
     figures, by_match = results["by_category"], results["by_match"]
@@ -249,8 +251,13 @@ def test_head_acceptance_counts_every_category(tmp_path, dataset, default_model_
     for row in by_match.values():
         assert 0 <= row["ngram_first_right"] <= row["ngram_accepted"] and 0 <= row["head_first_right"] <= row["head_accepted"]
     assert by_match["all"]["head_accepted"] == pytest.approx(figures["overall"]["mean_accepted"])
+    trees = {row["nodes"]: row for row in results["trees"]}
+    assert trees[7]["chain"] == pytest.approx(figures["overall"]["mean_accepted"]) and trees[9]["chain"] is None
+    assert trees[1]["chain"] == trees[1]["tree"] == pytest.approx(figures["overall"]["first_right"])
+    assert all(trees[n]["tree"] >= trees[n]["chain"] for n in (1, 2, 7))
+    assert trees[1]["tree"] <= trees[2]["tree"] <= trees[7]["tree"] <= trees[9]["tree"]
     printed = capsys.readouterr().out
-    assert "| overall |" in printed and "| all |" in printed
+    assert "| overall |" in printed and "| all |" in printed and "static token trees" in printed
 
 
 @pytest.mark.parametrize("tree_width", [1, 3])

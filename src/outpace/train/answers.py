@@ -75,16 +75,18 @@ class Answers:
 
     @torch.no_grad()
     def runs(self, head: DraftHead, seqs: list[Answer], batch_size: int,
-             autocast: Callable[[], ContextManager] = nullcontext) -> list[dict[int, int]]:
+             autocast: Callable[[], ContextManager] = nullcontext, top: int = 0) -> list[dict[int, int]]:
         """Per sequence, {p: drafts accepted in a row} at each answer position p that a first
         draft predicts (tokens[p], from the sequence's third token on): the chain drafted after
-        tokens[:p], teacher forced."""
+        tokens[:p], teacher forced. top > 0: {p: the rank of each step's answer token among the
+        head's `top` best drafts along that chain, a tuple} instead (unrolled_loss's ranks)."""
         out = []
         for i in range(0, len(seqs), batch_size):
             with autocast():
-                _, run, counted = unrolled_loss(head, self._embed(head), self.batch(seqs[i:i + batch_size]),
-                                                self.steps, self.in_vocab)
-            for row, mask in zip(run.tolist(), counted.tolist()):
+                _, run, counted, ranks = unrolled_loss(head, self._embed(head), self.batch(seqs[i:i + batch_size]),
+                                                       self.steps, self.in_vocab, top)
+            values = run.tolist() if not top else [[tuple(r) for r in row] for row in ranks.tolist()]
+            for row, mask in zip(values, counted.tolist()):
                 out.append({s + 2: n for s, (n, ok) in enumerate(zip(row, mask)) if ok})
         return out
 

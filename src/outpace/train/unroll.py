@@ -77,15 +77,19 @@ class Unroll:
         return out.flatten(-3)
 
 
-def unrolled_loss(head: DraftHead, embed: torch.nn.Module, batch: Batch, steps: int, in_vocab: torch.Tensor):
+def unrolled_loss(head: DraftHead, embed: torch.nn.Module, batch: Batch, steps: int, in_vocab: torch.Tensor,
+                  top: int = 0):
     """(loss, accepted [B, S] drafts accepted in a row at each index, counts [B, S] where a first
-    draft predicts an answer token). in_vocab [V] bool: the draft vocabulary's target ids."""
+    draft predicts an answer token, ranks). in_vocab [V] bool: the draft vocabulary's target ids.
+    top > 0: ranks [B, S, steps] of each step's answer token among the head's `top` best drafts
+    there (0: its argmax; `top` where it is not among them or not an answer token), else None."""
     S = batch.hidden.shape[1]
     feature = head.features(batch.hidden)
     unroll = Unroll(head, embed, S)
     loss = 0.0
     run = torch.ones(batch.tokens.shape[0], S, dtype=torch.bool, device=batch.tokens.device)     # all right so far
     accepted = torch.zeros(run.shape, dtype=torch.long, device=run.device)
+    ranks = []
     target = batch.target_logits.softmax(-1)                # step k reads positions k + 1 .. k + S
     for k in range(steps):
         out = unroll.step(feature, batch.tokens[:, k + 1:k + 1 + S])
@@ -98,5 +102,8 @@ def unrolled_loss(head: DraftHead, embed: torch.nn.Module, batch: Batch, steps: 
         with torch.no_grad():
             run &= answer & (head.to_target(logits.argmax(-1)) == labels)
             accepted += run
+            if top:
+                hit = (head.to_target(logits.topk(top, -1).indices) == labels[..., None]) & answer[..., None]
+                ranks.append(torch.where(hit.any(-1), hit.long().argmax(-1), top))
         feature = out
-    return loss, accepted, batch.is_answer[:, 2:2 + S]
+    return loss, accepted, batch.is_answer[:, 2:2 + S], torch.stack(ranks, -1) if top else None
