@@ -246,6 +246,27 @@ def test_float_copy_on_a_full_disk_is_read_in_memory(home, tmp_path, monkeypatch
         assert torch.equal(a, b), name
 
 
+def test_a_tensor_parallel_rank_reads_its_slices_of_the_blocks_in_memory(home, tmp_path, monkeypatch):
+    """Ranks of a tensor-parallel model read their slices of each matrix (rows, columns or
+    vocabulary rows: safetensors' get_slice) from the blocks dequantized in memory where the float
+    copy cannot be written, and get what they read from the written copy."""
+    from outpace.model.tensor_parallel import Shard
+    write_test_gguf(tmp_path / "m.gguf", "llama", quantized=LEAN)
+    folder = convert_gguf(tmp_path / "m.gguf")
+    monkeypatch.setattr(gguf.shutil, "disk_usage", lambda path: SimpleNamespace(free=0))
+    in_memory = [load_model(folder, torch.float32, "cpu", max_len=64, shard=Shard(r, 2)) for r in range(2)]
+    assert not (folder / gguf.DEQUANTIZED_FILE).exists()
+    halves = [m.state_dict() for m in in_memory]
+    assert any(not torch.equal(a, halves[1][n]) for n, a in halves[0].items() if "proj" in n)   # each its own slice
+    monkeypatch.undo()
+    monkeypatch.setenv("OUTPACE_HOME", str(home))
+    for rank, model in enumerate(in_memory):
+        written = load_model(folder, torch.float32, "cpu", max_len=64, shard=Shard(rank, 2))
+        assert (folder / gguf.DEQUANTIZED_FILE).is_file()
+        for (name, a), b in zip(model.state_dict().items(), written.state_dict().values()):
+            assert torch.equal(a, b), name
+
+
 def test_a_quantized_load_reads_a_float_part_from_the_float_copy(home, tmp_path):
     """q in Q8_0 beside float k and v: the fused qkv cannot compute on blocks, so the quantized
     load takes q from the float copy, which it writes, and equals the float load."""
