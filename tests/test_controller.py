@@ -481,6 +481,29 @@ def test_trees_or_chains_whichever_yields_more_tokens_a_second():
     assert c.shapes.keys() == {1}                                      # one bucket (FLAT's) for all sizes
 
 
+def test_trees_drafted_every_step_are_sized_by_the_depths_they_reach():
+    """Where every step drafts trees (tree_depth: a head's frontier of 4, depth 2 for 2-4 nodes, 3
+    for 5-8, 4 for 9-12), no chains are tried, a tree's acceptance counts against the depth it
+    reached, and budgets land where a node reaches a new depth. A tree of 4 nodes accepted 2 deep
+    each step is a chain whose every position was accepted, not one rejected at positions 3 and
+    4: the controller drafts deeper trees than a chain's positions would let it, and a tree that
+    stops at depth 1 stays at one node."""
+    from outpace.speculative.head_graphs import frontier_depth
+    depth = lambda nodes: frontier_depth(nodes, 4)
+    cost = {1: [1.0 + 0.05 * k for k in range(13)]}
+    trees, chains = DraftController(12, cost, tree_width=4, tree_depth=depth), DraftController(12, cost)
+    assert trees.step_tree_width(1) == 4
+    for _ in range(20):
+        for c in (trees, chains):
+            c.observe(0, 4, 4, 2)
+    # counted as a chain's 4 positions, 2 of them rejected, the same steps would give 2 nodes
+    assert trees.num_draft([0], 1) == 9 > chains.num_draft([0], 1)
+    shallow = DraftController(12, cost, tree_width=4, tree_depth=depth)
+    for _ in range(20):
+        shallow.observe(0, 4, 4, 1)
+    assert shallow.num_draft([0], 1) <= 1
+
+
 def test_decisions_asked_again_within_a_step_follow_new_evidence():
     """The controller answers a step's repeated questions from what it worked out for the first,
     until new evidence arrives: a controller asked between observations decides as one that was

@@ -572,6 +572,8 @@ def test_the_heads_cuda_graphs_keep_greedy_output(folders, ngram_first, tree_wid
     # for trees), or beside the lookup's device twin (ChainGraphStep)
     extension = llm.engine.runner.extension
     assert drafter.step is not None and getattr(drafter.step, "trees", False) == (tree_width > 1)
+    # trees every step, sized by the depths they reach
+    assert (llm.engine.controller.tree_depth is not None) == (tree_width > 1)
     assert extension.head is drafter.step if ngram_first else extension is drafter.step
 
 

@@ -98,11 +98,12 @@ class LLMEngine:
         if num_draft_tokens and config.calibrate and not spec.exact:
             # measure_verify_cost waits for the device after each forward, so host clocks time it
             cost = measure_verify_cost(self.runner, config.max_num_seqs, num_draft_tokens)
-        # a head's trees draft inside the graphs and its chains would not: no chains to weigh them against
-        trees_in_graphs = getattr(getattr(self.runner, "extension", None), "trees", False)
+        # a head's trees draft inside the graphs and its chains would not: trees every step, sized by depth
+        extension = getattr(self.runner, "extension", None)
         self.controller = DraftController(num_draft_tokens, cost, packed=self.runner.packs_rows,
                                           draft_cost=self.drafter.cost_per_token, tree_width=spec.tree_width,
-                                          weigh_shapes=not trees_in_graphs)
+                                          tree_depth=extension.tree_depth if getattr(extension, "trees", False)
+                                          else None)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_prefill_tokens)
         parts = (self.drafter, self.controller, config.max_model_len, num_draft_tokens)
         # under tensor parallelism graph steps neither draft in the graph nor overlap (yet): EagerStep

@@ -43,8 +43,15 @@ copies the prompt yields more to either), no step counting for more than OUTLIER
 their median seconds. The other shape takes over where its probes' mean log ratio, decayed per
 probe, exceeds SHAPE_SWITCH over SHAPE_EVIDENCE probes: a shape changes only on clear evidence,
 since one step's yield is noisy, and a change of load or text is still followed. Untimed, trees
-are drafted as asked, and so they are where the drafter's trees run in the CUDA graphs and its
-chains would not (a head's on a GPU: weigh_shapes False).
+are drafted as asked.
+
+Where every step drafts trees (a head's inside the CUDA graphs, whose chains would draft outside
+them: tree_depth given), no chains are weighed against them, and the controller's positions are
+the trees' depths: a step's acceptance is observed against the depth its tree of k nodes
+reached, so the rates are a tree's at each depth, and a budget of k nodes is priced as a step
+of 1 + k tokens that yields the depths it reaches (a node that reaches no deeper adds nothing).
+A chain's positions would have counted a tree's k nodes as k positions, most never reachable,
+and held trees to a few nodes.
 """
 from __future__ import annotations
 
@@ -53,7 +60,7 @@ import itertools
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 OUTLIER_FORWARDS = 4.0    # a step's measured overhead counts as at most this many of its forwards
@@ -170,15 +177,16 @@ class ShapeChoice:
 
 class DraftController:
     def __init__(self, num_draft_tokens: int, cost: dict[int, list] | None = None, packed: bool = False,
-                 draft_cost=None, tree_width: int = 1, weigh_shapes: bool = True):
+                 draft_cost=None, tree_width: int = 1, tree_depth: Callable[[int], int] | None = None):
         """cost: forward seconds by batch-size bucket b, as calibrate.measure_verify_cost gives them:
         cost[b][s-1] for b rows of s tokens (packed False: rows padded to the longest), or
         cost[b] = [[e, seconds], ...] for b rows holding e drafted tokens (packed True). None =
         flat, no timing. draft_cost(batch_size): the drafter's own seconds per drafted token in a
         step of that many rows (Drafter.cost_per_token), charged on top of the verify forward.
-        tree_width: the drafter's token trees' width (1: it drafts chains only). weigh_shapes
-        False: every step drafts trees of tree_width, chains are not tried (a drafter whose trees
-        run in the CUDA graphs while its chains would not: a head's, HeadTreeGraphStep)."""
+        tree_width: the drafter's token trees' width (1: it drafts chains only). tree_depth: where
+        every step drafts trees of tree_width (a head's inside the CUDA graphs, whose chains would
+        draft outside them: HeadTreeGraphStep), the depth a tree of k nodes reaches; no chains are
+        weighed against trees then, and the controller's positions are depths (_by_node)."""
         self.num_draft_tokens = num_draft_tokens
         self.packed = packed
         self.draft_cost = draft_cost
@@ -206,7 +214,7 @@ class DraftController:
         self.outputs = [0.0, 0.0]   # finished sequences' output lengths, decayed: [sum, count]
         self.probe_setup: int | None = None    # the running sequence set up on trust while probing (pays_setup)
         self.tree_width = tree_width
-        self.weigh_shapes = weigh_shapes
+        self.tree_depth = tree_depth
         self.shapes: dict[int, ShapeChoice] = {}        # bucket -> its choice of trees or chains
         # _gains' answers since the evidence last changed (observe and end clear it): a step asks
         # for the same rows' gains up to four times (paid and free lengths, the savings, the rows
@@ -344,6 +352,19 @@ class DraftController:
         self._gains_memo[key] = gains
         return gains
 
+    def _by_node(self, row: list[float]) -> list[float]:
+        """A row's gains by drafted token. For trees every step drafts (tree_depth), row holds the
+        gains by depth, and a tree's k-th node adds the gain of the depth it first reaches: the
+        gain of depth tree_depth(k) where a tree of k - 1 nodes reached less deep, else none."""
+        if self.tree_depth is None:
+            return row
+        by_node, reached = [], 0
+        for k in range(1, self.num_draft_tokens + 1):
+            depth = min(self.tree_depth(k), len(row))
+            by_node.append(row[depth - 1] if depth > reached else 0.0)
+            reached = max(reached, depth)
+        return by_node
+
     def num_draft(self, seq_ids: list[int], batch_size: int, available: list[int] | None = None,
                   matches: list[int] | None = None, paid: bool = True) -> int:
         """One draft length for the speculating sequences of a batch of batch_size rows (padded
@@ -352,7 +373,7 @@ class DraftController:
         _best_prefix).
         Rows that do not speculate yield one token whatever k is; the step is charged as b rows of
         1 + k tokens."""
-        gains = self._gains(seq_ids, available, matches)
+        gains = [self._by_node(row) for row in self._gains(seq_ids, available, matches)]
         longest = max(map(len, gains), default=0)
         # by draft position, the rows' gains summed in the rows' order (a shorter row adds 0.0)
         columns = [sum(column, 0.0) for column in itertools.zip_longest(*gains, fillvalue=0.0)]
@@ -389,7 +410,7 @@ class DraftController:
         if not k or not self.buckets:
             return [0.0] * len(seq_ids)
         cost, token_cost = self._costs(batch_size), self.token_cost
-        gains = [sum(row[:k]) for row in self._gains(seq_ids, None)]
+        gains = [sum(self._by_node(row)[:k]) for row in self._gains(seq_ids, None)]
         plain = cost(batch_size) / batch_size + token_cost
         drafting = cost(batch_size * (1 + k)) / batch_size
         return [max(0.0, plain - drafting / (1 + g) - token_cost) for g in gains]
@@ -486,6 +507,8 @@ class DraftController:
         so a sequence whose drafting was switched off is probed again after a few steps (without
         this, one bad stretch would end speculation for the rest of the sequence)."""
         self._gains_memo.clear()
+        if self.tree_depth is not None and num_draft:       # positions are depths: what the tree reached
+            num_draft = self.tree_depth(num_draft)
         r, d = self._rates(seq_id), SEQ_DECAY
         if budget == 0:
             p = self._prior()
@@ -564,8 +587,8 @@ class DraftController:
         """The width of a step's token trees for a batch of batch_size rows (1: chains): the
         bucket's drafted shape, or the other one where SHAPE_PROBE drafting steps passed since it
         was last tried (the module's docstring). The drafter's width where it drafts chains only,
-        the controller is untimed or does not weigh shapes."""
-        if self.tree_width == 1 or not self.buckets or not self.weigh_shapes:
+        the controller is untimed or every step drafts trees (tree_depth)."""
+        if self.tree_width == 1 or not self.buckets or self.tree_depth is not None:
             return self.tree_width
         choice = self._choice(batch_size)
         if len(choice.recent) < 2 or choice.since < SHAPE_PROBE:
@@ -577,7 +600,7 @@ class DraftController:
         tokens in `seconds` (drafting through accepting): a step of the drafted shape joins its
         recent steps; a probe of the other is weighed against them, and the other shape takes
         over where the probes' evidence says it yields more."""
-        if self.tree_width == 1 or not self.buckets or not self.weigh_shapes:
+        if self.tree_width == 1 or not self.buckets or self.tree_depth is not None:
             return
         choice = self._choice(batch_size)
         if tree_width == choice.width or not choice.recent:

@@ -41,7 +41,6 @@ controller gives a tree head run the forwards here eagerly.
 """
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -57,7 +56,7 @@ from outpace.model.eagle3 import load_eagle3_head
 from outpace.model.mtp import load_mtp_head
 from outpace.runner.calibrate import batch_buckets
 from outpace.speculative.drafter import DraftBatch, DraftContext, Drafter, Drafts, Prefilled, Verified
-from outpace.speculative.head_graphs import HeadGraphs, HeadGraphStep, HeadTreeGraphStep, grow_frontier
+from outpace.speculative.head_graphs import HeadGraphs, HeadGraphStep, HeadTreeGraphStep, frontier_depth, grow_frontier
 
 # verify steps' pairs a row may hold pending beyond one step's before it catches up undrafted
 PENDING_STEPS = 32
@@ -379,7 +378,7 @@ class HeadDrafter(Drafter):
         (the target's ids), cumulative log-probabilities and parents (candidate indices, -1 for
         children of the last token), each [R, C] in creation order."""
         R = len(slots)
-        depth = num_nodes if k == 1 else min(num_nodes, math.ceil(num_nodes / k) + 1)
+        depth = frontier_depth(num_nodes, k)
         T = (depth - 1) * k                                     # entries past each row's start the tree uses
         out = self.last_out[slots][:, None]                     # [R, 1, H]
         score, draft_ids = torch.log_softmax(self.head.logits(out[:, 0]), -1).topk(k)       # [R, k]

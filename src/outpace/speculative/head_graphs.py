@@ -140,7 +140,7 @@ class HeadGraphs:
         d = self.drafter
         head = d.head
         device = starts.device
-        depth = min(N, math.ceil(N / k) + 1)
+        depth = frontier_depth(N, k)
         T = max((depth - 1) * k, 1)                                 # entries past each row's start
         wide = torch.arange(k, device=device)
         out = d.last_out[:b]                                                                # [b, H]
@@ -283,6 +283,12 @@ class HeadGraphs:
         return per_token
 
 
+def frontier_depth(nodes: int, width: int) -> int:
+    """How deep a head's tree of `nodes` nodes and `width` candidates a node is drafted: a depth
+    for each frontier of `width` nodes, and one for their children."""
+    return nodes if width == 1 else min(nodes, math.ceil(nodes / width) + 1)
+
+
 def grow_frontier(head, out: torch.Tensor, score: torch.Tensor, frontier: torch.Tensor, tokens: list, scores: list,
                   parents: list, seen: torch.Tensor):
     """One depth of a head's token trees (HeadDrafter._candidates, HeadGraphs.tree): the k frontier
@@ -397,6 +403,7 @@ class HeadTreeGraphStep(HeadGraphStep):
         self.width = 1                                  # host values per row: the room
         self.tree_width = width
         self.cost_key = f"{self.cost_key} trees of width {width}"      # its verify forwards draft trees
+        self.tree_depth = lambda nodes: frontier_depth(nodes, width)    # the controller's positions
         device = graphs.rows.device
         K = max(max_tokens - 1, 1)
         self.chain = torch.arange(K, device=device)
