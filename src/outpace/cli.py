@@ -65,7 +65,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "the folder holding the module's weights")
     p.add_argument("--tree-width", type=int, default=1,
                    help="with --spec ngram, eagle3 or mtp: candidates per tree node, drafting token trees "
-                        "where they measure faster than chains (default 1: chains)")
+                        "where they measure faster than chains (a head's on a GPU: every step, inside the CUDA "
+                        "graphs) (default 1: chains)")
     p.add_argument("--ngram-first", action="store_true",
                    help="with --spec draft, eagle3 or mtp: n-gram lookup drafts where the tail matches, the model "
                         "or head elsewhere")

@@ -81,7 +81,8 @@ class SpecConfig:
     tree_width: candidates per tree node (1: chains); above 1 a head drafts token trees of its
         best candidates, n-gram lookup of the matched suffix's several earlier continuations, on
         the steps where the controller measured trees to yield more than chains (it drafts
-        chains where they yield more).
+        chains where they yield more); a head on a GPU drafts trees every step, inside the CUDA
+        graphs.
 
     num_draft_tokens: most tokens drafted per step (TensorRT-LLM's max_draft_len).
     min_ngram / max_ngram: suffix lengths tried, longest first (max_matching_ngram_size). min_ngram
