@@ -400,7 +400,6 @@ class HeadTreeGraphStep(HeadGraphStep):
 
     def __init__(self, graphs: HeadGraphs, max_rows: int, max_tokens: int, width: int):
         super().__init__(graphs, max_rows, max_tokens)
-        self.width = 1                                  # host values per row: the room
         self.tree_width = width
         self.cost_key = f"{self.cost_key} trees of width {width}"      # its verify forwards draft trees
         self.tree_depth = lambda nodes: frontier_depth(nodes, width)    # the controller's positions
