@@ -26,7 +26,7 @@ def test_impossible_sampling_parameters(kwargs, words):
 
 
 @pytest.mark.parametrize("kwargs", [dict(method="eagle"), dict(num_draft_tokens=0), dict(min_ngram=3, max_ngram=2),
-                                    dict(match="last")])
+                                    dict(match="last"), dict(tree_width=3, exact=True)])
 def test_impossible_spec_config(kwargs):
     with pytest.raises(InvalidParameterError):
         SpecConfig(**kwargs)
