@@ -78,7 +78,8 @@ def main() -> None:
     for folder in heads:
         head = load_eagle3_head(Path(folder), target.cfg, torch.float32, "cpu", longest + args.steps + 1)
         ids = torch.arange(len(head.d2t)) + head.d2t.cpu()
-        runs = Answers(target, head.cfg.target_layers, ids, args.steps, "cpu", longest, 8).runs(head.eval(), seqs, 8)
+        answers = Answers(target, head.cfg.target_layers, ids, args.steps, "cpu", longest, 8)
+        runs = answers.runs(head.eval(), seqs, 8)
         by_category = defaultdict(lambda: [0, 0, 0])
         by_match = defaultdict(lambda: [0, 0, 0, 0, 0])     # [positions, n-gram run, head run, first right each]
         for seq, run in zip(seqs, runs):
@@ -101,8 +102,7 @@ def main() -> None:
                                                 "ngram_first_right": af / n, "head_first_right": hf / n}
                                        for m, (n, a, h, af, hf) in by_match.items()}
         if args.tree_nodes:
-            answers = Answers(target, head.cfg.target_layers, ids, args.steps, "cpu", longest, 8)
-            ranks = [r for seq in answers.runs(head.eval(), seqs, 8, top=TREE_RANKS) for r in seq.values()]
+            ranks = [r for seq in answers.ranks(head, seqs, 8, TREE_RANKS) for r in seq.values()]
             results[folder]["trees"] = static_trees(ranks, args.tree_nodes, args.steps)
     print("| category | positions | " + " | ".join(f"{Path(h).name}: accepted in a row, 1st right" for h in heads) + " |")
     print("|---|---|" + "---|" * len(heads))

@@ -99,11 +99,10 @@ class LLMEngine:
             # measure_verify_cost waits for the device after each forward, so host clocks time it
             cost = measure_verify_cost(self.runner, config.max_num_seqs, num_draft_tokens)
         # a head's trees draft inside the graphs and its chains would not: trees every step, sized by depth
-        extension = getattr(self.runner, "extension", None)
         self.controller = DraftController(num_draft_tokens, cost, packed=self.runner.packs_rows,
                                           draft_cost=self.drafter.cost_per_token, tree_width=spec.tree_width,
-                                          tree_depth=extension.tree_depth if getattr(extension, "trees", False)
-                                          else None)
+                                          tree_depth=getattr(getattr(self.runner, "extension", None), "tree_depth",
+                                                             None))
         self.scheduler = Scheduler(config.max_num_seqs, config.max_prefill_tokens)
         parts = (self.drafter, self.controller, config.max_model_len, num_draft_tokens)
         # under tensor parallelism graph steps neither draft in the graph nor overlap (yet): EagerStep

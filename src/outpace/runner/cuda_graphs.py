@@ -153,7 +153,7 @@ class CudaGraphRunner(ModelRunner):
             if kernel:
                 words = fused.tree_words(ancestors)
             else:
-                bias = self._tree_bias(positions, rope, ancestors, L)
+                bias = self._bias(positions, L, rope, ancestors)
         elif not kernel:
             bias = self._bias(positions, L)
         batch = ForwardBatch(input_ids=input_ids, positions=positions, slots=self.slot_ids[:b], kv_len=L,
@@ -169,24 +169,6 @@ class CudaGraphRunner(ModelRunner):
         if trees:
             self._compact(b, t)
 
-    def _tree_bias(self, positions: torch.Tensor, rope: torch.Tensor, ancestors: torch.Tensor, L: int) -> torch.Tensor:
-        """The additive mask [b, 1, t, L] of token trees whose row position j sits at cache position
-        positions [b, t] and rotary position rope [b, t]: every query sees the row's keys up to
-        its last token (position j = 0) within the sliding window of its rotary position, and the
-        entries of its ancestors and itself (ancestors [b, t, t - 1]: row position j's, over the
-        nodes; the first row, the last token, has none)."""
-        b, t = positions.shape
-        mask = self.mask[:b * t * L].view(b, 1, t, L)
-        keys = self._arange[:L]
-        torch.le(keys, positions[:, None, :1, None].expand(b, 1, t, 1), out=mask)
-        if self.window:
-            mask &= keys > rope[:, None, :, None] - self.window
-        # the nodes' entries, at positions 1 .. t - 1 past the row's start (an idle row's clamped)
-        nodes = (positions[:, None, None, 1:]).clamp(max=L - 1).expand(b, 1, t, t - 1)
-        mask.scatter_(3, nodes, ancestors[:, None])
-        bias = self.bias[:b * t * L].view(b, 1, t, L)
-        return torch.where(mask, self.bias_values[0], self.bias_values[1], out=bias)
-
     def _compact(self, b: int, t: int) -> None:
         """After a step of token trees: each row's accepted path (the extension's path: the row
         position of its node at each depth) moved into consecutive positions, its keys and values
@@ -201,15 +183,24 @@ class CudaGraphRunner(ModelRunner):
             hidden = self.hidden[:b * t].view(b, t, -1)
             hidden[:, 1:] = hidden[:, 1:].gather(1, (order - 1)[:, :, None].expand(b, t - 1, hidden.shape[-1]))
 
-    def _bias(self, positions: torch.Tensor, L: int) -> torch.Tensor:
+    def _bias(self, positions: torch.Tensor, L: int, rope: torch.Tensor | None = None,
+              ancestors: torch.Tensor | None = None) -> torch.Tensor:
         """The additive mask [b, 1, t, L] of queries at positions [b, t]: keys up to each query's
-        position (and within the sliding window), in the static buffers."""
+        position (and within the sliding window), in the static buffers. Token trees (rope [b, t]
+        their rotary positions, ancestors [b, t, t - 1]: row position j's ancestors and itself
+        among the nodes; the last token, j = 0, has none): every query sees the row's keys up to
+        its last token, within the window of its rotary position, and its ancestors' and own
+        entries at positions 1 .. t - 1 past it."""
         b, t = positions.shape
         mask = self.mask[:b * t * L].view(b, 1, t, L)
         keys = self._arange[:L]
-        torch.le(keys, positions[:, None, :, None], out=mask)                          # key <= query position
+        seen, rotated = (positions, positions) if ancestors is None else (positions[:, :1].expand(b, t), rope)
+        torch.le(keys, seen[:, None, :, None], out=mask)                               # key <= query position
         if self.window:
-            mask &= keys > positions[:, None, :, None] - self.window
+            mask &= keys > rotated[:, None, :, None] - self.window
+        if ancestors is not None:   # the nodes' entries (an idle row's positions clamped)
+            nodes = positions[:, None, None, 1:].clamp(max=L - 1).expand(b, 1, t, t - 1)
+            mask.scatter_(3, nodes, ancestors[:, None])
         bias = self.bias[:b * t * L].view(b, 1, t, L)
         return torch.where(mask, self.bias_values[0], self.bias_values[1], out=bias)
 

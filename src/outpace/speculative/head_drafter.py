@@ -56,7 +56,8 @@ from outpace.model.eagle3 import load_eagle3_head
 from outpace.model.mtp import load_mtp_head
 from outpace.runner.calibrate import batch_buckets
 from outpace.speculative.drafter import DraftBatch, DraftContext, Drafter, Drafts, Prefilled, Verified
-from outpace.speculative.head_graphs import HeadGraphs, HeadGraphStep, HeadTreeGraphStep, frontier_depth, grow_frontier
+from outpace.speculative.head_graphs import (HeadGraphs, HeadGraphStep, HeadTreeGraphStep, frontier_depth,
+                                             frontier_mask, grow_frontier)
 
 # verify steps' pairs a row may hold pending beyond one step's before it catches up undrafted
 PENDING_STEPS = 32
@@ -393,8 +394,7 @@ class HeadDrafter(Drafter):
             own = (d - 1) * k + torch.arange(k, device=self.device)                        # the frontier's entries
             seen[:, :, own] |= torch.eye(k, dtype=torch.bool, device=self.device)
             # keys before the row's start, and the node's own and its ancestors' entries
-            mask = (place < 0)[:, None, :] | (seen.gather(2, place.clamp(0, T - 1)[:, None, :].expand(R, k, L))
-                                               & ((place >= 0) & (place < T))[:, None, :])
+            mask = frontier_mask(seen, place)
             out = self._forward(feature, fed, slots, (starts + d - 1)[:, None].expand(R, k), starts[:, None] + own,
                                 mask[:, None])
             score, frontier, fed, feature, seen = grow_frontier(self.head, out, score, frontier, tokens, scores,

@@ -153,9 +153,6 @@ class HeadGraphs:
         cfg = head.cfg
         kernel = fused.graph_tree_attention(d.last_out.dtype, cfg.head_dim, device,
                                             cfg.num_heads // cfg.num_kv_heads * k)
-        if not kernel:
-            place = self.keys[None, :] - starts[:, None]                                    # [b, L]: key - start
-            inside = (place >= 0) & (place < T)
         for level in range(1, depth):
             own = (level - 1) * k + wide                                                    # the frontier's entries
             seen[:, :, own] |= torch.eye(k, dtype=torch.bool, device=device)
@@ -168,9 +165,8 @@ class HeadGraphs:
                 out = fused.decode_attention(q.transpose(1, 2), d.k_cache, d.v_cache, last, d.cache_len, 0, None,
                                              words)
             else:
-                mask = (place < 0)[:, None, :] | (seen.gather(2, place.clamp(0, T - 1)[:, None, :].expand(b, k, -1))
-                                                  & inside[:, None, :])
-                mask = torch.where(active[:, :, None], mask, self.keys == 0)
+                mask = torch.where(active[:, :, None], frontier_mask(seen, self.keys[None, :] - starts[:, None]),
+                                   self.keys == 0)
                 out = attend(q, d.k_cache[:b], d.v_cache[:b], mask[:, None])
             out = head.finish(residual, out)                                                # [b, k, H]
             score, frontier, fed, feature, seen = grow_frontier(head, out, score, frontier, tokens, scores,
@@ -289,6 +285,16 @@ def frontier_depth(nodes: int, width: int) -> int:
     return nodes if width == 1 else min(nodes, math.ceil(nodes / width) + 1)
 
 
+def frontier_mask(seen: torch.Tensor, place: torch.Tensor) -> torch.Tensor:
+    """The keys [R, k, L] a head's tree frontier attends to: its row's entries before the row's
+    start (place [R, L]: each key's position less the start, negative there) and the tree's
+    entries past it that seen [R, k, T] marks (each node's ancestors' and its own)."""
+    R, k, T = seen.shape
+    inside = (place >= 0) & (place < T)
+    return (place < 0)[:, None, :] | (seen.gather(2, place.clamp(0, T - 1)[:, None, :].expand(R, k, -1))
+                                      & inside[:, None, :])
+
+
 def grow_frontier(head, out: torch.Tensor, score: torch.Tensor, frontier: torch.Tensor, tokens: list, scores: list,
                   parents: list, seen: torch.Tensor):
     """One depth of a head's token trees (HeadDrafter._candidates, HeadGraphs.tree): the k frontier
@@ -402,7 +408,6 @@ class HeadTreeGraphStep(HeadGraphStep):
         super().__init__(graphs, max_rows, max_tokens)
         self.tree_width = width
         self.cost_key = f"{self.cost_key} trees of width {width}"      # its verify forwards draft trees
-        self.tree_depth = lambda nodes: frontier_depth(nodes, width)    # the controller's positions
         device = graphs.rows.device
         K = max(max_tokens - 1, 1)
         self.chain = torch.arange(K, device=device)
@@ -414,12 +419,15 @@ class HeadTreeGraphStep(HeadGraphStep):
         self.is_node = torch.zeros(max_rows, K, dtype=torch.bool, device=device)
         self.path = torch.zeros(max_rows, K, dtype=torch.long, device=device)
 
+    def tree_depth(self, nodes: int) -> int:
+        """How deep its tree of `nodes` nodes reaches (the controller's positions are depths)."""
+        return frontier_depth(nodes, self.tree_width)
+
     def before(self, b: int, t: int, input_ids: torch.Tensor) -> None:
+        if t == 1:                                      # a plain step: as a chain's
+            return super().before(b, t, input_ids)
         room = self.inputs_view[0, :b]
         K = t - 1
-        if t == 1:
-            self.num_draft[:b].zero_()
-            return
         active = room[:, None] > 0
         tokens, parents, depth, is_node, levels = self.graphs.tree(b, K, self.tree_width, self.starts[:b], active,
                                                                   room)
@@ -435,15 +443,11 @@ class HeadTreeGraphStep(HeadGraphStep):
         torch.clamp(room, max=K, out=self.num_draft[:b])
 
     def after(self, b: int, t: int, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
+        if t == 1:
+            return super().after(b, t, input_ids, logits)
         K = t - 1
         result = self.result[:b]
-        target = logits.argmax(-1)                                                      # [b, t]
-        if t == 1:
-            result[:, 0] = 1
-            result[:, 1] = 0
-            result[:, 2:3] = target
-            return
-        out, num_out, path = verify_tree_paths(target, input_ids[:, 1:], self.parents[:b, :K],
+        out, num_out, path = verify_tree_paths(logits.argmax(-1), input_ids[:, 1:], self.parents[:b, :K],
                                                self.ancestors[:b, 1:t, :K], self.depths[:b, 1:t], self.is_node[:b, :K])
         self.path[:b, :K] = path
         result[:, 0] = num_out

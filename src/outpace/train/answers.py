@@ -75,20 +75,29 @@ class Answers:
 
     @torch.no_grad()
     def runs(self, head: DraftHead, seqs: list[Answer], batch_size: int,
-             autocast: Callable[[], ContextManager] = nullcontext, top: int = 0) -> list[dict[int, int]]:
+             autocast: Callable[[], ContextManager] = nullcontext) -> list[dict[int, int]]:
         """Per sequence, {p: drafts accepted in a row} at each answer position p that a first
         draft predicts (tokens[p], from the sequence's third token on): the chain drafted after
-        tokens[:p], teacher forced. top > 0: {p: the rank of each step's answer token among the
-        head's `top` best drafts along that chain, a tuple} instead (unrolled_loss's ranks)."""
-        out = []
+        tokens[:p], teacher forced."""
+        return [{s + 2: n for s, (n, ok) in enumerate(zip(run, counted)) if ok}
+                for run, counted, _ in self._unrolled(head, seqs, batch_size, autocast)]
+
+    @torch.no_grad()
+    def ranks(self, head: DraftHead, seqs: list[Answer], batch_size: int, top: int) -> list[dict[int, tuple]]:
+        """Per sequence, {p: the rank of each step's answer token among the head's `top` best
+        drafts along that chain (unrolled_loss's ranks)} at the positions runs gives."""
+        return [{s + 2: tuple(r) for s, (r, ok) in enumerate(zip(ranks, counted)) if ok}
+                for _, counted, ranks in self._unrolled(head, seqs, batch_size, nullcontext, top)]
+
+    def _unrolled(self, head: DraftHead, seqs: list[Answer], batch_size: int,
+                  autocast: Callable[[], ContextManager], top: int = 0):
+        """unrolled_loss over seqs in batches: per sequence, its rows of accepted runs, of the
+        positions counted and of ranks (None without top), as lists."""
         for i in range(0, len(seqs), batch_size):
             with autocast():
                 _, run, counted, ranks = unrolled_loss(head, self._embed(head), self.batch(seqs[i:i + batch_size]),
                                                        self.steps, self.in_vocab, top)
-            values = run.tolist() if not top else [[tuple(r) for r in row] for row in ranks.tolist()]
-            for row, mask in zip(values, counted.tolist()):
-                out.append({s + 2: n for s, (n, ok) in enumerate(zip(row, mask)) if ok})
-        return out
+            yield from zip(run.tolist(), counted.tolist(), ranks.tolist() if top else [None] * len(run))
 
     def _embed(self, head: DraftHead) -> torch.nn.Module:
         return head.embed if head.embed is not None else self.target.embed
