@@ -30,7 +30,7 @@ import torch
 
 import outpace.engine.llm_engine as llm_engine
 import outpace.speculative.draft_model as draft_model
-from outpace.config import SpecConfig
+from outpace.config import DRAFT_WEIGHTS, SpecConfig
 from outpace.speculative.drafter import DraftBatch, Prefilled
 from outpace.kernels import cpu_isa
 from outpace.llm import LLM
@@ -52,6 +52,7 @@ def main() -> None:
     p.add_argument("--model", required=True, help="target: a known name, a folder or a .gguf file")
     p.add_argument("--draft-model", required=True)
     p.add_argument("--draft-vocab", type=int, default=SpecConfig.draft_vocab)
+    p.add_argument("--draft-weights", default=SpecConfig.draft_weights, choices=DRAFT_WEIGHTS)
     p.add_argument("--num-draft-tokens", type=int, default=8)
     p.add_argument("--max-num-seqs", type=int, default=8, help="the largest batch size calibrated")
     p.add_argument("--dtype", default="auto")
@@ -65,7 +66,7 @@ def main() -> None:
     if args.random_weights:
         patch_random_weights()
     spec = SpecConfig(method="draft", draft_model=args.draft_model, draft_vocab=args.draft_vocab,
-                      num_draft_tokens=args.num_draft_tokens)
+                      draft_weights=args.draft_weights, num_draft_tokens=args.num_draft_tokens)
     llm = LLM(args.model, spec=spec, dtype="bfloat16" if args.random_weights else args.dtype, device=args.device,
               max_num_seqs=args.max_num_seqs, max_model_len=2048)
     engine = llm.engine

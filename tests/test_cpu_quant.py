@@ -323,3 +323,23 @@ def test_quantize_q8_0_writes_ggmls_blocks():
                               None, 37)
     assert torch.equal(layer(x), want)
     torch.testing.assert_close(layer(x), x @ weight.T, rtol=0.05, atol=0.05)
+
+
+def test_quantize_q4_0_writes_ggufs_blocks():
+    """quantize_q4_0 (a draft model's matrices requantized): the bytes of gguf-py's Q4_0 quantizer
+    at scales whose float16 d is normal, subnormal, zero and infinite, with a block of zeros, ties
+    for the largest magnitude (the first one's sign sets d's) and a block whose largest is
+    positive."""
+    from gguf.quants import quantize as gguf_quantize
+    torch.manual_seed(0)
+    for scale in (1.0, 0.02, 1e-6, 1e-9, 1e6):
+        weight = torch.randn(37, 320) * scale
+        weight[0, :32] = 0.0
+        weight[1, :32] = weight[1, :32].abs()
+        weight[2, 3], weight[2, 9] = 4 * scale, -4 * scale
+        weight[3, 3], weight[3, 9] = -4 * scale, 4 * scale
+        with np.errstate(over="ignore"):                # gguf's float16 cast of an infinite d
+            want = torch.from_numpy(gguf_quantize(weight.numpy(), GGMLQuantizationType.Q4_0))
+        assert torch.equal(cpu_kernels.quantize_q4_0(weight), want), scale
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        cpu_kernels.quantize_q4_0(torch.randn(2, 48))

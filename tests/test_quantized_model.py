@@ -185,6 +185,39 @@ def test_a_k_quant_gguf_computes_close_to_its_float_copy(home, tmp_path, dtype):
     assert all(len(o.token_ids) == 32 for o in outputs[1])
 
 
+def test_a_requantized_model_holds_q4_0_where_its_file_takes_more_bytes(home, tmp_path):
+    """requantize "Q4_0" (a draft model's matrices): every matrix whose type takes more bytes a
+    weight than Q4_0 (Q5_0, Q8_0, Q4_1, Q6_K) holds the Q4_0 blocks of its dequantized values; Q4_0
+    and Q4_K (as many bytes) keep the file's. A fused layer whose parts all become Q4_0 is one
+    product; its logits stay near the float model's (a misplaced block is about 100% off)."""
+    kinds = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q4_1", "ffn_gate": "Q4_0",
+             "ffn_up": "Q4_K", "ffn_down": "Q6_K", "output": "Q8_0"}
+    shape = {"tie_word_embeddings": False, "vocab_size": 320, "hidden_size": 256, "intermediate_size": 512,
+             "head_dim": 64}
+    tensors = write_test_gguf(tmp_path / "m.gguf", "qwen2", shape, quantized=kinds)
+    folder = convert_gguf(tmp_path / "m.gguf")
+    model = load_model(folder, torch.float32, "cpu", max_len=64, weights="quantized", requantize="Q4_0")
+
+    def q4_0(*names):
+        blocks = cpu_kernels.quantize_q4_0(torch.cat([torch.as_tensor(tensors[n]) for n in names]))
+        return cpu_kernels.pack_quantized(blocks, "Q4_0")
+
+    for i, layer in enumerate(model.layers):
+        prefix = f"model.layers.{i}."
+        qkv = [prefix + f"self_attn.{p}_proj.weight" for p in "qkv"]
+        assert isinstance(layer.attn.qkv, QuantizedLinear) and torch.equal(layer.attn.qkv.packed, q4_0(*qkv))
+        assert torch.equal(layer.attn.o.packed, q4_0(prefix + "self_attn.o_proj.weight"))
+        assert torch.equal(layer.mlp.down.packed, q4_0(prefix + "mlp.down_proj.weight"))
+        assert [part.qtype for part in layer.mlp.gate_up.parts] == ["Q4_0", "Q4_K"]
+    assert model.lm_head.qtype == "Q4_0" and torch.equal(model.lm_head.packed, q4_0("lm_head.weight"))
+    file = load_model(folder, torch.float32, "cpu", max_len=64, weights="quantized")
+    assert torch.equal(file.layers[0].mlp.gate_up.parts[0].packed, model.layers[0].mlp.gate_up.parts[0].packed)
+    reference = load_model(folder, torch.float32, "cpu", max_len=64, weights="fp32")
+    rows = [Row(0, list(range(3, 40)), 0)]
+    got, want = (ModelRunner(m, 1, 64, 64).forward(rows)[0] for m in (model, reference))
+    close(got, want, 0.3)           # measured: about 17% (4-bit rounding of random weights, two layers)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_quantized_embedding_is_its_float_copys_rows(home, tmp_path, dtype):
     """A Q4_K embedding (Q4_K_M's) looked up in its blocks gives the float model's rows bit for bit,
@@ -296,3 +329,24 @@ def test_a_draft_model_holds_its_weights_as_the_target_does(default_model_dir, w
               device="cpu", max_num_seqs=1, max_model_len=256, weights=weights, calibrate=False)
     quantized_in = [isinstance(m.lm_head, QuantizedLinear) for m in (llm.engine.model, llm.engine.drafter.model)]
     assert quantized_in == [weights == "auto"] * 2
+
+
+@pytest.mark.parametrize("draft_weights", ["q4_0", "file"])
+def test_a_draft_model_in_q4_0_keeps_greedy_output(default_model_dir, draft_weights):
+    """The default model drafting for itself: with draft_weights q4_0 its draft copy holds every
+    matrix in Q4_0 while the target keeps the file's types (Q4_1, Q8_0), with file the file's;
+    greedy output equals plain greedy's either way, the rounded draft's drafts still accepted."""
+    opts = dict(device="cpu", max_num_seqs=2, max_model_len=256, calibrate=False)
+    spec = SpecConfig(method="draft", draft_model=str(default_model_dir), num_draft_tokens=4,
+                      draft_weights=draft_weights)
+    llm = LLM(str(default_model_dir), spec=spec, **opts)
+    types = [{m.qtype for m in model.modules() if isinstance(m, QuantizedLinear)}
+             for model in (llm.engine.model, llm.engine.drafter.model)]
+    assert types[0] == {"Q4_1", "Q8_0"}
+    assert types[1] == ({"Q4_0"} if draft_weights == "q4_0" else types[0])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(str(default_model_dir), spec="none", **opts).generate(PROMPTS, params)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == [o.token_ids for o in plain]
+    assert llm.engine.stats.num_accepted_tokens > 0
+    with pytest.raises(InvalidParameterError, match="draft_weights must be one of"):
+        SpecConfig(method="draft", draft_model=str(default_model_dir), draft_weights="q2")

@@ -59,6 +59,10 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-window", type=int, default=0,
                    help="with --spec draft: the draft model reads only the last N tokens of each prompt (0: all), "
                         "so its share of a long prompt's prefill shrinks")
+    p.add_argument("--draft-weights", default="q4_0", choices=["q4_0", "file"],
+                   help="with --spec draft, a GGUF draft model on the CPU: q4_0 (default) holds its matrices in "
+                        "Q4_0 where the file's types take more bytes, so a drafted token reads fewer; file keeps "
+                        "the file's types")
     p.add_argument("--draft-head", default=None,
                    help="with --spec eagle3: the head's folder (outpace train-head makes one; default: the head that "
                         "ships for a known model, smollm2-135m's); with --spec mtp: "
@@ -82,7 +86,7 @@ def spec_config(args):
     from outpace.config import SpecConfig
     return SpecConfig(method=args.spec, num_draft_tokens=args.num_draft_tokens, min_ngram=args.min_ngram,
                       max_ngram=args.max_ngram, exact=args.exact, draft_model=args.draft_model, p_min=args.p_min,
-                      draft_vocab=args.draft_vocab, draft_window=args.draft_window,
+                      draft_vocab=args.draft_vocab, draft_window=args.draft_window, draft_weights=args.draft_weights,
                       ngram_first=args.ngram_first, draft_head=args.draft_head, tree_width=args.tree_width)
 
 

@@ -64,6 +64,9 @@ MAX_NUM_DRAFT_TOKENS = 32       # the most tokens drafted per step, wherever a b
 DRAFT_CHAIN_MIN_NGRAM = 3
 
 
+DRAFT_WEIGHTS = ("q4_0", "file")
+
+
 @dataclass
 class SpecConfig:
     """Speculative decoding. method 'ngram' drafts by prompt lookup over prompt plus output;
@@ -71,7 +74,11 @@ class SpecConfig:
     folder or a .gguf file), which stops drafting a row when its top probability falls below p_min,
     and drafts among the first draft_vocab token ids (0: all of them; BPE vocabularies number their
     tokens by merge order, most frequent first, and the draft's LM head is then that much smaller)
-    and reads only the last draft_window tokens of each prompt (0: all of it);
+    and reads only the last draft_window tokens of each prompt (0: all of it); draft_weights: how
+    the draft model's quantized matrices are held where they load quantized (a GGUF on the CPU):
+    'q4_0' in Q4_0 where the file's type takes more bytes a weight (requantized at load: fewer
+    bytes to read a drafted token, at a rounding that changes drafts alone), 'file' as the file
+    holds them;
     'eagle3' by an EAGLE-3 head on the target's hidden states (draft_head: its folder; without
     one, the head that ships for a known model: outpace/heads/<name>); 'mtp' by
     a multi-token-prediction module (draft_head: the folder holding its weights, the target's own
@@ -106,6 +113,7 @@ class SpecConfig:
     p_min: float = 0.0
     draft_vocab: int = 32768
     draft_window: int = 0
+    draft_weights: str = "q4_0"
     ngram_first: bool = False
     draft_head: str | None = None
     tree_width: int = 1
@@ -125,6 +133,8 @@ class SpecConfig:
         _check(0.0 <= self.p_min < 1.0, f"p_min must be in [0, 1), got {self.p_min}")
         _check(self.draft_vocab >= 0, f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
         _check(self.draft_window >= 0, f"draft_window must be >= 0 (0: the whole prompt), got {self.draft_window}")
+        _check(self.draft_weights in DRAFT_WEIGHTS,
+               f"draft_weights must be one of {DRAFT_WEIGHTS}, got {self.draft_weights!r}")
         _check(self.method != "mtp" or bool(self.draft_head),
                "method 'mtp' needs draft_head: the folder holding the module's weights (the target's own where it ships one)")
         _check(1 <= self.tree_width <= MAX_TREE_WIDTH, f"tree_width must be in [1, {MAX_TREE_WIDTH}], got {self.tree_width}")

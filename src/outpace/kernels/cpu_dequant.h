@@ -1,5 +1,6 @@
 /* Rows of a GGUF matrix's blocks dequantized to float32 (or bfloat16, rounded once from it): a
- * quantized embedding's lookups (cpu_linear.QuantizedEmbedding). Each value is computed with the
+ * quantized embedding's lookups (cpu_linear.QuantizedEmbedding); and float32 rows quantized to
+ * Q4_0 (a draft model's matrices requantized, weights/quantized.py). Each value is computed with the
  * float32 operations, in the order, of gguf-py's numpy dequantizers (gguf.quants), and floating
  * point contraction is off for the whole build, so a row is that dequantizer's output bit for bit:
  * a quantized embedding is its float32 copy's rows. */
@@ -75,6 +76,39 @@ int dequantize_rows(const uint8_t *blocks, long row_bytes, int format, const int
                 for (int i = 0; i < inputs; i++) ((bf16 *)out)[r * K + g * inputs + i] = f32_to_bf16(values[i]);
             } else {
                 memcpy((float *)out + r * K + g * inputs, values, sizeof(float) * inputs);
+            }
+        }
+    }
+    return 0;
+}
+
+/* float32 rows x [rows][K] (K a multiple of 32) as Q4_0 blocks [rows][K / 32 * 18], the bytes of
+ * gguf-py's numpy quantizer (and ggml's reference one): per 32 inputs d = the value of largest
+ * magnitude (the first such) / -8, stored in float16, and each input as min(15, trunc(x / d + 8.5))
+ * (x * (1 / d) in float32), input i's nibble in byte i % 16, low half for i < 16. Returns 0, -2
+ * for a K that is not whole blocks. */
+int quantize_q4_0(const float *x, long rows, long K, uint8_t *out) {
+    if (K % 32) return -2;
+    long blocks = K / 32;
+#pragma omp parallel for schedule(static) if (rows * K >= (1 << 18))
+    for (long r = 0; r < rows; r++) {
+        for (long g = 0; g < blocks; g++) {
+            const float *v = x + r * K + g * 32;
+            uint8_t *b = out + (r * blocks + g) * 18;
+            float amax = 0.0f, max = 0.0f;
+            for (int i = 0; i < 32; i++) {
+                if (fabsf(v[i]) > amax) {
+                    amax = fabsf(v[i]);
+                    max = v[i];
+                }
+            }
+            float d = max / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            uint16_t h = f32_to_half(d);
+            b[0] = (uint8_t)(h & 0xff);
+            b[1] = (uint8_t)(h >> 8);
+            for (int i = 0; i < 16; i++) {
+                float lo = truncf(v[i] * id + 8.5f), hi = truncf(v[16 + i] * id + 8.5f);
+                b[2 + i] = (uint8_t)((lo < 15.0f ? (int)lo : 15) | (hi < 15.0f ? (int)hi : 15) << 4);
             }
         }
     }

@@ -71,6 +71,8 @@ def _loaded() -> tuple[ctypes.CDLL, str] | None:
     lib.pack_blocks.restype = ctypes.c_int
     lib.dequantize_rows.argtypes = [p, i, ctypes.c_int, p, i, ctypes.c_int, p]
     lib.dequantize_rows.restype = ctypes.c_int
+    lib.quantize_q4_0.argtypes = [p, i, i, p]
+    lib.quantize_q4_0.restype = ctypes.c_int
     return lib, level.name
 
 
@@ -175,6 +177,17 @@ def dequantize_rows(blocks: torch.Tensor, qtype: str, ids: torch.Tensor, dtype: 
     if _library().dequantize_rows(blocks.data_ptr(), row_bytes, QUANT_FORMATS[qtype], flat.data_ptr(), flat.numel(),
                                   dtype == torch.bfloat16, out.data_ptr()):
         raise ValueError(f"{qtype} blocks of {row_bytes} bytes a row are not whole blocks")
+    return out
+
+
+def quantize_q4_0(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 matrix [N, K] (K a multiple of 32) as GGUF's Q4_0 blocks [N, K / 32 * 18] uint8,
+    the bytes gguf-py's quantizer writes (cpu_dequant.h)."""
+    weight = weight.float().contiguous()
+    N, K = weight.shape
+    out = torch.empty(N, K // 32 * 18, dtype=torch.uint8)
+    if _library().quantize_q4_0(weight.data_ptr(), N, K, out.data_ptr()):
+        raise ValueError(f"Q4_0 takes whole blocks of 32 inputs, got {K}")
     return out
 
 

@@ -62,6 +62,21 @@ static inline float half_to_f32(uint16_t h) {
     return v.f;
 }
 
+/* a float as the nearest float16, ties to even (numpy's astype(float16)): overflow to infinity,
+ * subnormals rounded in float32 arithmetic, which is exact there under the default rounding */
+static inline uint16_t f32_to_half(float f) {
+    union { float f; uint32_t u; } v = {f};
+    uint32_t sign = (v.u >> 16) & 0x8000u, a = v.u & 0x7fffffffu;
+    if (a >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (a > 0x7f800000u ? 0x200u : 0));
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);          /* 65520 and above round to inf */
+    if (a < 0x38800000u) {                                              /* below 2^-14: subnormal */
+        v.u = a;
+        return (uint16_t)(sign | (uint32_t)lrintf(v.f * 16777216.0f));   /* units of 2^-24 */
+    }
+    uint32_t r = a - 0x38000000u;                                       /* exponent rebiased 127 -> 15 */
+    return (uint16_t)(sign | ((r + 0x0fffu + ((r >> 13) & 1u)) >> 13));
+}
+
 #if !defined(OUTPACE_PORTABLE) && defined(__AVX512F__)
 #include <immintrin.h>
 #define VL 16

@@ -61,11 +61,15 @@ class DraftModelDrafter(Drafter):
     name = "draft"
     priced_after_drafting = False       # every drafted token costs a forward: the controller's budget first
 
-    def __init__(self, model: str, p_min: float = 0.0, draft_vocab: int = 0, window: int = 0):
+    def __init__(self, model: str, p_min: float = 0.0, draft_vocab: int = 0, window: int = 0,
+                 weights: str = "q4_0"):
         """model: a known name, a Hugging Face folder or a .gguf file of the draft model;
         draft_vocab: draft among the first token ids alone (0: every id the two models share);
-        window: the draft model reads only the last `window` tokens of each prompt (0: all of it)."""
+        window: the draft model reads only the last `window` tokens of each prompt (0: all of it);
+        weights: "q4_0" holds its quantized matrices in Q4_0 where the file's take more bytes,
+        "file" as the file holds them (SpecConfig.draft_weights)."""
         self.source = model
+        self.weights = weights
         self.p_min = p_min
         self.draft_vocab = draft_vocab
         self.window = window
@@ -80,7 +84,8 @@ class DraftModelDrafter(Drafter):
         folder = resolve_model(self.source)
         # ids below `vocab` mean the same token to both models; drafts stay below it
         shared = check_vocab_compatible(context.tokenizer, Tokenizer.from_folder(folder))
-        self.model = load_model(folder, context.dtype, str(context.device), context.max_len, weights=context.weights)
+        self.model = load_model(folder, context.dtype, str(context.device), context.max_len, weights=context.weights,
+                                requantize="Q4_0" if self.weights == "q4_0" else None)
         if self.model.is_recurrent:
             raise InvalidParameterError(f"the draft model {self.source!r} has recurrent layers, whose state "
                                         "cannot be rolled back across draft steps yet: use an attention-only draft model")

@@ -22,7 +22,8 @@ def make_drafter(spec: SpecConfig, model: str, device: str, max_seqs: int, max_l
     if spec.method == "ngram":
         return NgramDrafter(spec)
     if spec.method == "draft":
-        model = DraftModelDrafter(spec.draft_model, spec.p_min, spec.draft_vocab, spec.draft_window)
+        model = DraftModelDrafter(spec.draft_model, spec.p_min, spec.draft_vocab, spec.draft_window,
+                                  spec.draft_weights)
         return _after_lookup(model, spec, device, max_seqs, max_len, cuda_graphs) if spec.ngram_first else model
     if spec.method in HEADS:
         folder = spec.draft_head or str(shipped_head(model))

@@ -18,10 +18,11 @@ from outpace.weights import gguf, quantized
 
 
 def load_model(folder: Path, dtype: torch.dtype, device: str, max_len: int, shard: Shard | None = None,
-               weights: str = "auto") -> DecoderLM:
+               weights: str = "auto", requantize: str | None = None) -> DecoderLM:
     """shard: this rank's part of a tensor-parallel model (None: the whole model). weights: how a
     GGUF folder's quantized matrices are held (weights.quantized: "auto" keeps them quantized on
-    the CPU)."""
+    the CPU); requantize: "Q4_0" holds those that take more bytes a weight in Q4_0 (a draft
+    model's, quantized.install)."""
     folder = Path(folder)
     cfg = ModelConfig.from_folder(folder)
     if not any(folder.glob("*.safetensors")):
@@ -31,7 +32,7 @@ def load_model(folder: Path, dtype: torch.dtype, device: str, max_len: int, shar
     copy = None if is_quantized else gguf.dequantized_copy(folder)
     taken: set[str] = set()         # weights held by QuantizedLinear layers, not read from the float copy
     model = empty_model(cfg, dtype, device, max_len, shard,
-                        before_cast=(lambda m: taken.update(quantized.install(m, folder))) if is_quantized else None)
+                        before_cast=(lambda m: taken.update(quantized.install(m, folder, requantize))) if is_quantized else None)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     files = sorted(folder.glob("*.safetensors"))

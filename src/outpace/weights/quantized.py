@@ -13,6 +13,10 @@ model's dtype.
 
 `weights`: "quantized" or "auto" (quantized where it can be: a GGUF folder, on the CPU, the kernels
 loaded, one rank), or "bf16" / "fp32" (the float copy, EngineConfig makes them the model's dtype).
+
+A draft model may hold its matrices in fewer bits than its file's (`requantize`): on the CPU a
+draft is bound by the bytes it reads a token, and its weights' rounding changes its drafts alone,
+never the target's output.
 """
 from __future__ import annotations
 
@@ -55,11 +59,12 @@ def chosen(folder: Path, weights: str, device: str, sharded: bool) -> bool:
     return why is None
 
 
-def install(model: nn.Module, folder: Path) -> set[str]:
+def install(model: nn.Module, folder: Path, requantize: str | None = None) -> set[str]:
     """Replaces model's linear layers (on the CPU, their float weights allocated but untouched, as
     loader.empty_model calls it) with QuantizedLinear (or QuantizedParts) layers over the folder's
     blocks wherever every part has kernels and the inputs are whole blocks of each part's type, and
-    its embedding with a QuantizedEmbedding where its type allows.
+    its embedding with a QuantizedEmbedding where its type allows. requantize "Q4_0": a matrix
+    whose type takes more bytes a weight is held in Q4_0 instead (requantized).
     Returns the weight names (model.map_weight's) they took; says on stderr which matrices stay
     float, why, and what that costs."""
     with safe_open(str(blocks_file(folder)), framework="pt", device="cpu") as f:
@@ -96,6 +101,8 @@ def install(model: nn.Module, folder: Path) -> set[str]:
             blocks = [f.get_tensor(hf_name) for hf_name in hf_names]
             if sum(b.shape[0] for b in blocks) != linear.out_features:
                 continue                                        # a part is not quantized: the float copy serves
+            if requantize is not None:
+                blocks, types = zip(*(requantized(b, t, requantize) for b, t in zip(blocks, types)))
             shape = (linear.in_features, linear.out_features, linear.bias is not None)
             layer = (QuantizedLinear(torch.cat(blocks), types[0], *shape) if len(set(types)) == 1
                      else QuantizedParts(list(zip(blocks, types)), *shape))
@@ -104,6 +111,22 @@ def install(model: nn.Module, folder: Path) -> set[str]:
         for why, names in dequantized.items():
             _warn(why, names, qtypes, {n: f.get_slice(n).get_shape() for n in names})
     return taken
+
+
+def requantized(blocks: torch.Tensor, qtype: str, to: str, rows: int = 4096) -> tuple[torch.Tensor, str]:
+    """A matrix's blocks of type qtype in type `to` ("Q4_0") where qtype takes more bytes a weight
+    and its inputs are whole blocks of `to`, else as they are: dequantized exactly, then quantized
+    as gguf-py quantizes, `rows` rows at a time (a float32 copy of a whole LM head is half a GB)."""
+    if to != "Q4_0":
+        raise InvalidParameterError(f"requantize takes Q4_0 alone, got {to!r}")
+    K = blocks.shape[1] // _SIZES[qtype][1] * _SIZES[qtype][0]
+    if _SIZES[qtype][1] / _SIZES[qtype][0] <= _SIZES[to][1] / _SIZES[to][0] or K % _SIZES[to][0]:
+        return blocks, qtype
+    out = torch.empty(blocks.shape[0], K // _SIZES[to][0] * _SIZES[to][1], dtype=torch.uint8)
+    for start in range(0, blocks.shape[0], rows):
+        ids = torch.arange(start, min(start + rows, blocks.shape[0]))
+        out[start:start + rows] = cpu_kernels.quantize_q4_0(cpu_kernels.dequantize_rows(blocks, qtype, ids, torch.float32))
+    return out, to
 
 
 def _warn(why: str, names: list[str], qtypes: dict[str, str], shapes: dict[str, list[int]]) -> None:
