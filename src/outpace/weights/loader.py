@@ -31,8 +31,8 @@ def load_model(folder: Path, dtype: torch.dtype, device: str, max_len: int, shar
     # a GGUF folder's float32 copy of the matrices kept as blocks (its file, or the blocks in memory)
     copy = None if is_quantized else gguf.dequantized_copy(folder)
     taken: set[str] = set()         # weights held by QuantizedLinear layers, not read from the float copy
-    model = empty_model(cfg, dtype, device, max_len, shard,
-                        before_cast=(lambda m: taken.update(quantized.install(m, folder, requantize))) if is_quantized else None)
+    install = (lambda m: taken.update(quantized.install(m, folder, requantize))) if is_quantized else None
+    model = empty_model(cfg, dtype, device, max_len, shard, before_cast=install)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     files = sorted(folder.glob("*.safetensors"))

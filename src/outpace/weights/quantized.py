@@ -125,7 +125,8 @@ def requantized(blocks: torch.Tensor, qtype: str, to: str, rows: int = 4096) -> 
     out = torch.empty(blocks.shape[0], K // _SIZES[to][0] * _SIZES[to][1], dtype=torch.uint8)
     for start in range(0, blocks.shape[0], rows):
         ids = torch.arange(start, min(start + rows, blocks.shape[0]))
-        out[start:start + rows] = cpu_kernels.quantize_q4_0(cpu_kernels.dequantize_rows(blocks, qtype, ids, torch.float32))
+        values = cpu_kernels.dequantize_rows(blocks, qtype, ids, torch.float32)
+        out[start:start + rows] = cpu_kernels.quantize_q4_0(values)
     return out, to
 
 
