@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+from outpace.config import DRAFT_WEIGHTS, SPEC_METHODS, WEIGHTS
 from outpace.errors import OutpaceError
 
 # the names in outpace.weights.hub.REGISTRY (tests/test_release.py keeps them in step)
@@ -18,7 +19,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m",
                    help=f"a known name ({KNOWN_MODELS}), a Hugging Face folder, or a .gguf file")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
-    p.add_argument("--weights", default="auto", choices=["auto", "quantized", "bf16", "fp32"],
+    p.add_argument("--weights", default="auto", choices=WEIGHTS,
                    help="a GGUF's quantized matrices: quantized keeps them in the file's types (CPU), bf16 or fp32 "
                         "dequantizes them (and sets --dtype); auto (default): quantized on the CPU")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
@@ -46,7 +47,7 @@ def model_options(args) -> dict:
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--spec", default="ngram", choices=["none", "ngram", "draft", "eagle3", "mtp"],
+    p.add_argument("--spec", default="ngram", choices=SPEC_METHODS,
                    help="speculative decoding method (default ngram: prompt lookup; draft: a draft model; eagle3: "
                         "an EAGLE-3 head on the target's hidden states; mtp: a multi-token-prediction module)")
     p.add_argument("--draft-model", default=None,
@@ -59,7 +60,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-window", type=int, default=0,
                    help="with --spec draft: the draft model reads only the last N tokens of each prompt (0: all), "
                         "so its share of a long prompt's prefill shrinks")
-    p.add_argument("--draft-weights", default="q4_0", choices=["q4_0", "file"],
+    p.add_argument("--draft-weights", default="q4_0", choices=DRAFT_WEIGHTS,
                    help="with --spec draft, a GGUF draft model on the CPU: q4_0 (default) holds its matrices in "
                         "Q4_0 where the file's types take more bytes, so a drafted token reads fewer; file keeps "
                         "the file's types")
