@@ -19,16 +19,13 @@ Qwen2.5-1.5B's Q4_K_M.
 converter's FORMAT, so an unchanged file converts once and a changed file (or converter) again; a
 folder an older converter made of the same file is removed then. A folder is written under a
 temporary name and renamed into place: if it exists, it is whole (so is the float copy written
-later, under a temporary name too).
+later, under a temporary name too: weights.write_once).
 
 The header is parsed here (the format is small, and gguf.GGUFReader spends seconds building a
 numpy view per vocabulary string); tensors are dequantized with gguf.quants.dequantize.
 """
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import hashlib
 import json
 import math
@@ -55,13 +52,13 @@ from outpace.errors import CorruptModelError, ModelNotFoundError, OutpaceError, 
 from outpace.kernels import cpu_kernels
 from outpace.paths import outpace_home
 from outpace.weights.tokenizer import tokenizer_from_gguf
+from outpace.weights.write_once import write_once
 
 _REQUIRED = object()
 FORMAT = 4  # bump when the converted folder changes, so old conversions are redone
 QUANTIZED_FOLDER, QTYPES_KEY = "quantized", "qtypes"      # the GGUF blocks' file, and its metadata's key
 # model.safetensors' metadata key: the matrices whose float32 copy waits for DEQUANTIZED_FILE
 LATER_KEY, DEQUANTIZED_FILE = "dequantized_later", "dequantized.safetensors"
-FREE_MARGIN = 64 << 20      # bytes a disk keeps free beyond the float copy, for the files others write
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 # GGUF architecture -> (Hugging Face class, model_type). llama.cpp files Mistral under llama.
@@ -126,38 +123,21 @@ def dequantized_copy(folder: Path) -> Path | BlocksAsFloats | None:
     if not later:
         return None
     blocks = str(folder / QUANTIZED_FOLDER / "model.safetensors")
-    work = folder / f".{DEQUANTIZED_FILE}.tmp-{os.getpid()}"
     with safe_open(blocks, framework="pt") as f:
         qtypes = json.loads(f.metadata()[QTYPES_KEY])
         types = {name: GGMLQuantizationType[qtypes[name]] for name in later}
         specs = [(name, quant_shape_from_byte_shape(f.get_slice(name).get_shape(), types[name])) for name in later]
-        need = sum(4 * math.prod(shape) for _, shape in specs)
-        try:
-            lock = os.open(folder, os.O_RDONLY)
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                if path.is_file():      # another process wrote it while this one waited
-                    return path
-                for dead in folder.glob(f".{DEQUANTIZED_FILE}.tmp-*"):     # a writer killed midway
-                    dead.unlink(missing_ok=True)
-                if shutil.disk_usage(folder).free < need + FREE_MARGIN:     # the write would fill the disk
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                arrays = (_dequantized(f.get_tensor(name), types[name])
-                          for name in tqdm(later, desc=f"outpace: float32 copy of {folder.name}", unit="tensor",
-                                           file=sys.stderr, disable=None))
-                write_safetensors(work, specs, arrays)
-                os.replace(work, path)
-            finally:
-                os.close(lock)
-        except OSError as error:
-            with contextlib.suppress(OSError):      # a read-only folder has none to remove
-                work.unlink(missing_ok=True)
-            print(f"outpace: could not write the float32 copy of {folder.name}'s quantized matrices "
-                  f"({error.strerror or error}; it takes {need / 1e9:.1f} GB in {folder}): they are dequantized "
-                  "in memory at every start instead. Free disk space or make the folder writable to keep them.",
-                  file=sys.stderr)
-            return BlocksAsFloats(blocks, types)
-    return path
+
+        def write(work: Path) -> None:
+            arrays = (_dequantized(f.get_tensor(name), types[name])
+                      for name in tqdm(later, desc=f"outpace: float32 copy of {folder.name}", unit="tensor",
+                                       file=sys.stderr, disable=None))
+            write_safetensors(work, specs, arrays)
+        if write_once(path, sum(4 * math.prod(shape) for _, shape in specs), write,
+                      f"float32 copy of {folder.name}'s quantized matrices",
+                      "they are dequantized in memory at every start instead"):
+            return path
+    return BlocksAsFloats(blocks, types)
 
 
 class BlocksAsFloats:
