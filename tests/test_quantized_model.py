@@ -7,10 +7,14 @@ included. Every type's products quantize the inputs to int8 (tests/test_cpu_quan
 holding them has logits NOT the dequantized float32 model's bits but within the inputs'
 quantization of them, which `close` states. Types without kernels, inputs that are not whole
 blocks, CUDA and bad choices say so."""
+import errno
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -216,6 +220,76 @@ def test_a_requantized_model_holds_q4_0_where_its_file_takes_more_bytes(home, tm
     rows = [Row(0, list(range(3, 40)), 0)]
     got, want = (ModelRunner(m, 1, 64, 64).forward(rows)[0] for m in (model, reference))
     close(got, want, 0.3)           # measured: about 17% (4-bit rounding of random weights, two layers)
+
+
+@pytest.fixture
+def requantizable(home, tmp_path):
+    """A converted GGUF of mixed types whose tied LM head (a Q8_0 embedding's) and q, k, v, o and
+    down (Q5_0, Q8_0, Q4_1, Q6_K) requantize to Q4_0; gate (Q4_0) and up (Q4_K) keep theirs."""
+    kinds = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q4_1", "ffn_gate": "Q4_0",
+             "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q8_0"}
+    shape = {"vocab_size": 320, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+    write_test_gguf(tmp_path / "m.gguf", "qwen2", shape, quantized=kinds)
+    return convert_gguf(tmp_path / "m.gguf")
+
+
+def held_blocks(folder) -> dict[str, torch.Tensor]:
+    """A draft load's (requantize "Q4_0") packed blocks, by buffer name."""
+    model = load_model(folder, torch.float32, "cpu", max_len=64, weights="quantized", requantize="Q4_0")
+    return dict(model.named_buffers())
+
+
+def test_a_requantized_models_q4_0_blocks_are_written_once(requantizable, monkeypatch):
+    """The first requantizing load writes quantized/q4_0.safetensors: just the matrices it changes
+    (the tied LM head's embedding blocks among them), uint8 [rows, K / 32 * 18], Q4_0 in its
+    qtypes, removing a dead writer's temporary file; a later load reads it, requantizing nothing,
+    and holds the same bytes."""
+    copy = requantizable / "quantized" / "q4_0.safetensors"
+    dead = copy.with_name(".q4_0.safetensors.tmp-999999")        # a writer killed midway
+    dead.write_bytes(b"partial")
+    first = held_blocks(requantizable)
+    assert copy.is_file() and not dead.exists()
+    changed = {f"model.layers.{i}.{m}.weight" for i in range(2)
+               for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.down_proj")}
+    with safe_open(str(copy), framework="pt") as f:
+        assert set(f.keys()) == changed | {"model.embed_tokens.weight"}
+        assert json.loads(f.metadata()[QTYPES_KEY]) == dict.fromkeys(f.keys(), "Q4_0")
+        with safe_open(str(quantized.blocks_file(requantizable)), framework="pt") as blocks:
+            for name in f.keys():
+                rows, K = blocks.get_slice(name).get_shape()[0], 512 if "down_proj" in name else 256
+                tensor = f.get_tensor(name)
+                assert tensor.dtype == torch.uint8 and tuple(tensor.shape) == (rows, K // 32 * 18), name
+    monkeypatch.setattr(cpu_kernels, "quantize_q4_0", lambda weight: pytest.fail("requantized again"))
+    second = held_blocks(requantizable)
+    assert first.keys() == second.keys()
+    for name, blocks in first.items():
+        assert torch.equal(blocks, second[name]), name
+
+
+@pytest.mark.parametrize("how", ["read-only folder", "too little free"])
+def test_a_requantized_copy_that_cannot_be_written_is_requantized_in_memory(requantizable, monkeypatch, capsys, how):
+    """Where the Q4_0 copy cannot be written (the write fails as in a read-only folder, which
+    root's writes would not show; or the disk has too little room to try), stderr says so, what it
+    takes and what to do, nothing is left behind, and the load holds the bytes of the load that
+    writes the copy."""
+    def read_only(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+    if how == "read-only folder":
+        monkeypatch.setattr(quantized, "write_safetensors", read_only)
+    else:
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=0))
+    capsys.readouterr()
+    in_memory = held_blocks(requantizable)
+    why = "Permission denied" if how == "read-only folder" else "No space left on device"
+    assert re.search(rf"could not write the Q4_0 copy of m-\w+'s matrices \({why}; it takes 0\.0 GB in .*quantized\): "
+                     r"they are requantized in memory at every start instead.*\. Free disk space or make the folder "
+                     r"writable", capsys.readouterr().err)
+    assert sorted(p.name for p in (requantizable / "quantized").iterdir()) == ["model.safetensors"]
+    monkeypatch.undo()
+    written = held_blocks(requantizable)
+    assert (requantizable / "quantized" / "q4_0.safetensors").is_file() and in_memory.keys() == written.keys()
+    for name, blocks in in_memory.items():
+        assert torch.equal(blocks, written[name]), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

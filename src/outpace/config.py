@@ -76,9 +76,9 @@ class SpecConfig:
     tokens by merge order, most frequent first, and the draft's LM head is then that much smaller)
     and reads only the last draft_window tokens of each prompt (0: all of it); draft_weights: how
     the draft model's quantized matrices are held where they load quantized (a GGUF on the CPU):
-    'q4_0' in Q4_0 where the file's type takes more bytes a weight (requantized at load: fewer
-    bytes to read a drafted token, at a rounding that changes drafts alone), 'file' as the file
-    holds them;
+    'q4_0' in Q4_0 where the file's type takes more bytes a weight (requantized at the first load
+    and kept in the model's folder: fewer bytes to read a drafted token, at a rounding that changes
+    drafts alone), 'file' as the file holds them;
     'eagle3' by an EAGLE-3 head on the target's hidden states (draft_head: its folder; without
     one, the head that ships for a known model: outpace/heads/<name>); 'mtp' by
     a multi-token-prediction module (draft_head: the folder holding its weights, the target's own

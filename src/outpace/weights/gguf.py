@@ -3,6 +3,9 @@
     <home>/models/<stem>-<key>/   config.json, tokenizer.json, tokenizer_config.json,
                                   generation_config.json,
                                   quantized/model.safetensors (the quantized matrices' GGUF blocks),
+                                  quantized/q4_0.safetensors (a draft's matrices of types of more
+                                    bytes a weight, requantized to Q4_0: written when a load first
+                                    needs them, weights.quantized)
                                   model.safetensors (float32, Hugging Face names: every tensor but
                                     the matrices the CPU computes on as blocks),
                                   dequantized.safetensors (float32: those matrices, written when a
@@ -18,8 +21,8 @@ Qwen2.5-1.5B's Q4_K_M.
 <home> is $OUTPACE_HOME or ~/.cache/outpace. <key> hashes the GGUF's path, size and mtime and the
 converter's FORMAT, so an unchanged file converts once and a changed file (or converter) again; a
 folder an older converter made of the same file is removed then. A folder is written under a
-temporary name and renamed into place: if it exists, it is whole (so is the float copy written
-later, under a temporary name too: weights.write_once).
+temporary name and renamed into place: if it exists, it is whole (so are the files written
+later, under temporary names too: weights.write_once).
 
 The header is parsed here (the format is small, and gguf.GGUFReader spends seconds building a
 numpy view per vocabulary string); tensors are dequantized with gguf.quants.dequantize.

@@ -1,9 +1,10 @@
 """Files a converted model folder gains after conversion, each written by the first load that needs it.
 
-The float32 copy of the matrices kept as blocks (gguf.dequantized_copy) is computed from the
-folder's blocks, so a load can always compute it in memory instead; written once, later loads read
-it. One process writes at a time (an flock on the file's folder: tensor-parallel ranks load
-together), under a temporary name renamed into place, so a file that exists is whole.
+The float32 copy of the matrices kept as blocks (gguf.dequantized_copy) and a draft's Q4_0 blocks
+(quantized.requantized_copy) are computed from the folder's blocks, so a load can always compute
+them in memory instead; written once, later loads read them. One process writes at a time (an
+flock on the file's folder: tensor-parallel ranks load together), under a temporary name renamed
+into place, so a file that exists is whole.
 """
 from __future__ import annotations
 
