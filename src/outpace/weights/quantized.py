@@ -170,8 +170,7 @@ def requantized_copy(folder: Path, f, qtypes: dict[str, str], to: str) -> dict[s
         write_safetensors(work, specs, arrays, np.uint8, {QTYPES_KEY: json.dumps(dict.fromkeys(qtypes, to))})
     need = sum(math.prod(shape) for _, shape in specs)
     if not path.is_file() and not write_once(path, need, write, f"{to} copy of {folder.name}'s matrices",
-                                             "they are requantized in memory at every start instead "
-                                             "(1-1.5 s for a 0.5B draft on 2 cores)"):
+                                             "they are requantized in memory at every start instead"):
         return {}
     with safe_open(str(path), framework="pt", device="cpu") as copy:     # tensors stay mapped once it closes
         types = json.loads(copy.metadata()[QTYPES_KEY])
