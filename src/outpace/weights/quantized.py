@@ -159,6 +159,8 @@ def requantized_copy(folder: Path, f, qtypes: dict[str, str], to: str) -> dict[s
     of type `to`, by HF name: from <folder>/quantized/<to>.safetensors (uint8 [rows, bytes a row],
     their types in its metadata, as model.safetensors beside it), which the first call writes from
     f (the folder's blocks file, open). Where it cannot be written (stderr says so), none."""
+    # kept as long as the folder: a change to quantize_q4_0's bytes must bump gguf.FORMAT, so that
+    # folders convert, and their copies are written, again
     path = folder / QUANTIZED_FOLDER / f"{to.lower()}.safetensors"
     shapes = {n: f.get_slice(n).get_shape() for n in qtypes}      # [rows, bytes a row] in their types
     specs = [(n, (rows, _row_bytes(_inputs(row_bytes, qtypes[n]), to))) for n, (rows, row_bytes) in shapes.items()]
