@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import quant_shape_from_byte_shape, quant_shape_to_byte_shape
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
@@ -143,10 +144,10 @@ def requantized(blocks: torch.Tensor, qtype: str, to: str, rows: int = 4096) -> 
     """A matrix's blocks of type qtype in type `to` ("Q4_0") where is_requantized, else as they
     are: dequantized exactly, then quantized as gguf-py quantizes, `rows` rows at a time (a float32
     copy of a whole LM head is half a GB)."""
-    K = _inputs(blocks.shape[1], qtype)
+    K = quant_shape_from_byte_shape(blocks.shape, GGMLQuantizationType[qtype])[-1]
     if not is_requantized(qtype, K, to):
         return blocks, qtype
-    out = torch.empty(blocks.shape[0], _row_bytes(K, to), dtype=torch.uint8)
+    out = torch.empty(quant_shape_to_byte_shape((blocks.shape[0], K), GGMLQuantizationType[to]), dtype=torch.uint8)
     for start in range(0, blocks.shape[0], rows):
         ids = torch.arange(start, min(start + rows, blocks.shape[0]))
         values = cpu_kernels.dequantize_rows(blocks, qtype, ids, torch.float32)
@@ -162,8 +163,10 @@ def requantized_copy(folder: Path, f, qtypes: dict[str, str], to: str) -> dict[s
     # kept as long as the folder: a change to quantize_q4_0's bytes must bump gguf.FORMAT, so that
     # folders convert, and their copies are written, again
     path = folder / QUANTIZED_FOLDER / f"{to.lower()}.safetensors"
-    shapes = {n: f.get_slice(n).get_shape() for n in qtypes}      # [rows, bytes a row] in their types
-    specs = [(n, (rows, _row_bytes(_inputs(row_bytes, qtypes[n]), to))) for n, (rows, row_bytes) in shapes.items()]
+    # each matrix's [rows, bytes a row] in its type, as [rows, K] weights, as [rows, bytes a row] in `to`
+    specs = [(n, quant_shape_to_byte_shape(quant_shape_from_byte_shape(f.get_slice(n).get_shape(),
+                                                                       GGMLQuantizationType[qtypes[n]]),
+                                           GGMLQuantizationType[to])) for n in qtypes]
 
     def write(work: Path) -> None:
         arrays = (requantized(f.get_tensor(n), qtypes[n], to)[0].numpy()
@@ -179,19 +182,11 @@ def requantized_copy(folder: Path, f, qtypes: dict[str, str], to: str) -> dict[s
         return {n: (copy.get_tensor(n), types[n]) for n in copy.keys()}
 
 
-def _inputs(row_bytes: int, qtype: str) -> int:
-    """A row's inputs (K) in blocks of type qtype of row_bytes bytes."""
-    return row_bytes // _SIZES[qtype][1] * _SIZES[qtype][0]
-
-
-def _row_bytes(inputs: int, qtype: str) -> int:
-    return inputs // _SIZES[qtype][0] * _SIZES[qtype][1]
-
-
 def _warn(why: str, names: list[str], qtypes: dict[str, str], shapes: dict[str, list[int]]) -> None:
     """One stderr line: which blocks stay float, why, and what that costs."""
     file_bytes = sum(rows * row_bytes for rows, row_bytes in shapes.values())
-    weights = sum(rows * _inputs(row_bytes, qtypes[n]) for n, (rows, row_bytes) in shapes.items())
+    weights = sum(math.prod(quant_shape_from_byte_shape(shape, GGMLQuantizationType[qtypes[n]]))
+                  for n, shape in shapes.items())
     print(f"outpace: {why}: {len(names)} matrices dequantized to the model's dtype, {2 * weights / 1e6:.1f} MB in "
           f"bfloat16 ({4 * weights / 1e6:.1f} in float32) where the file holds {file_bytes / 1e6:.1f} MB",
           file=sys.stderr)
