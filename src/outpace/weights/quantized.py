@@ -185,8 +185,8 @@ def requantized_copy(folder: Path, f, qtypes: dict[str, str], to: str) -> dict[s
 def _warn(why: str, names: list[str], qtypes: dict[str, str], shapes: dict[str, list[int]]) -> None:
     """One stderr line: which blocks stay float, why, and what that costs."""
     file_bytes = sum(rows * row_bytes for rows, row_bytes in shapes.values())
-    weights = sum(math.prod(quant_shape_from_byte_shape(shape, GGMLQuantizationType[qtypes[n]]))
-                  for n, shape in shapes.items())
+    weights = sum(rows * row_bytes // _SIZES[qtypes[n]][1] * _SIZES[qtypes[n]][0]
+                  for n, (rows, row_bytes) in shapes.items())
     print(f"outpace: {why}: {len(names)} matrices dequantized to the model's dtype, {2 * weights / 1e6:.1f} MB in "
           f"bfloat16 ({4 * weights / 1e6:.1f} in float32) where the file holds {file_bytes / 1e6:.1f} MB",
           file=sys.stderr)
