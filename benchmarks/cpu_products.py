@@ -38,7 +38,8 @@ from outpace.kernels import cpu_build, cpu_isa, cpu_kernels
 SHAPES = {"qkv 576->960": (576, 960), "o 576->576": (576, 576), "gate_up 576->3072": (576, 3072),
           "down 1536->576": (1536, 576), "lm_head 576->49152": (576, 49152), "gate 1536->8960": (1536, 8960),
           "down 8960->1536": (8960, 1536), "q 1536->1536": (1536, 1536)}
-BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "Q4_1": 20 / 32, "Q8_0": 34 / 32, "Q4_K": 144 / 256, "Q6_K": 210 / 256}
+BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "Q4_1": 20 / 32, "Q4_0": 18 / 32, "Q5_0": 22 / 32, "Q8_0": 34 / 32,
+                    "Q4_K": 144 / 256, "Q6_K": 210 / 256}
 # a k-quant block's bytes and its float16 scales' offsets (Q4_K: d, dmin; Q6_K: d)
 KQUANT_BLOCKS = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}
 
