@@ -635,7 +635,10 @@ def test_on_a_gpu_tree_steps_attend_alike_through_the_kernel_and_the_mask(folder
     attends through the attention kernel with ancestor words where graphs are captured
     (fused.for_graphs) and through the additive mask elsewhere: from the same random caches
     (short contexts, so a tree key wrongly seen or missed shows), both draw the same trees and
-    verify them alike, the target's logits within bfloat16's rounding."""
+    verify them alike, the target's logits within bfloat16's rounding. Two candidates whose scores
+    tie within that rounding may trade places (on an H100 siblings came in swapped order; on an
+    H200 a depth-2 node grew its child under its tied cousin), so nodes are named by their tokens
+    from the root and the two trees must share their first depth and all nodes but such a swap's."""
     spec = SpecConfig(method="eagle3", draft_head=str(folders[1]), num_draft_tokens=6, tree_width=3)
     llm = LLM(str(folders[0]), spec=spec, **OPTIONS | dict(device="cuda", dtype="bfloat16"))
     runner, head = llm.engine.runner, llm.engine.drafter
@@ -663,13 +666,21 @@ def test_on_a_gpu_tree_steps_attend_alike_through_the_kernel_and_the_mask(folder
                     [row[:2 + int(row[0])].tolist() for row in out]))       # tokens out, with their count
     (paths, logits, result), (paths_mask, logits_mask, result_mask) = got
     assert len({p[:-1] for p in paths[0]}) > 2                  # a tree (three parents at least), not a chain
-    # nodes named by their tokens from the root: siblings whose scores tie within bfloat16's
-    # rounding may come in either order, so node indices are not compared
-    assert [sorted(p) for p in paths] == [sorted(p) for p in paths_mask] and result == result_mask
     for row, (mine, theirs) in enumerate(zip(paths, paths_mask)):
-        where = [theirs.index(p) for p in mine]
-        torch.testing.assert_close(logits[row, 1:], logits_mask[row, 1:][where], rtol=3e-2, atol=3e-2)
-        torch.testing.assert_close(logits[row, 0], logits_mask[row, 0], rtol=3e-2, atol=3e-2)
+        assert {p for p in mine if len(p) == 1} == {p for p in theirs if len(p) == 1}
+        common = [p for p in mine if p in theirs]
+        assert len(common) >= len(mine) - 2, (mine, theirs)    # one swapped node and its child at most
+        where = [theirs.index(p) for p in common]
+        # the kernel and the mask sum keys in other orders (and a node of both trees may sit at
+        # another index of its row): a few bfloat16 spacings apart (0.08 on an H200), where a key
+        # wrongly seen or missed moves the logits by their own size
+        torch.testing.assert_close(logits[row, 1:][[mine.index(p) for p in common]], logits_mask[row, 1:][where],
+                                   rtol=3e-2, atol=1e-1)
+        torch.testing.assert_close(logits[row, 0], logits_mask[row, 0], rtol=3e-2, atol=1e-1)
+        # the tokens out: the same wherever the accepted path is a path of both trees
+        out, out_mask = result[row][2:], result_mask[row][2:]
+        if all(tuple(out[:d]) in common for d in range(1, len(out))):
+            assert out == out_mask, (row, out, out_mask)
 
 
 def _node_paths(ids: torch.Tensor, parents: torch.Tensor) -> list[list[tuple[int, ...]]]:
