@@ -18,9 +18,9 @@ os.environ.setdefault("OUTPACE_HOME", str(REPO / ".models" / "outpace-home"))
 def _fresh_compiled_kernels():
     """On a machine with a GPU, each test compiles its graphs' kernels anew (torch._dynamo.reset):
     over a run of the GPU tests the compiled variants of fused.py's functions pile up across their
-    models, dtypes and shapes, and a capture after many of them (test_padded_prompt_chunks_...[cuda]
-    after the head and tree tests) was invalidated on an H100 and an H200 where the same test
-    alone, or after a reset, passes. Without CUDA nothing is compiled: no reset."""
+    models, dtypes and shapes, and a capture after many of them can be invalidated
+    (test_padded_prompt_chunks_...[cuda] after the head and tree tests, which passes alone or after
+    a reset). Without CUDA nothing is compiled: no reset."""
     import torch
     if torch.cuda.is_available():
         import torch._dynamo
