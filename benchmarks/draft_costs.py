@@ -18,10 +18,18 @@ and tokenizer files are all they need), for step costs where the real weights ca
 A second table times the drafter's propose itself, b rows of a 128-token context drafting k tokens
 each (greedy, every row to k): its milliseconds over k, a draft position's cost with the host work
 between forwards, against the calibrated forward (draft/token times b).
+
+--acceptance FILE (an `outpace bench` results.json of the same pair) adds what one row's decoding
+can gain at each draft length k with the acceptance that run measured at each position (overall
+acceptance_by_position, P_j: accepted where drafted): a step yields 1 + P_1 + ... + P_k tokens
+for verify(k) + k draft/token, over a plain step's one token for its plain forward. Positions the
+run never drafted are not extrapolated.
 """
+
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -60,6 +68,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--random-weights", action="store_true", help="random bf16 weights of the folders' shapes")
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8], help="draft lengths to report")
+    p.add_argument("--acceptance", help="an `outpace bench` results.json: one row's decode speedup by draft length")
     args = p.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(args.threads or os.cpu_count() or 1)
@@ -94,6 +103,23 @@ def main() -> None:
 
     print()
     propose_table(drafter, controller.buckets, ks, args.device)
+    if args.acceptance:
+        print()
+        acceptance_table(controller, drafter, args.acceptance)
+
+
+def acceptance_table(controller, drafter, results: str) -> None:
+    """One row's decode speedup at each draft length the results' acceptance reaches (the top)."""
+    with open(results) as f:
+        accepted = json.load(f)["overall"]["acceptance_by_position"]
+    plain, per_token = controller.step_cost(1, 1), drafter.cost_per_token(1)
+    print(f"one row, acceptance by position from {results}: " + ", ".join(f"{a:.0%}" for a in accepted))
+    print("| k | tokens a step | step / plain | decode speedup |")
+    print("|---|---|---|---|")
+    for k in range(1, min(len(accepted), controller.num_draft_tokens) + 1):
+        tokens = 1 + sum(accepted[:k])
+        step = controller.step_cost(1, 1 + k) / plain      # the verify forward and k drafted tokens
+        print(f"| {k} | {tokens:.2f} | {step:.3f} | {tokens / step:.2f}x |")
 
 
 def propose_table(drafter, buckets: list[int], ks: list[int], device: str, context: int = 128, repeats: int = 20) -> None:
