@@ -25,7 +25,6 @@ acceptance_by_position, P_j: accepted where drafted): a step yields 1 + P_1 + ..
 for verify(k) + k draft/token, over a plain step's one token for its plain forward. Positions the
 run never drafted are not extrapolated.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -105,14 +104,14 @@ def main() -> None:
     propose_table(drafter, controller.buckets, ks, args.device)
     if args.acceptance:
         print()
-        acceptance_table(controller, drafter, args.acceptance)
+        acceptance_table(controller, args.acceptance)
 
 
-def acceptance_table(controller, drafter, results: str) -> None:
+def acceptance_table(controller, results: str) -> None:
     """One row's decode speedup at each draft length the results' acceptance reaches (the top)."""
     with open(results) as f:
         accepted = json.load(f)["overall"]["acceptance_by_position"]
-    plain, per_token = controller.step_cost(1, 1), drafter.cost_per_token(1)
+    plain = controller.step_cost(1, 1)
     print(f"one row, acceptance by position from {results}: " + ", ".join(f"{a:.0%}" for a in accepted))
     print("| k | tokens a step | step / plain | decode speedup |")
     print("|---|---|---|---|")
