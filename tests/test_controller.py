@@ -232,6 +232,35 @@ def test_each_graph_steps_drafter_part_is_calibrated_apart(tmp_path, monkeypatch
     assert len(list(tmp_path.glob("calibration/*.json"))) == 4
 
 
+def test_each_gpu_model_keeps_its_own_calibration(tmp_path, monkeypatch):
+    """Two GPU models (an H100's steps and an H200's take other times) never read each other's
+    kept costs, which a home folder shared by both would otherwise hand them; the same card reads
+    its own."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import torch
+
+    from outpace.runner.calibrate import kept
+
+    @dataclasses.dataclass
+    class Shape:
+        hidden: int = 8
+
+    monkeypatch.setenv("OUTPACE_HOME", str(tmp_path))
+    card = ["NVIDIA H100 80GB HBM3"]
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: card[0])
+    runner = SimpleNamespace(model=SimpleNamespace(cfg=Shape(), modules=lambda: []), dtype=torch.bfloat16,
+                             device=torch.device("cuda", 0), packs_rows=False)
+    got = []
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H100 80GB HBM3"):
+        card[0] = name
+        got.append(kept(runner, ["costs"], lambda: {"measured on": card[0]}))
+    assert got == [{"measured on": "NVIDIA H100 80GB HBM3"}, {"measured on": "NVIDIA H200"},
+                   {"measured on": "NVIDIA H100 80GB HBM3"}]
+    assert len(list(tmp_path.glob("calibration/*.json"))) == 2
+
+
 def test_packed_rows_verify_only_their_promising_tokens():
     """Where rows are packed a step costs the tokens it holds, so one accepting row drafts among
     rejecting ones (which draft nothing), where padded rows would make it pay for all eight."""

@@ -1,8 +1,10 @@
 """Measure the verify cost curve T(batch, tokens per row) that the draft controller trades off.
 
-The curve depends only on the model's shapes, the dtype, the device, the thread count and the
-build of the CPU kernels, so it is measured once and kept in `<outpace home>/calibration/`; delete
-that folder to measure again.
+The curve depends only on the model's shapes, the dtype, the device (a GPU by its name), the thread
+count and the build of the CPU kernels, so it is measured once and kept in `<outpace
+home>/calibration/`; delete that folder to measure again. A CPU is named by its flags, which
+machines of other speeds may share (a home folder shared by a cluster's nodes): there, delete the
+folder after moving to another machine.
 """
 from __future__ import annotations
 
@@ -51,13 +53,16 @@ def measure_verify_cost(runner: ModelRunner, max_seqs: int, num_draft_tokens: in
 
 def kept(runner: ModelRunner, key: list, measure):
     """measure()'s result (JSON), kept in the calibration folder under what it depends on: the
-    runner's model shapes, dtype, device, threads, torch, kind of runner, kernels' build and
-    weight types, and `key`; measured where no run on this machine kept it yet."""
+    runner's model shapes, dtype, device (a GPU's name: an H100 and an H200 step at other speeds),
+    threads, torch, kind of runner, kernels' build and weight types, and `key`; measured where no
+    run on this machine kept it yet."""
     kernels = cpu_kernels.build_key() if runner.device.type == "cpu" and cpu_kernels.has_library() else None
+    card = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else None
     quantized = sorted({m.qtype for m in runner.model.modules() if isinstance(m, QuantizedLinear)})
     whole = json.dumps([dataclasses.asdict(runner.model.cfg), str(runner.dtype), str(runner.device),
                         torch.get_num_threads(), torch.__version__, type(runner).__name__, runner.packs_rows, kernels,
-                        VERSION] + ([quantized] if quantized else []) + key, sort_keys=True, default=str)
+                        VERSION] + ([quantized] if quantized else []) + ([card] if card else []) + key,
+                       sort_keys=True, default=str)
     path = outpace_home() / "calibration" / f"{hashlib.sha256(whole.encode()).hexdigest()[:16]}.json"
     if path.exists():
         return json.loads(path.read_text())
