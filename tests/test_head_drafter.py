@@ -686,13 +686,17 @@ def test_on_a_gpu_tree_steps_attend_alike_through_the_kernel_and_the_mask(folder
 def _node_paths(ids: torch.Tensor, parents: torch.Tensor) -> list[list[tuple[int, ...]]]:
     """Per row of a tree step (ids [b, t]: the row's token, then its nodes'; parents [b, t - 1],
     -1 below the root), each node's tokens from the root's child down to it."""
-    rows = []
-    for tokens, up in zip(ids[:, 1:].tolist(), parents.tolist()):
-        paths: list[tuple[int, ...]] = []
-        for token, parent in zip(tokens, up):
-            paths.append((paths[parent] if parent >= 0 else ()) + (token,))
-        rows.append(paths)
-    return rows
+    return [_tree_paths(tokens, up) for tokens, up in zip(ids[:, 1:].tolist(), parents.tolist())]
+
+
+def _tree_paths(nodes: list[int], parents: list[int]) -> list[tuple[int, ...]]:
+    """Each node's tokens from the root's child down to it (parents: each node's, -1 below the root,
+    always an earlier node)."""
+    paths: list[tuple[int, ...]] = []
+    for j, (token, parent) in enumerate(zip(nodes, parents)):
+        assert parent < j
+        paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+    return paths
 
 
 def _assert_best_children(llm, calls, width: int):
@@ -703,13 +707,8 @@ def _assert_best_children(llm, calls, width: int):
     assert any(len(set(tree)) > 1 and tree.count(-1) > 1 for _, _, tree in calls)   # real trees
     for tokens, nodes, tree in calls:
         hidden = _hidden(llm, tokens, drafter.hidden_layers)
-        for j, (token, parent) in enumerate(zip(nodes, tree)):
-            assert parent < j
-            path, at = [], parent
-            while at >= 0:
-                path.insert(0, nodes[at])
-                at = tree[at]
-            best = head.to_target(_reference(head, drafter.embed, hidden, tokens, path).topk(width).indices)
+        for token, path in zip(nodes, _tree_paths(nodes, tree)):
+            best = head.to_target(_reference(head, drafter.embed, hidden, tokens, list(path[:-1])).topk(width).indices)
             assert token in best.tolist()
 
 
