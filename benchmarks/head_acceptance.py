@@ -76,7 +76,7 @@ def main() -> None:
     longest = max(len(s.tokens) for s in seqs)
     results = {}
     for folder in heads:
-        head = load_eagle3_head(Path(folder), target.cfg, torch.float32, "cpu", longest + args.steps + 1, target)
+        head = load_eagle3_head(Path(folder), target.cfg, torch.float32, "cpu", longest + args.steps + 1)
         ids = torch.arange(len(head.d2t)) + head.d2t.cpu()
         answers = Answers(target, head.cfg.target_layers, ids, args.steps, "cpu", longest, 8)
         runs = answers.runs(head.eval(), seqs, 8)

@@ -4,7 +4,7 @@ Guards: every tensor of the published layout must land in its place (a swapped g
 norm read as another norm would still draft, badly); the layer must compute EAGLE-3's midlayer
 (the embedding's norm first in the attention's 2H input, the feature as the residual, features
 fused from three layers); the layers a config names are numbered as vLLM and SGLang number them;
-a saved head must load back bit for bit, one that shares the target's LM head with the target's rows; a head for another vocabulary, hidden size or depth, or
+a saved head must load back bit for bit; a head for another vocabulary, hidden size or depth, or
 with a broken vocabulary map, must be refused with a message that says what to do; the head that
 ships for the default model must load and draft well, and --spec eagle3 without a head on a model
 that ships none must say how to train one.
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from outpace import LLM, SamplingParams, SpecConfig
-from outpace.errors import CorruptModelError, IncompatibleModelsError, InvalidParameterError, ModelNotFoundError
+from outpace.errors import CorruptModelError, IncompatibleModelsError, ModelNotFoundError
 from outpace.model.config import ModelConfig
 from outpace.model.draft_head import attend
 from outpace.model.eagle3 import default_layers, load_eagle3_head, save_eagle3_head
@@ -104,28 +104,6 @@ def test_a_saved_head_loads_back_bit_for_bit(target, tmp_path):
     assert again.cfg == head.cfg
     for (name, a), (_, b) in zip(head.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), name
-
-
-def test_a_head_sharing_the_targets_lm_head_saves_none_and_reads_the_targets_rows(target, tmp_path):
-    """shared_lm_head: the file holds no lm_head.weight, the config says so, and a load takes the
-    target's rows of the draft vocabulary; without the target it is a
-    clear error, not a head with an uninitialised LM head."""
-    from safetensors.torch import load_file
-    from outpace.weights.loader import load_model
-    write_eagle3_head(tmp_path / "a", target_config(target))
-    cfg = ModelConfig.from_folder(target)
-    head = load_eagle3_head(tmp_path / "a", cfg, torch.float64, "cpu", 64)
-    head.shared_lm_head = True
-    save_eagle3_head(head, tmp_path / "b", dtype=torch.float64)
-    assert "lm_head.weight" not in load_file(str(tmp_path / "b" / "model.safetensors"))
-    assert json.loads((tmp_path / "b" / "config.json").read_text())["shared_lm_head"] is True
-    model = load_model(target, torch.float64, "cpu", max_len=64)
-    again = load_eagle3_head(tmp_path / "b", cfg, torch.float64, "cpu", 64, model)
-    ids = again.to_target(torch.arange(again.cfg.draft_vocab_size))
-    assert again.shared_lm_head and torch.equal(again.lm_head.weight, model.lm_head.weight[ids])
-    assert torch.equal(again.fc.weight, head.fc.weight)
-    with pytest.raises(InvalidParameterError, match="load it with the target model"):
-        load_eagle3_head(tmp_path / "b", cfg, torch.float64, "cpu", 64)
 
 
 def test_default_layers_are_eagle3s_and_distinct():

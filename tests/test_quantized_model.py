@@ -307,7 +307,7 @@ def test_a_quantized_embedding_is_its_float_copys_rows(home, tmp_path, dtype):
     got = model.embed(ids)
     assert got.dtype == dtype and torch.equal(got, reference.embed(ids))
     # a head's trainer reads the tied LM head's rows (its draft vocabulary's) through its forward
-    from outpace.model.draft_head import lm_head_rows
+    from outpace.train.answers import lm_head_rows
     rows = lm_head_rows(model, torch.tensor([3, 7]))
     assert rows.dtype == dtype
     close(rows.float(), reference.embed(torch.tensor([3, 7])).float(), 0.05)

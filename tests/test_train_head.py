@@ -146,40 +146,6 @@ def test_a_head_trains_further_from_a_saved_one(trained):
     assert not (root / "nohead" / "data").exists()
 
 
-def test_a_shared_lm_head_stays_the_targets_rows_and_is_not_saved(trained):
-    """--shared-lm-head: training leaves the LM head the target's rows (the rest trains and
-    acceptance still rises), the file holds no LM head, the engine drafts with it and its greedy
-    output is still the target's, and a head trained further keeps its kind: asking a head of
-    its own to share is refused before any prompt is answered."""
-    root, config, _ = trained
-    shutil.copytree(root / "a" / "data", root / "shared" / "data")
-    summary = train_head(TrainConfig(**{**vars(config), "out": str(root / "shared"), "shared_lm_head": True}))
-    log = summary["acceptance"]
-    assert summary["shared_lm_head"] and log[-1]["mean_accepted"] > log[0]["mean_accepted"] + 0.05
-    tensors = load_file(str(root / "shared" / "head" / "model.safetensors"))
-    assert "lm_head.weight" not in tensors
-    assert summary["head_bytes"] < (root / "a" / "head" / "model.safetensors").stat().st_size
-    spec = SpecConfig(method="eagle3", draft_head=str(root / "shared" / "head"), num_draft_tokens=3)
-    llm = LLM(str(root / "target"), spec=spec, dtype="float32", device="cpu", max_num_seqs=8, calibrate=False,
-              max_model_len=128)
-    trained_head = torch.load(root / "shared" / "checkpoint.pt", weights_only=True)["head"]
-    ids = torch.arange(len(tensors["d2t"])) + tensors["d2t"]
-    rows = load_file(str(root / "target" / "model.safetensors"))["lm_head.weight"][ids]
-    assert torch.equal(trained_head["lm_head.weight"], rows.float())    # the target's rows, untrained
-    held = load_shards(root / "a" / "data", "heldout")
-    out = llm.generate([s.tokens[:s.prompt_len].tolist() for s in held], SamplingParams(temperature=0, max_tokens=16))
-    assert [o.token_ids for o in out] == [s.tokens[s.prompt_len:].tolist() for s in held]
-    assert sum(o.spec["num_accepted_tokens"] for o in out) > 0
-    shutil.copytree(root / "a" / "data", root / "shared2" / "data")
-    further = train_head(TrainConfig(**{**vars(config), "out": str(root / "shared2"), "max_steps": 2,
-                                        "init_head": str(root / "shared" / "head")}))
-    assert further["shared_lm_head"]
-    with pytest.raises(InvalidParameterError, match="LM head of its own"):
-        train_head(TrainConfig(**{**vars(config), "out": str(root / "own"), "shared_lm_head": True,
-                                  "init_head": str(root / "a" / "head")}))
-    assert not (root / "own" / "data").exists()
-
-
 def test_the_target_writes_its_own_prompts(tmp_path, default_model_dir):
     """--self-prompts: the default model, opened at a user turn of its chat template, writes
     distinct finished prompts; the same seed gives the same ones, and a rerun reads them back from

@@ -286,10 +286,6 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped (default 512)")
     t.add_argument("--draft-vocab", type=int, default=8192,
                    help="the head's draft vocabulary (default 8192; with --init-head, that head's)")
-    t.add_argument("--shared-lm-head", action="store_true",
-                   help="the head's LM head is the target's rows of the draft vocabulary, frozen and not saved: a "
-                        "large --draft-vocab adds nothing to the head's file (outpace reads such a head; vLLM and "
-                        "SGLang do not)")
     t.add_argument("--init-head", default=None,
                    help="train this head further (its folder, or 'shipped': the one that ships for --model) "
                         "instead of a new one; it keeps its draft vocabulary")

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from outpace.errors import IncompatibleModelsError, InvalidParameterError
+from outpace.errors import InvalidParameterError
 from outpace.kernels import cpu_kernels
 from outpace.kernels.fused import linear, rope
 from outpace.model.layers import MLP, RMSNorm, planless_attention
@@ -189,19 +189,3 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     return out.transpose(1, 2).flatten(-2)
-
-
-def lm_head_rows(target, ids: torch.Tensor) -> torch.Tensor:
-    """The target's LM head rows of `ids` [n, H]. A CPU model's LM head may hold only a packed copy
-    of its weight (and its embedding only blocks), so the rows are read through its forward (the
-    identity's products are exact) in the dtype of its final norm's weight, the model's."""
-    weight = getattr(target.lm_head, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.shape == (target.cfg.vocab_size, target.cfg.hidden_size):
-        return weight[ids]
-    eye = torch.eye(target.cfg.hidden_size, dtype=target.norm.weight.dtype, device=ids.device)
-    rows = linear(eye, target.lm_head).T
-    if rows.shape[0] < target.cfg.vocab_size:
-        raise IncompatibleModelsError(f"the target's LM head holds {rows.shape[0]} of its {target.cfg.vocab_size} "
-                                      "rows here (split over tensor-parallel ranks): run a head that shares it on "
-                                      "one device")
-    return rows[ids]

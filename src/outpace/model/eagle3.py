@@ -18,11 +18,6 @@ attention reads [input_norm(embedding), hidden_norm(feature)] (2H wide: q, k and
                      int64 (target id = draft id + d2t[draft id]); t2d [vocab_size] bool (which
                      target ids the draft vocabulary holds); optionally embed_tokens.weight (else
                      the target's embedding is shared).
-
-outpace's own extension: a config with "shared_lm_head": true holds no lm_head.weight; the head's
-LM head is the target's rows of the draft vocabulary, read from the target at load (its embedding
-where the two are tied), so a large draft vocabulary adds nothing to the file. vLLM and SGLang do
-not read such a head.
 """
 from __future__ import annotations
 
@@ -34,10 +29,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from outpace.errors import CorruptModelError, IncompatibleModelsError, InvalidParameterError, ModelNotFoundError
+from outpace.errors import CorruptModelError, IncompatibleModelsError, ModelNotFoundError
 from outpace.kernels.fused import linear, rms_norm_cat
 from outpace.model.config import ModelConfig
-from outpace.model.draft_head import DraftHead, HeadConfig, lm_head_rows
+from outpace.model.draft_head import DraftHead, HeadConfig
 from outpace.model.layers import RMSNorm
 
 # checkpoint name -> (our parameter, shard of a fused one: gate_up = [gate; up])
@@ -61,11 +56,8 @@ OPTIONAL = {"embed_tokens.weight", "t2d"}
 
 
 class Eagle3Head(DraftHead):
-    def __init__(self, cfg: HeadConfig, max_positions: int, shared_lm_head: bool = False):
-        """shared_lm_head: the LM head holds the target's rows of the draft vocabulary, is never
-        trained and is not saved (the module docstring)."""
+    def __init__(self, cfg: HeadConfig, max_positions: int):
         super().__init__(cfg, 2 * cfg.hidden_size, max_positions)
-        self.shared_lm_head = shared_lm_head
         self.fc = nn.Linear(len(cfg.target_layers) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -130,11 +122,9 @@ def head_config(raw: dict, target: ModelConfig) -> HeadConfig:
     return cfg
 
 
-def load_eagle3_head(folder: Path, target: ModelConfig, dtype: torch.dtype, device, max_positions: int,
-                     target_model: nn.Module | None = None) -> Eagle3Head:
+def load_eagle3_head(folder: Path, target: ModelConfig, dtype: torch.dtype, device, max_positions: int) -> Eagle3Head:
     """The head in `folder` (config.json and *.safetensors in the layout above), checked against
-    the target; raises a clear error for a head that does not fit it. target_model: the target
-    itself, whose LM head a shared_lm_head head reads its rows from."""
+    the target; raises a clear error for a head that does not fit it."""
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise ModelNotFoundError(f"no config.json in {folder}: give the folder of an EAGLE-3 head")
@@ -144,17 +134,13 @@ def load_eagle3_head(folder: Path, target: ModelConfig, dtype: torch.dtype, devi
         raise CorruptModelError(f"{folder / 'config.json'} is not valid JSON: {e}") from None
     tensors = _read_tensors(folder)
     cfg = head_config(raw, target)
-    shared = raw.get("shared_lm_head") is True
-    if shared and target_model is None:
-        raise InvalidParameterError(f"the head in {folder} shares the target's LM head: load it with the target model")
-    head = Eagle3Head(cfg, max_positions, shared).to(dtype)
+    head = Eagle3Head(cfg, max_positions).to(dtype)
     params = dict(head.named_parameters()) | dict(head.named_buffers())
-    weights = {name: place for name, place in WEIGHTS.items() if not (shared and name == "lm_head.weight")}
-    missing = [name for name in weights if name not in tensors]
+    missing = [name for name in WEIGHTS if name not in tensors]
     if missing:
         raise CorruptModelError(f"weights missing from {folder}: {', '.join(missing[:5])}")
     with torch.no_grad():
-        for name, (ours, shard) in weights.items():
+        for name, (ours, shard) in WEIGHTS.items():
             dest = params[ours]
             if shard is not None:
                 dest = dest.narrow(0, shard * cfg.intermediate_size, cfg.intermediate_size)
@@ -166,10 +152,6 @@ def load_eagle3_head(folder: Path, target: ModelConfig, dtype: torch.dtype, devi
         if "embed_tokens.weight" in tensors:
             head.embed = nn.Embedding.from_pretrained(tensors["embed_tokens.weight"].to(dtype))
     _check_vocab_map(head, tensors.get("t2d"), folder)
-    if shared:
-        ids = head.to_target(torch.arange(cfg.draft_vocab_size)).to(target_model.norm.weight.device)
-        with torch.no_grad():
-            head.lm_head.weight.copy_(lm_head_rows(target_model, ids).cpu())
     if head.embed is None and cfg.hidden_size != target.hidden_size:
         raise IncompatibleModelsError(f"the head's hidden size is {cfg.hidden_size} and it has no embedding of its "
                                       f"own, so it would share the target's, of size {target.hidden_size}")
@@ -216,8 +198,6 @@ def save_eagle3_head(head: Eagle3Head, folder: Path, dtype: torch.dtype = torch.
     state = dict(head.named_parameters()) | dict(head.named_buffers())
     tensors = {}
     for name, (ours, shard) in WEIGHTS.items():
-        if head.shared_lm_head and name == "lm_head.weight":
-            continue
         tensor = state[ours].detach()
         if shard is not None:
             tensor = tensor.narrow(0, shard * cfg.intermediate_size, cfg.intermediate_size)
@@ -236,8 +216,6 @@ def save_eagle3_head(head: Eagle3Head, folder: Path, dtype: torch.dtype = torch.
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layers],
                          "use_aux_hidden_state": True},
     }
-    if head.shared_lm_head:
-        config["shared_lm_head"] = True
     if target_name is not None:
         config["target_model"] = target_name
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")

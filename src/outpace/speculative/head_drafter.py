@@ -404,7 +404,7 @@ class HeadDrafter(Drafter):
 
 def eagle3_head(folder: str) -> HeadLoader:
     return lambda context, cache_len: load_eagle3_head(Path(folder).expanduser(), context.target.cfg, context.dtype,
-                                                       context.device, cache_len, context.target)
+                                                       context.device, cache_len)
 
 
 def mtp_head(folder: str) -> HeadLoader:

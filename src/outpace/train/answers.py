@@ -14,7 +14,8 @@ from typing import Callable, ContextManager
 
 import torch
 
-from outpace.model.draft_head import DraftHead, lm_head_rows
+from outpace.kernels.fused import linear
+from outpace.model.draft_head import DraftHead
 from outpace.runner.model_runner import ModelRunner, Row
 from outpace.train.head_data import Answer
 from outpace.train.unroll import Batch, unrolled_loss
@@ -106,3 +107,14 @@ def run_counts(runs: dict[int, int]) -> tuple[int, int, int]:
     """One sequence's Answers.runs as (drafts accepted in a row summed, positions whose first
     draft was right, positions)."""
     return sum(runs.values()), sum(n > 0 for n in runs.values()), len(runs)
+
+
+def lm_head_rows(target, ids: torch.Tensor) -> torch.Tensor:
+    """The target's LM head rows of `ids` [n, H]. A CPU model's LM head may hold only a packed copy
+    of its weight (and its embedding only blocks), so the rows are read through its forward (the
+    identity's products are exact) in the dtype of its final norm's weight, the model's."""
+    weight = getattr(target.lm_head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.shape == (target.cfg.vocab_size, target.cfg.hidden_size):
+        return weight[ids]
+    eye = torch.eye(target.cfg.hidden_size, dtype=target.norm.weight.dtype, device=ids.device)
+    return linear(eye, target.lm_head).T[ids]

@@ -15,9 +15,8 @@ Steps, each resumable in the output folder:
      layers (a head trained further on new prompts: data need not outlive a session).
   4. Training (unroll.py): batches of like lengths (epoch_batches), `ttt_steps` unrolled steps a
      batch, AdamW, linear warm-up then cosine decay to a tenth, gradients clipped at 0.5. The
-     head's LM head starts from the target's rows of the draft vocabulary (a new head's), or with
-     `shared_lm_head` stays those rows, frozen and not saved (the draft vocabulary's size then
-     costs the file nothing); its embedding is the target's, frozen and not saved. Every
+     head's LM head starts from the target's rows of the draft vocabulary (a new head's); its
+     embedding is the target's, frozen and not saved. Every
      `eval_every` steps (and before the first) the held-back answers give the mean number of
      drafts accepted in a row at each answer position with chains of `ttt_steps` drafts.
   5. checkpoint.pt every `checkpoint_every` steps (head, optimizer, step); a run finds it and
@@ -57,7 +56,7 @@ GROUP_BATCHES = 64      # batches whose sequences are sorted by length together 
 MIN_LR_FRACTION = 0.1
 # settings a resumed run must share with the checkpoint it continues
 SAME_RUN = ("model", "self_prompts", "file_prompts", "num_prompts", "held_out", "max_tokens", "max_prompt_tokens", "draft_vocab",
-            "shared_lm_head", "ttt_steps", "epochs", "batch_size", "lr", "warmup_steps", "seed", "init_head")
+            "ttt_steps", "epochs", "batch_size", "lr", "warmup_steps", "seed", "init_head")
 
 
 @dataclass
@@ -77,7 +76,6 @@ class TrainConfig:
     # vocabulary's. The default model's head is then 9.8M parameters, 19.6 MB in bfloat16; 4096
     # makes it 14.9 MB
     draft_vocab: int = 8192
-    shared_lm_head: bool = False    # the LM head is the target's rows, frozen and not saved (a new head's choice)
     init_head: str | None = None    # start from this head's folder ("shipped": the model's shipped head)
     ttt_steps: int = 7              # unrolled steps (EAGLE-3's training-time test; SpecForge's default)
     epochs: int = 2                 # the learning rate's schedule spans them
@@ -134,9 +132,6 @@ def train_head(config: TrainConfig) -> dict:
     if config.init_head is not None:
         folder = shipped_head(config.model) if config.init_head == "shipped" else Path(config.init_head)
         start = _loaded_head(folder, target, config.max_prompt_tokens + config.max_tokens + config.ttt_steps + 1)
-        if config.shared_lm_head and not start.shared_lm_head:
-            raise InvalidParameterError(f"the head in {folder} has an LM head of its own, and a head trained further "
-                                        "keeps its kind: leave out --shared-lm-head, or train a new head")
     if config.self_prompts:
         prompts = prompts + self_prompts(llm, config.self_prompts, config.seed, out / "self_prompts.jsonl")
     order = list(range(len(prompts)))
@@ -159,12 +154,10 @@ def train_head(config: TrainConfig) -> dict:
         ids, layers = head.to_target(torch.arange(head.cfg.draft_vocab_size)), head.cfg.target_layers
     else:
         ids, layers = draft_vocab(counts, config.draft_vocab), default_layers(target.cfg.num_layers)
-        head = _new_head(target, layers, ids, longest + config.ttt_steps + 1, config.seed, config.shared_lm_head)
+        head = _new_head(target, layers, ids, longest + config.ttt_steps + 1, config.seed)
     head = head.to(device)
-    head.lm_head.requires_grad_(not head.shared_lm_head)
-    trained = [p for p in head.parameters() if p.requires_grad]
     answers = Answers(target, layers, ids, config.ttt_steps, device, longest, config.batch_size)
-    optimizer = torch.optim.AdamW(trained, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
     per_epoch = -(-len(train_seqs) // config.batch_size)
     schedule = config.epochs * per_epoch                # the steps the learning rate's schedule spans
     total = config.max_steps if config.max_steps is not None else schedule
@@ -201,7 +194,7 @@ def train_head(config: TrainConfig) -> dict:
             loss = answers.loss(head, seqs)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(trained, GRAD_CLIP)
+        torch.nn.utils.clip_grad_norm_(head.parameters(), GRAD_CLIP)
         optimizer.step()
         step += 1
         bar.update(1)
@@ -223,7 +216,7 @@ def train_head(config: TrainConfig) -> dict:
         "held_out_sequences": len(held_seqs), "steps": step, "ttt_steps": config.ttt_steps,
         "draft_vocab": len(ids), "draft_vocab_coverage_train": coverage(counts, ids),
         "draft_vocab_coverage_held_out": coverage(answer_counts(held_seqs, target.cfg.vocab_size), ids),
-        "shared_lm_head": head.shared_lm_head, "head_parameters": sum(p.numel() for p in trained),
+        "head_parameters": sum(p.numel() for p in head.parameters()),
         "head_bytes": (out / "head" / "model.safetensors").stat().st_size,
         "data_seconds_this_run": data_s, "train_seconds_this_run": train_s, "acceptance": log,
     }
@@ -248,8 +241,7 @@ def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) ->
     return [out[b] for b in torch.randperm(len(out), generator=generator).tolist()]
 
 
-def _new_head(target, layers: tuple[int, ...], ids: torch.Tensor, max_len: int, seed: int,
-              shared_lm_head: bool) -> Eagle3Head:
+def _new_head(target, layers: tuple[int, ...], ids: torch.Tensor, max_len: int, seed: int) -> Eagle3Head:
     """A head of the target's layer shape (random weights from the seed), its LM head the target's
     rows of the draft vocabulary, its d2t the vocabulary's offsets."""
     c = target.cfg
@@ -258,7 +250,7 @@ def _new_head(target, layers: tuple[int, ...], ids: torch.Tensor, max_len: int, 
                      rope_theta=c.rope_theta, rope_scaling=c.rope_scaling, vocab_size=c.vocab_size,
                      draft_vocab_size=len(ids), target_hidden_size=c.hidden_size, target_layers=layers)
     torch.manual_seed(seed)
-    head = Eagle3Head(cfg, max_len, shared_lm_head)
+    head = Eagle3Head(cfg, max_len)
     with torch.no_grad():
         head.lm_head.weight.copy_(lm_head_rows(target, ids.to(target.norm.weight.device)).float().cpu())
         head.d2t.copy_(ids - torch.arange(len(ids)))
@@ -267,7 +259,7 @@ def _new_head(target, layers: tuple[int, ...], ids: torch.Tensor, max_len: int, 
 
 def _loaded_head(folder: Path, target, max_len: int) -> Eagle3Head:
     """The head in `folder`, checked against the target, in float32 and trainable."""
-    head = load_eagle3_head(folder, target.cfg, torch.float32, "cpu", max_len, target)
+    head = load_eagle3_head(folder, target.cfg, torch.float32, "cpu", max_len)
     if head.embed is not None:      # the trainer reads the target's embedding, frozen and not saved
         raise InvalidParameterError(f"the head in {folder} has an embedding of its own; train-head continues only "
                                     "heads that share the target's")
