@@ -434,6 +434,29 @@ def test_a_row_drafts_only_where_drafting_repays_its_setup():
     assert untimed.row_lengths([0, 1], 1, [0.0, 1e9], [1, 1]) == [8, 8] and untimed.pays_setup(1e9, 1, 1, 7)
 
 
+def test_a_setup_is_weighed_at_the_batch_about_to_run():
+    """Two rows decode while two more cache their prompts (load 4): drafting pays at 2 rows and
+    not at 4, so the row that would first pay a setup (a draft model reading its skipped tokens)
+    is not set up, since its tokens will mostly come in the batch of 4; the row already set up
+    still drafts. Without a larger load, or while the drafter is probed, the batch's own saving
+    decides as before."""
+    costs = {2: [1.0 + 0.02 * k for k in range(9)], 4: [1.0 + 1.0 * k for k in range(9)]}
+    c = DraftController(8, costs)
+    for _ in range(10):
+        for s in (0, 1):
+            c.observe(s, 8, 8, 8)
+    assert not c.probing
+    k = c.num_draft([0, 1], 2)
+    assert k > 0 and c.num_draft([0, 1], 4) == 0
+    assert c.row_lengths([0, 1], 2, [0.0, 0.1], [100, 100]) == [k, k]
+    assert c.row_lengths([0, 1], 2, [0.0, 0.1], [100, 100], load=2) == [k, k]
+    assert c.row_lengths([0, 1], 2, [0.0, 0.1], [100, 100], load=4) == [k, 0]
+    probed = DraftController(8, costs)
+    assert probed.probing
+    assert probed.row_lengths([0, 1], 2, [0.0, 0.1], [100, 100], load=4) == \
+        probed.row_lengths([0, 1], 2, [0.0, 0.1], [100, 100])
+
+
 def test_a_load_not_run_yet_weighs_setups_at_the_pools_rates():
     """Before any decision at a batch size, while the drafter is probed, one sequence at a time is
     set up on trust (a server's first burst caches one prompt in the draft model, not every

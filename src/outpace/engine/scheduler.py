@@ -25,6 +25,9 @@ class StepPlan:
     decode: list[Sequence] = field(default_factory=list)   # each decodes its last token (+ draft)
     # a step launched ahead on the device (engine/step.py's Launched), to be read, not scheduled
     launched: object | None = None
+    # the sequences running, those still caching their prompts included: the batch the decoding
+    # rows are about to run in (0: the decoding rows alone)
+    load: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -56,7 +59,7 @@ class Scheduler:
             seq.slot = self.free_slots.pop()
             seq.status = Status.RUNNING
             self.running.append(seq)
-        plan = StepPlan()
+        plan = StepPlan(load=len(self.running))
         budget = self.max_prefill_tokens
         for seq in self.running:
             if not seq.is_prefilling:

@@ -119,7 +119,7 @@ class EagerStep:
         room = budget = [self.budget_for(s) for s in seqs]
         if not self.drafter.priced_after_drafting:
             # drafts the host never sees: the controller's lengths are given up front
-            budget = [min(r, k) for r, k in zip(room, self.lengths(seqs))]
+            budget = [min(r, k) for r, k in zip(room, self.lengths(seqs, load=plan.load))]
         # a tree drafter drafts trees or chains, whichever the controller measured to pay
         width = self.controller.step_tree_width(len(seqs))
         proposal = self._draft(seqs, budget, room, width)
@@ -128,11 +128,12 @@ class EagerStep:
         self._charge(seqs, "draft_s", proposal.draft_s)
         return proposal
 
-    def lengths(self, seqs: list[Sequence], paid: bool = True) -> list[int]:
+    def lengths(self, seqs: list[Sequence], paid: bool = True, load: int = 0) -> list[int]:
         """The controller's draft length for each row, decided before drafting (a drafter that
         pays per drafted token): 0 for a plain row and for one whose setup (the drafter's
-        setup_seconds) drafting would not repay over the tokens the row has left. paid False:
-        drafts that cost the drafter nothing and need no setup (a chain's lookup in the graph)."""
+        setup_seconds) drafting would not repay over the tokens the row has left, in a batch of
+        `load` rows where more sequences run than decode now (StepPlan.load). paid False: drafts
+        that cost the drafter nothing and need no setup (a chain's lookup in the graph)."""
         spec = [s for s in seqs if s.speculate]
         if not spec:
             return [0] * len(seqs)
@@ -140,7 +141,7 @@ class EagerStep:
         setup = self.drafter.setup_seconds(ids) if paid else None
         remaining = None if setup is None else [
             self.controller.remaining(s.num_output_tokens, s.params.max_tokens - s.num_output_tokens) for s in spec]
-        lengths = iter(self.controller.row_lengths(ids, len(seqs), setup, remaining, paid))
+        lengths = iter(self.controller.row_lengths(ids, len(seqs), setup, remaining, paid, load))
         return [next(lengths) if s.speculate else 0 for s in seqs]
 
     def _draft(self, seqs: list[Sequence], budget: list[int], room: list[int], tree_width: int = 0) -> Proposal:

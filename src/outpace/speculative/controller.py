@@ -381,12 +381,15 @@ class DraftController:
         return 1 if best == 0 and longest and self.probing else best
 
     def row_lengths(self, seq_ids: list[int], batch_size: int, setup: list[float] | None = None,
-                    remaining: list[float] | None = None, paid: bool = True) -> list[int]:
+                    remaining: list[float] | None = None, paid: bool = True, load: int = 0) -> list[int]:
         """num_draft's length for each speculating row of a batch of batch_size rows (drafts not
         known yet), but 0 for a row whose setup (setup[i] seconds before it can draft) drafting
         would not repay over its remaining[i] tokens (the top); the length is then chosen again
-        for the rows that draft. Where paid, also updates `saving`, which pays_setup reads; paid
-        False: drafts at no drafting cost (num_draft), which say nothing of a setup's return."""
+        for the rows that draft. A setup is weighed at the saving of a batch of `load` rows where
+        that is larger (sequences still caching their prompts are about to decode beside these,
+        so most remaining tokens come in that batch), except while the drafter is probed. Where
+        paid, also updates `saving`, which pays_setup reads; paid False: drafts at no drafting
+        cost (num_draft), which say nothing of a setup's return."""
         k = self.num_draft(seq_ids, batch_size, paid=paid)
         if not paid:
             return [k] * len(seq_ids)
@@ -395,6 +398,8 @@ class DraftController:
             self.saving[self._bucket(batch_size)] = sum(savings) / len(savings)
         if not k or setup is None or not self.is_timed:
             return [k] * len(seq_ids)
+        if load > batch_size and not self.probing:
+            savings = self._savings(seq_ids, load, self.num_draft(seq_ids, load))
         keep = [s <= 0 or v * r >= MIN_RETURN * s for s, v, r in zip(setup, savings, remaining)]
         if all(keep):
             return [k] * len(seq_ids)
