@@ -3,9 +3,8 @@
 The curve depends only on the model's shapes, the dtype, the device (a GPU by its name), the thread
 count and the build of the CPU kernels, so it is measured once and kept in `<outpace
 home>/calibration/`; delete that folder to measure again. A CPU is named by its flags, which
-machines of other speeds share (a home folder shared by a cluster's nodes, or moved to another
-machine), so a CPU's kept measure holds the time of a probe forward beside it, and each load
-times that forward again: where it moved, the measure is taken again.
+machines of other speeds may share (a home folder shared by a cluster's nodes): there, delete the
+folder after moving to another machine.
 """
 from __future__ import annotations
 
@@ -24,15 +23,8 @@ from outpace.paths import outpace_home
 
 CONTEXT = 128   # positions the timing rows sit at: a typical short context
 # part of the key a measurement is kept under: raised when what a forward runs changes outside the
-# CPU kernels' source (2: decode and verify forwards of more than 64 tokens moved onto the kernels),
-# or what is kept changes (4: a CPU's probe forward beside the measure)
-VERSION = 4
-# a CPU's kept measure is taken again where its probe forward's time moved by more than this share
-# of the kept time and by more than PROBE_FLOOR_S: two machines lent one after the other with the
-# same flags read 59.8 and 50.6 ms for the same 1.5B forward, while a sub-millisecond forward of a
-# tiny model varies by more than the share from run to run
-PROBE_SHARE = 0.15
-PROBE_FLOOR_S = 1e-3
+# CPU kernels' source (2: decode and verify forwards of more than 64 tokens moved onto the kernels)
+VERSION = 3
 
 
 def batch_buckets(max_seqs: int) -> list[int]:
@@ -63,8 +55,7 @@ def kept(runner: ModelRunner, key: list, measure):
     """measure()'s result (JSON), kept in the calibration folder under what it depends on: the
     runner's model shapes, dtype, device (a GPU's name: an H100 and an H200 step at other speeds),
     threads, torch, kind of runner, kernels' build and weight types, and `key`; measured where no
-    run on this machine kept it yet. On a CPU, also measured again where the probe forward's time
-    (_probe) is not what it was when the measure was kept: another machine with the same flags."""
+    run on this machine kept it yet."""
     kernels = cpu_kernels.build_key() if runner.device.type == "cpu" and cpu_kernels.has_library() else None
     card = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else None
     quantized = sorted({m.qtype for m in runner.model.modules() if isinstance(m, QuantizedLinear)})
@@ -73,28 +64,12 @@ def kept(runner: ModelRunner, key: list, measure):
                         VERSION] + ([quantized] if quantized else []) + ([card] if card else []) + key,
                        sort_keys=True, default=str)
     path = outpace_home() / "calibration" / f"{hashlib.sha256(whole.encode()).hexdigest()[:16]}.json"
-    probe = _probe(runner) if runner.device.type == "cpu" else None
     if path.exists():
-        saved = json.loads(path.read_text())
-        if probe is None or abs(probe - saved["probe_s"]) <= max(PROBE_SHARE * saved["probe_s"], PROBE_FLOOR_S):
-            return saved["result"]
+        return json.loads(path.read_text())
     result = measure()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"result": result, "probe_s": probe}))
+    path.write_text(json.dumps(result))
     return result
-
-
-def _probe(runner: ModelRunner) -> float:
-    """Seconds of one row of one token's forward at CONTEXT, the better of two after an untimed
-    one (first calls allocate)."""
-    row, best = [Row(0, [0], CONTEXT)], float("inf")
-    for i in range(3):
-        t0 = time.perf_counter()
-        runner.forward(row)
-        runner.cache.commit([0], [0])                   # a recurrent model's rollback
-        if i:
-            best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def _measure(runner: ModelRunner, max_seqs: int, num_draft_tokens: int, reps: int) -> dict[int, list]:
