@@ -244,12 +244,11 @@ class LLMEngine:
         if len(mine) < len(chunks):
             chunks, hidden = [chunks[i] for i in mine], None if hidden is None else hidden[mine]
         # a sequence's first chunk: whether its drafting is expected to repay the drafter's setup
-        # for its prompt at the present load, the sequences running (the later chunks follow it:
-        # the drafter caches a chunk only after the one before it)
+        # for its prompt at the present load, the sequences running (StepPlan.load; the later
+        # chunks follow it: the drafter caches a chunk only after the one before it)
         setup = self.drafter.setup_seconds([c.seq.seq_id for c in chunks])
-        load = len(self.scheduler.running)
         defer = None if setup is None else [
-            c.start == 0 and not self.controller.pays_setup(seconds, c.seq.params.max_tokens, load, c.seq.seq_id)
+            c.start == 0 and not self.controller.pays_setup(seconds, c.seq.params.max_tokens, plan.load, c.seq.seq_id)
             for c, seconds in zip(chunks, setup)]
         self.drafter.prefilled(Prefilled([c.seq.seq_id for c in chunks], [c.seq.slot for c in chunks],
                                          [c.start for c in chunks], [c.seq.token_ids[c.start:c.end] for c in chunks],
