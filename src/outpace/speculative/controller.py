@@ -398,7 +398,7 @@ class DraftController:
             self.saving[self._bucket(batch_size)] = sum(savings) / len(savings)
         if not k or setup is None or not self.is_timed:
             return [k] * len(seq_ids)
-        if load > batch_size and not self.probing:
+        if load > batch_size and not self.probing and any(s > 0 for s in setup):
             savings = self._savings(seq_ids, load, self.num_draft(seq_ids, load))
         keep = [s <= 0 or v * r >= MIN_RETURN * s for s, v, r in zip(setup, savings, remaining)]
         if all(keep):
