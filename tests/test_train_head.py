@@ -177,6 +177,31 @@ def test_file_prompts_draws_that_many_of_the_file(trained):
     assert len({tuple(s.tokens[:s.prompt_len].tolist()) for s in held + train}) == 20
 
 
+def test_task_prompts_from_the_training_answers_train_too(trained):
+    """--task-prompts: prompts built from the run's training answers are answered after them and
+    trained on with them (held-back prompts unchanged); each task answer's context holds a
+    training answer's text or question, and a rerun finds its shards rather than answering again."""
+    root, config, _ = trained
+    settings = {**vars(config), "out": str(root / "tasks"), "num_prompts": 8, "held_out": 4, "max_tokens": 64,
+                "max_prompt_tokens": 1024, "task_prompts": 6, "max_steps": 0}
+    summary = train_head(TrainConfig(**settings))
+    train = load_shards(root / "tasks" / "data", "train")
+    tasks = load_shards(root / "tasks" / "data", "task")
+    assert summary["task_sequences"] == len(tasks) >= 6 and summary["train_sequences"] == len(train) + len(tasks)
+    assert summary["held_out_sequences"] == 4
+    llm = LLM(str(root / "target"), spec="none", device="cpu", dtype="float32", calibrate=False, max_model_len=1100)
+    decode = llm.tokenizer.decode
+    material = [decode(a.tokens[a.prompt_len:].tolist()).strip() for a in train]
+    material += [decode(a.tokens[:a.prompt_len].tolist(), skip_special_tokens=False).split("user\n")[-1]
+                 .split("<|im_end|>")[0] for a in train]                  # the questions
+    for task in tasks:
+        context = decode(task.tokens[:task.prompt_len].tolist(), skip_special_tokens=False)
+        assert any(m and m[:40] in context for m in material)
+    before = sorted(p.stat().st_mtime_ns for p in (root / "tasks" / "data").glob("task-*.pt"))
+    assert train_head(TrainConfig(**settings))["task_sequences"] == len(tasks)
+    assert sorted(p.stat().st_mtime_ns for p in (root / "tasks" / "data").glob("task-*.pt")) == before
+
+
 def test_shards_hold_tensors_and_older_shards_of_lists_still_load(trained, tmp_path):
     root, _, _ = trained
     answers = load_shards(root / "a" / "data", "train")

@@ -281,6 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the mix's share of each")
     t.add_argument("--out", required=True, help="folder for data, checkpoints and the head (a rerun resumes it)")
     t.add_argument("--num-prompts", type=int, default=4000, help="prompts answered for training (default 4000)")
+    t.add_argument("--task-prompts", type=int, default=0,
+                   help="prompts then built from the training answers (summaries, passages and a question, "
+                        "extraction, translation there and back) and trained on too (default 0); they hold up to "
+                        "four answers: give --max-prompt-tokens 1024")
     t.add_argument("--held-out", type=int, default=64, help="prompts held back to measure acceptance (default 64)")
     t.add_argument("--max-tokens", type=int, default=256, help="answer tokens at most (default 256)")
     t.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped (default 512)")

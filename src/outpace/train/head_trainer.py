@@ -7,7 +7,9 @@ Steps, each resumable in the output folder:
      the first `held_out` are held back (acceptance is measured on them while training, never
      trained on), the next `num_prompts` train.
   2. The target answers both sets (head_data.py: greedy, its chat template, batched through the
-     engine); data/ holds the answers' tokens. Each batch's hidden states at the head's three
+     engine); data/ holds the answers' tokens. With `task_prompts` > 0 that many prompts are then
+     built from the training answers (task_prompts.py: texts to summarize, passages to answer
+     from, translations there and back) and answered too; they train with the rest. Each batch's hidden states at the head's three
      layers and at its last layer (whose final norm and LM head give the target's distributions)
      are computed from them as it trains (answers.py).
   3. The draft vocabulary: the `draft_vocab` target tokens most frequent in the training answers;
@@ -49,13 +51,14 @@ from outpace.train.draft_vocab import answer_counts, coverage, draft_vocab
 from outpace.train.answers import Answers, lm_head_rows
 from outpace.train.head_data import generate_shards, load_shards, read_prompts
 from outpace.train.self_prompts import self_prompts
+from outpace.train.task_prompts import task_prompts
 from outpace.weights.hub import shipped_head
 
 GRAD_CLIP = 0.5
 GROUP_BATCHES = 64      # batches whose sequences are sorted by length together (epoch_batches)
 MIN_LR_FRACTION = 0.1
 # settings a resumed run must share with the checkpoint it continues
-SAME_RUN = ("model", "self_prompts", "file_prompts", "num_prompts", "held_out", "max_tokens", "max_prompt_tokens", "draft_vocab",
+SAME_RUN = ("model", "self_prompts", "file_prompts", "num_prompts", "task_prompts", "held_out", "max_tokens", "max_prompt_tokens", "draft_vocab",
             "ttt_steps", "epochs", "batch_size", "lr", "warmup_steps", "seed", "init_head")
 
 
@@ -67,6 +70,7 @@ class TrainConfig:
     self_prompts: int = 0           # prompts the target writes itself, added to the file's
     file_prompts: int | None = None # the file's prompts used at most (drawn with the seed); None: all
     num_prompts: int = 4000         # prompts answered for training
+    task_prompts: int = 0           # prompts built from the training answers (task_prompts.py), trained on too
     held_out: int = 64              # prompts answered for measuring acceptance, never trained on
     max_tokens: int = 256           # answer tokens at most
     max_prompt_tokens: int = 512    # longer chat-formatted prompts are skipped
@@ -99,6 +103,8 @@ class TrainConfig:
                 raise InvalidParameterError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.file_prompts is not None and self.file_prompts < 0:
             raise InvalidParameterError(f"file-prompts must be >= 0, got {self.file_prompts}")
+        if self.task_prompts < 0:
+            raise InvalidParameterError(f"task-prompts must be >= 0, got {self.task_prompts}")
         if self.self_prompts < 0:
             raise InvalidParameterError(f"self-prompts must be >= 0, got {self.self_prompts}")
         if self.prompts is None and self.self_prompts == 0:
@@ -142,8 +148,13 @@ def train_head(config: TrainConfig) -> dict:
         raise InvalidParameterError(f"{len(prompts)} prompts, all held out: lower --held-out or give more prompts")
     for name, part in (("heldout", held), ("train", train)):
         generate_shards(llm, part, out / "data", name, config.max_tokens, config.max_prompt_tokens, config.shard_size)
+    train_seqs, task_seqs = load_shards(out / "data", "train"), []
+    if config.task_prompts:
+        tasks = task_prompts(_answered_pairs(llm, train, train_seqs), config.task_prompts, config.seed)
+        generate_shards(llm, tasks, out / "data", "task", config.max_tokens, config.max_prompt_tokens, config.shard_size)
+        task_seqs = load_shards(out / "data", "task")
+        train_seqs = train_seqs + task_seqs
     data_s = time.perf_counter() - t0
-    train_seqs = load_shards(out / "data", "train")
     held_seqs = sorted(load_shards(out / "data", "heldout"), key=lambda s: len(s.tokens))  # batches of like lengths
 
     # ---- the head -------------------------------------------------------------------------------
@@ -211,7 +222,8 @@ def train_head(config: TrainConfig) -> dict:
     save_eagle3_head(head.float(), out / "head", getattr(torch, config.save_dtype), config.model)
     summary = {
         "target": config.model, "device": str(device), "seed": config.seed, "init_head": config.init_head,
-        "train_sequences": len(train_seqs), "train_tokens": sum(len(s.tokens) for s in train_seqs),
+        "train_sequences": len(train_seqs), "task_sequences": len(task_seqs),
+        "train_tokens": sum(len(s.tokens) for s in train_seqs),
         "train_answer_tokens": sum(len(s.tokens) - s.prompt_len for s in train_seqs),
         "held_out_sequences": len(held_seqs), "steps": step, "ttt_steps": config.ttt_steps,
         "draft_vocab": len(ids), "draft_vocab_coverage_train": coverage(counts, ids),
@@ -239,6 +251,17 @@ def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) ->
     ordered = [j for r in range(0, len(perm), run) for j in sorted(perm[r:r + run], key=lengths.__getitem__)]
     out = [ordered[b:b + batch_size] for b in range(0, len(ordered), batch_size)]
     return [out[b] for b in torch.randperm(len(out), generator=generator).tolist()]
+
+
+def _answered_pairs(llm: LLM, prompts: list[str | list[str]], answers: list) -> list[tuple[str, str]]:
+    """(question, answer text) of each answer to a first turn: the task prompts' material."""
+    pairs = []
+    for a in answers:
+        if a.turn == 0:
+            prompt = prompts[a.source]
+            question = prompt if isinstance(prompt, str) else prompt[0]
+            pairs.append((question, llm.tokenizer.decode(a.tokens[a.prompt_len:].tolist())))
+    return pairs
 
 
 def _new_head(target, layers: tuple[int, ...], ids: torch.Tensor, max_len: int, seed: int) -> Eagle3Head:
