@@ -33,6 +33,8 @@ from outpace.config import SamplingParams
 from outpace.errors import InvalidParameterError
 from outpace.llm import LLM
 
+GROUP_SEQS = 2          # prompts handed to the engine at once, in multiples of its slots (generate_shards)
+
 
 @dataclass
 class Answer:
@@ -61,7 +63,10 @@ def generate_shards(llm: LLM, prompts: list[str | list[str]], folder: Path, name
                     max_prompt_tokens: int, shard_size: int) -> None:
     """Answer `prompts` (each one user turn, or a conversation's user turns) in shards, skipping
     shards already on disk. A turn whose chat-formatted context is over max_prompt_tokens is
-    skipped with the rest of its conversation."""
+    skipped with the rest of its conversation. The engine answers the missing shards a group at
+    a time (GROUP_SEQS times its slots' worth of prompts, whole shards), so its slots stay full
+    where shards are smaller than its batch and a shard's longest answers finish beside the next
+    shard's; each shard is saved as the group ends."""
     folder.mkdir(parents=True, exist_ok=True)
     # an answer's text is needed only where its conversation goes on (the next turn's context)
     params = {more: SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=more) for more in (False, True)}
@@ -70,14 +75,16 @@ def generate_shards(llm: LLM, prompts: list[str | list[str]], folder: Path, name
     todo = [s for s in range(num_shards) if not _shard_path(folder, name, s).exists()]
     bar = tqdm(total=sum(len(c) for s in todo for c in conversations[s * shard_size:(s + 1) * shard_size]),
                desc=f"answering ({name})", unit="turn")
-    for s in todo:
-        first = s * shard_size
-        part = conversations[first:first + shard_size]
-        history: list[list[dict] | None] = [[] for _ in part]       # None: dropped (a context too long)
-        shard = {"tokens": [], "prompt_lens": [], "sources": [], "turns": []}
-        for turn in range(max(map(len, part))):
+    group = max(1, GROUP_SEQS * llm.engine.config.max_num_seqs // shard_size)
+    for g in range(0, len(todo), group):
+        shards = todo[g:g + group]
+        sources = [i for s in shards for i in range(s * shard_size, min((s + 1) * shard_size, len(conversations)))]
+        answered = {s: {"tokens": [], "prompt_lens": [], "sources": [], "turns": []} for s in shards}
+        history: dict[int, list[dict] | None] = {i: [] for i in sources}        # None: dropped (a context too long)
+        for turn in range(max(len(conversations[i]) for i in sources)):
             kept, ids = [], []
-            for i, turns in enumerate(part):
+            for i in sources:
+                turns = conversations[i]
                 if turn >= len(turns) or history[i] is None:
                     continue
                 history[i].append({"role": "user", "content": turns[turn]})
@@ -88,22 +95,28 @@ def generate_shards(llm: LLM, prompts: list[str | list[str]], folder: Path, name
                     continue
                 kept.append(i)
                 ids.append(context)
-            outputs = llm.generate(ids, [params[turn + 1 < len(part[i])] for i in kept],
+            outputs = llm.generate(ids, [params[turn + 1 < len(conversations[i])] for i in kept],
                                    on_tokens=lambda seq: bar.update(1) if seq.is_finished else None,
                                    speculate=False) if ids else []
             for i, context, out in zip(kept, ids, outputs):
                 history[i].append({"role": "assistant", "content": out.text})
+                shard = answered[i // shard_size]
                 shard["tokens"].append(context + out.token_ids)
                 shard["prompt_lens"].append(len(context))
-                shard["sources"].append(first + i)
+                shard["sources"].append(i)
                 shard["turns"].append(turn)
-        path = _shard_path(folder, name, s)
-        lengths = [len(t) for t in shard["tokens"]]
-        shard = {"tokens": torch.tensor([t for tokens in shard["tokens"] for t in tokens], dtype=torch.int32),
-                 "lengths": torch.tensor(lengths)} | {k: torch.tensor(shard[k]) for k in ("prompt_lens", "sources", "turns")}
-        torch.save(shard, path.with_suffix(".tmp"))
-        os.replace(path.with_suffix(".tmp"), path)
+        for s, shard in answered.items():
+            _save_shard(_shard_path(folder, name, s), shard)
     bar.close()
+
+
+def _save_shard(path: Path, shard: dict) -> None:
+    """A shard's lists as tensors, written whole (a temporary file, then renamed)."""
+    lengths = [len(t) for t in shard["tokens"]]
+    tensors = {"tokens": torch.tensor([t for tokens in shard["tokens"] for t in tokens], dtype=torch.int32),
+               "lengths": torch.tensor(lengths)} | {k: torch.tensor(shard[k]) for k in ("prompt_lens", "sources", "turns")}
+    torch.save(tensors, path.with_suffix(".tmp"))
+    os.replace(path.with_suffix(".tmp"), path)
 
 
 def load_shards(folder: Path, name: str) -> list[Answer]:
