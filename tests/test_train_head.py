@@ -16,10 +16,11 @@ import torch
 from outpace import LLM, SamplingParams, SpecConfig
 from outpace.errors import InvalidParameterError, ModelNotFoundError
 from outpace.runner.model_runner import ModelRunner, Row
-from outpace.model.eagle3 import default_layers
+from outpace.model.eagle3 import default_layers, load_eagle3_head
 from outpace.train.answers import Answers
 from outpace.train.head_data import Answer, generate_shards, load_shards
 from outpace.train.head_trainer import GROUP_BATCHES, TrainConfig, epoch_batches, train_head
+from outpace.train.unroll import unrolled_loss
 from safetensors.torch import load_file
 from tiny import make_tiny
 
@@ -82,6 +83,36 @@ def test_a_batchs_features_are_the_targets_own(trained):
         torch.testing.assert_close(batch.hidden[b, :n], want[0][:, answers.features], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(batch.target_logits[b, :n], logits[0][:, ids], rtol=1e-4, atol=1e-4)
         assert not batch.hidden[b, n:].any()
+
+
+def test_later_steps_over_the_answers_alone_give_the_whole_unrolls_results(trained):
+    """The unrolled steps after the first run only from the batch's first answer token less the
+    steps (an index before it predicts no answer token at any later step): loss, gradients,
+    accepted runs and ranks equal the unroll over every index, in float64."""
+    root, config, _ = trained
+    llm = LLM(str(root / "target"), spec="none", dtype="float64", device="cpu", calibrate=False, max_model_len=128)
+    target = llm.engine.model
+    head = load_eagle3_head(root / "a" / "head", target.cfg, torch.float64, "cpu", 128).train().requires_grad_(True)
+    seqs = load_shards(root / "a" / "data", "train")[:6]
+    ids = head.to_target(torch.arange(head.cfg.draft_vocab_size))
+    answers = Answers(target, head.cfg.target_layers, ids, 3, "cpu", max(len(s.tokens) for s in seqs), len(seqs))
+    batch = answers.batch(seqs)
+    batch.hidden, batch.target_logits = batch.hidden.double(), batch.target_logits.double()
+    assert min(s.prompt_len for s in seqs) - 1 - 3 > 0                   # the later steps are cut
+    results, grads = [], []
+    for sliced in (True, False):
+        head.zero_grad()
+        loss, accepted, counted, ranks = unrolled_loss(head, target.embed, batch, 3, answers.in_vocab, top=4,
+                                                       sliced=sliced)
+        loss.backward()
+        results.append((loss.detach(), accepted, counted, ranks))
+        grads.append([p.grad.clone() for p in head.parameters() if p.grad is not None])
+    (loss, accepted, counted, ranks), whole = results
+    torch.testing.assert_close(loss, whole[0], rtol=1e-12, atol=0)
+    assert torch.equal(accepted, whole[1]) and torch.equal(ranks, whole[3]) and accepted.any()
+    assert len(grads[0]) == len(grads[1]) > 0
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])

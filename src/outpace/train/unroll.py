@@ -41,18 +41,21 @@ class Batch:
 
 
 class Unroll:
-    """The head's steps over one batch; each step's keys and values are kept for the next."""
+    """The head's steps over one batch; each step's keys and values are kept for the next. Steps
+    after the first run at indices `start` .. S - 1 alone (their queries, keys and values): an
+    index's later steps read only step 0's keys and that index's own."""
 
-    def __init__(self, head: DraftHead, embed: torch.nn.Module, num_pairs: int):
-        self.head, self.embed, self.S = head, embed, num_pairs
+    def __init__(self, head: DraftHead, embed: torch.nn.Module, num_pairs: int, start: int = 0):
+        self.head, self.embed, self.S, self.start = head, embed, num_pairs, start
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
 
     def step(self, feature: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Step k = the steps taken so far: features [B, S, H] and tokens [B, S] -> outputs [B, S, H]."""
-        B, S = tokens.shape
+        """Step k = the steps taken so far: features [B, n, H] and tokens [B, n] at indices
+        S - n .. S - 1 (n = S at step 0, S - start after) -> outputs [B, n, H]."""
+        B, n = tokens.shape
         k = len(self.keys)
-        positions = (torch.arange(S, device=tokens.device) + k).expand(B, S)
+        positions = (torch.arange(self.S - n, self.S, device=tokens.device) + k).expand(B, n)
         embed = self.embed(tokens).to(feature.dtype)
         residual, q, key, value = self.head.project(feature, embed, positions)
         self.keys.append(key)
@@ -60,14 +63,14 @@ class Unroll:
         return self.head.finish(residual, self._attend(q))
 
     def _attend(self, q: torch.Tensor) -> torch.Tensor:
-        """q [B, S, Hq, D] over step 0's keys (causal) and later steps' keys at the same index.
-        Query head h reads key/value head h // groups: the queries are viewed as [B, S, KVH,
-        groups, D] rather than the keys repeated, so a step copies no keys or values."""
-        B, S, Hq, D = q.shape
-        KVH = self.keys[0].shape[2]
-        q, scale = q.view(B, S, KVH, Hq // KVH, D), D ** -0.5
-        scores = torch.einsum("bskgd,btkd->bkgst", q, self.keys[0]) * scale                 # [B, KVH, G, S, S]
-        causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+        """q [B, n, Hq, D] (indices S - n ..) over step 0's keys (causal) and later steps' keys at
+        the same index. Query head h reads key/value head h // groups: the queries are viewed as
+        [B, n, KVH, groups, D] rather than the keys repeated, so a step copies no keys or values."""
+        B, n, Hq, D = q.shape
+        S, KVH = self.S, self.keys[0].shape[2]
+        q, scale = q.view(B, n, KVH, Hq // KVH, D), D ** -0.5
+        scores = torch.einsum("bskgd,btkd->bkgst", q, self.keys[0]) * scale                 # [B, KVH, G, n, S]
+        causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()[S - n:]
         scores = scores.masked_fill(~causal, float("-inf"))
         diagonal = [torch.einsum("bskgd,bskd->bkgs", q, k)[..., None] * scale for k in self.keys[1:]]
         weights = torch.cat([scores, *diagonal], -1).float().softmax(-1).to(q.dtype)
@@ -78,32 +81,40 @@ class Unroll:
 
 
 def unrolled_loss(head: DraftHead, embed: torch.nn.Module, batch: Batch, steps: int, in_vocab: torch.Tensor,
-                  top: int = 0):
+                  top: int = 0, sliced: bool = True):
     """(loss, accepted [B, S] drafts accepted in a row at each index, counts [B, S] where a first
     draft predicts an answer token, ranks). in_vocab [V] bool: the draft vocabulary's target ids.
     top > 0: ranks [B, S, steps] of each step's answer token among the head's `top` best drafts
-    there (0: its argmax; `top` where it is not among them or not an answer token), else None."""
+    there (0: its argmax; `top` where it is not among them or not an answer token), else None.
+    sliced False: steps after the first run at every index (the same results, for tests)."""
     S = batch.hidden.shape[1]
     feature = head.features(batch.hidden)
-    unroll = Unroll(head, embed, S)
+    B = batch.tokens.shape[0]
+    # steps k >= 1 at index t predict token t + 2 + k; none is an answer token before the batch's
+    # first answer token less `steps` (so step 0, every index, leaves their runs at 0 there)
+    first = torch.where(batch.is_answer.any(1), batch.is_answer.long().argmax(1), batch.is_answer.shape[1])
+    start = max(0, min(int(first.min()) - 1 - steps, S - 1)) if sliced else 0
+    unroll = Unroll(head, embed, S, start)
     loss = 0.0
-    run = torch.ones(batch.tokens.shape[0], S, dtype=torch.bool, device=batch.tokens.device)     # all right so far
+    run = torch.ones(B, S, dtype=torch.bool, device=batch.tokens.device)                   # all right so far
     accepted = torch.zeros(run.shape, dtype=torch.long, device=run.device)
     ranks = []
     target = batch.target_logits.softmax(-1)                # step k reads positions k + 1 .. k + S
     for k in range(steps):
-        out = unroll.step(feature, batch.tokens[:, k + 1:k + 1 + S])
-        logits = head.logits(out)                                                           # [B, S, Vd]
-        labels = batch.tokens[:, k + 2:k + 2 + S]
-        answer = batch.is_answer[:, k + 2:k + 2 + S]
+        a = 0 if k == 0 else start                          # the step's first index
+        out = unroll.step(feature, batch.tokens[:, k + 1 + a:k + 1 + S])
+        logits = head.logits(out)                                                           # [B, S - a, Vd]
+        labels = batch.tokens[:, k + 2 + a:k + 2 + S]
+        answer = batch.is_answer[:, k + 2 + a:k + 2 + S]
         counted = answer & in_vocab[labels]
-        cross = -(target[:, k + 1:k + 1 + S] * F.log_softmax(logits, -1)).sum(-1)
+        cross = -(target[:, k + 1 + a:k + 1 + S] * F.log_softmax(logits, -1)).sum(-1)
         loss = loss + STEP_DECAY ** k * (cross * counted).sum() / counted.sum().clamp(min=1)
         with torch.no_grad():
-            run &= answer & (head.to_target(logits.argmax(-1)) == labels)
+            run[:, a:] &= answer & (head.to_target(logits.argmax(-1)) == labels)
             accepted += run
             if top:
                 hit = (head.to_target(logits.topk(top, -1).indices) == labels[..., None]) & answer[..., None]
-                ranks.append(torch.where(hit.any(-1), hit.long().argmax(-1), top))
-        feature = out
+                rank = torch.where(hit.any(-1), hit.long().argmax(-1), top)
+                ranks.append(F.pad(rank, (a, 0), value=top))
+        feature = out[:, start:] if k == 0 else out
     return loss, accepted, batch.is_answer[:, 2:2 + S], torch.stack(ranks, -1) if top else None
