@@ -9,9 +9,9 @@ Steps, each resumable in the output folder:
   2. The target answers both sets (head_data.py: greedy, its chat template, batched through the
      engine); data/ holds the answers' tokens. With `task_prompts` > 0 that many prompts are then
      built from the training answers (task_prompts.py: texts to summarize, passages to answer
-     from, translations there and back) and answered too; they train with the rest. Each batch's hidden states at the head's three
-     layers and at its last layer (whose final norm and LM head give the target's distributions)
-     are computed from them as it trains (answers.py).
+     from, translations there and back) and answered too; they train with the rest. Each batch's
+     hidden states at the head's three layers and at its last layer (whose final norm and LM head
+     give the target's distributions) are computed from them as it trains (answers.py).
   3. The draft vocabulary: the `draft_vocab` target tokens most frequent in the training answers;
      with `init_head` the head starts from that head's weights and keeps its draft vocabulary and
      layers (a head trained further on new prompts: data need not outlive a session).
