@@ -228,9 +228,15 @@ def test_task_prompts_from_the_training_answers_train_too(trained):
     for task in tasks:
         context = decode(task.tokens[:task.prompt_len].tolist(), skip_special_tokens=False)
         assert any(m and m[:40] in context for m in material)
+    assert summary["task_prompts_answered"] == 6
     before = sorted(p.stat().st_mtime_ns for p in (root / "tasks" / "data").glob("task-*.pt"))
     assert train_head(TrainConfig(**settings))["task_sequences"] == len(tasks)
     assert sorted(p.stat().st_mtime_ns for p in (root / "tasks" / "data").glob("task-*.pt")) == before
+    # a limit the longer task prompts are over: those are skipped, said and counted
+    shutil.copytree(root / "tasks" / "data", root / "short" / "data", ignore=shutil.ignore_patterns("task-*"))
+    longest = max(t.prompt_len for t in tasks if t.turn == 0)
+    short = train_head(TrainConfig(**{**settings, "out": str(root / "short"), "max_prompt_tokens": longest - 1}))
+    assert 0 < short["task_prompts_answered"] < 6
 
 
 def test_shards_hold_tensors_and_older_shards_of_lists_still_load(trained, tmp_path):

@@ -154,6 +154,10 @@ def train_head(config: TrainConfig) -> dict:
         generate_shards(llm, tasks, out / "data", "task", config.max_tokens, config.max_prompt_tokens, config.shard_size)
         task_seqs = load_shards(out / "data", "task")
         train_seqs = train_seqs + task_seqs
+        answered = len({s.source for s in task_seqs})
+        if answered < len(tasks):
+            tqdm.write(f"{len(tasks) - answered} of {len(tasks)} task prompts were over --max-prompt-tokens "
+                       f"({config.max_prompt_tokens}) and were skipped")
     data_s = time.perf_counter() - t0
     held_seqs = sorted(load_shards(out / "data", "heldout"), key=lambda s: len(s.tokens))  # batches of like lengths
 
@@ -222,7 +226,8 @@ def train_head(config: TrainConfig) -> dict:
     save_eagle3_head(head.float(), out / "head", getattr(torch, config.save_dtype), config.model)
     summary = {
         "target": config.model, "device": str(device), "seed": config.seed, "init_head": config.init_head,
-        "train_sequences": len(train_seqs), "task_sequences": len(task_seqs),
+        "train_sequences": len(train_seqs), "task_prompts_answered": len({s.source for s in task_seqs}),
+        "task_sequences": len(task_seqs),
         "train_tokens": sum(len(s.tokens) for s in train_seqs),
         "train_answer_tokens": sum(len(s.tokens) - s.prompt_len for s in train_seqs),
         "held_out_sequences": len(held_seqs), "steps": step, "ttt_steps": config.ttt_steps,
