@@ -41,18 +41,18 @@ class Batch:
 
 
 class Unroll:
-    """The head's steps over one batch; each step's keys and values are kept for the next. Steps
-    after the first run at indices `start` .. S - 1 alone (their queries, keys and values): an
-    index's later steps read only step 0's keys and that index's own."""
+    """The head's steps over one batch; each step's keys and values are kept for the next. Step 0
+    runs at every index; a later step may run at the last indices alone (their queries, keys and
+    values): an index's later steps read only step 0's keys and that index's own."""
 
-    def __init__(self, head: DraftHead, embed: torch.nn.Module, num_pairs: int, start: int = 0):
-        self.head, self.embed, self.S, self.start = head, embed, num_pairs, start
+    def __init__(self, head: DraftHead, embed: torch.nn.Module, num_pairs: int):
+        self.head, self.embed, self.S = head, embed, num_pairs
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
 
     def step(self, feature: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Step k = the steps taken so far: features [B, n, H] and tokens [B, n] at indices
-        S - n .. S - 1 (n = S at step 0, S - start after) -> outputs [B, n, H]."""
+        S - n .. S - 1 (n = S at step 0, the same n at every later step) -> outputs [B, n, H]."""
         B, n = tokens.shape
         k = len(self.keys)
         positions = (torch.arange(self.S - n, self.S, device=tokens.device) + k).expand(B, n)
@@ -94,7 +94,7 @@ def unrolled_loss(head: DraftHead, embed: torch.nn.Module, batch: Batch, steps: 
     # first answer token less `steps` (so step 0, every index, leaves their runs at 0 there)
     first = torch.where(batch.is_answer.any(1), batch.is_answer.long().argmax(1), batch.is_answer.shape[1])
     start = max(0, min(int(first.min()) - 1 - steps, S - 1)) if sliced else 0
-    unroll = Unroll(head, embed, S, start)
+    unroll = Unroll(head, embed, S)
     loss = 0.0
     run = torch.ones(B, S, dtype=torch.bool, device=batch.tokens.device)                   # all right so far
     accepted = torch.zeros(run.shape, dtype=torch.long, device=run.device)
