@@ -18,9 +18,9 @@ Steps, each resumable in the output folder:
   4. Training (unroll.py): batches of like lengths (epoch_batches), `ttt_steps` unrolled steps a
      batch, AdamW, linear warm-up then cosine decay to a tenth, gradients clipped at 0.5. The
      head's LM head starts from the target's rows of the draft vocabulary (a new head's); its
-     embedding is the target's, frozen and not saved. Every
-     `eval_every` steps (and before the first) the held-back answers give the mean number of
-     drafts accepted in a row at each answer position with chains of `ttt_steps` drafts.
+     embedding is the target's, frozen and not saved. Every `eval_every` steps (and before the
+     first) the held-back answers give the mean number of drafts accepted in a row at each answer
+     position with chains of `ttt_steps` drafts.
   5. checkpoint.pt every `checkpoint_every` steps (head, optimizer, step); a run finds it and
      continues. A batch's sequences are a function of (seed, step) alone and the head's start of
      the seed, so a fixed seed gives the same head, resumed or not (on one device and thread
@@ -148,15 +148,15 @@ def train_head(config: TrainConfig) -> dict:
         raise InvalidParameterError(f"{len(prompts)} prompts, all held out: lower --held-out or give more prompts")
     for name, part in (("heldout", held), ("train", train)):
         generate_shards(llm, part, out / "data", name, config.max_tokens, config.max_prompt_tokens, config.shard_size)
-    train_seqs, task_seqs = load_shards(out / "data", "train"), []
+    train_seqs, task_seqs, tasks_answered = load_shards(out / "data", "train"), [], 0
     if config.task_prompts:
         tasks = task_prompts(_answered_pairs(llm, train, train_seqs), config.task_prompts, config.seed)
         generate_shards(llm, tasks, out / "data", "task", config.max_tokens, config.max_prompt_tokens, config.shard_size)
         task_seqs = load_shards(out / "data", "task")
         train_seqs = train_seqs + task_seqs
-        answered = len({s.source for s in task_seqs})
-        if answered < len(tasks):
-            tqdm.write(f"{len(tasks) - answered} of {len(tasks)} task prompts were over --max-prompt-tokens "
+        tasks_answered = len({s.source for s in task_seqs})
+        if tasks_answered < len(tasks):
+            tqdm.write(f"{len(tasks) - tasks_answered} of {len(tasks)} task prompts were over --max-prompt-tokens "
                        f"({config.max_prompt_tokens}) and were skipped")
     data_s = time.perf_counter() - t0
     held_seqs = sorted(load_shards(out / "data", "heldout"), key=lambda s: len(s.tokens))  # batches of like lengths
@@ -226,7 +226,7 @@ def train_head(config: TrainConfig) -> dict:
     save_eagle3_head(head.float(), out / "head", getattr(torch, config.save_dtype), config.model)
     summary = {
         "target": config.model, "device": str(device), "seed": config.seed, "init_head": config.init_head,
-        "train_sequences": len(train_seqs), "task_prompts_answered": len({s.source for s in task_seqs}),
+        "train_sequences": len(train_seqs), "task_prompts_answered": tasks_answered,
         "task_sequences": len(task_seqs),
         "train_tokens": sum(len(s.tokens) for s in train_seqs),
         "train_answer_tokens": sum(len(s.tokens) - s.prompt_len for s in train_seqs),
