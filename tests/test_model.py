@@ -144,6 +144,25 @@ def test_long_chunk_beside_bf16_rows(tmp_path, monkeypatch, bf16_dot, cpu_level)
     torch.testing.assert_close(runner.forward(last)[0], fresh.forward(last)[0], atol=1e-3, rtol=1e-3)
 
 
+def test_exact_mode_prompt_cache_does_not_depend_on_chunking(tmp_path, monkeypatch, cpu_level):
+    """In exact mode a prompt cached in one chunk or in several leaves the same cache, bit for bit,
+    on a bfloat16 model where long chunks would otherwise compute in float32 (no bf16 dot
+    products): how a load chunks prompts must not change exact mode's tokens."""
+    from outpace.kernels import cpu_kernels
+    monkeypatch.setattr(cpu_kernels, "has_bf16_dot", lambda: False)
+    make_tiny("llama", tmp_path, dtype=torch.bfloat16)
+    model = load_model(tmp_path, torch.bfloat16, "cpu", max_len=512)
+    prompt = torch.randint(0, 256, (201,), generator=torch.Generator().manual_seed(8)).tolist()
+    last = [Row(0, prompt[-1:], len(prompt) - 1)]
+    logits = []
+    for cuts in ([0, 200], [0, 150, 200], [0, 40, 200]):
+        runner = ModelRunner(model, num_slots=1, max_len=512, max_step_tokens=256, exact_width=3)
+        for a, b in zip(cuts, cuts[1:]):
+            runner.forward([Row(0, prompt[a:b], a)], logits="none")
+        logits.append(runner.forward(last)[0])
+    assert all(torch.equal(logits[0], other) for other in logits[1:])
+
+
 def test_hidden_states_are_each_layers_output(pair):
     """hidden_layers gives each asked layer's output, the residual stream before the next norm."""
     ref, ours = pair

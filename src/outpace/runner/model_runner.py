@@ -71,8 +71,10 @@ class ModelRunner:
                                       max(max_verify_tokens, exact_width or 1), snapshots)
         self.exact_width = exact_width
         self.window = cfg.sliding_window
+        # exact mode keeps prompt chunks in the weights' dtype: a float32 chunk's attention depends on
+        # its length (PyTorch's), so a prompt's cache would depend on how a load chunked it
         self.prefill_dtype = (torch.float32 if self.device.type == "cpu" and self.dtype == torch.bfloat16
-                              and not cpu_kernels.has_bf16_dot() else None)
+                              and not cpu_kernels.has_bf16_dot() and exact_width is None else None)
         self._arange = torch.arange(max_len + max_step_tokens, device=self.device)
         self._padded_logits: torch.Tensor | None = None
         # whether rows of different lengths cost their own tokens (packed) or the longest row's
