@@ -7,8 +7,8 @@ For each drafter (`plain`: the head's engine with speculation off; `head`: the E
 ships for the model, or --draft-head; `chain`: the head with n-gram lookup first; `ngram`) one
 engine of one slot decodes each category's first questions (first turns, greedy, the chat
 template) after an untimed warm-up, --rounds times. A CUDA graph step is read back with one host
-synchronisation (CudaGraphRunner.read_back); this script times that wait and nothing else, with
-no profiler. Per round: tokens/s, the reads, and the wall time a read split in two: the wait
+synchronisation (CudaGraphRunner.read_back); this script times that call (the wait, and a copy
+of a few integers to a list) and nothing else, with no profiler. Per round: tokens/s, the reads, and the wall time a read split in two: the wait
 (the device still running the step, and the step launched ahead of it) and the rest (the host's
 own loop: scheduling, drafting's host part, accepting tokens; the prompts' prefill is left in, so
 it is an upper bound). A wait near zero means the host bounds the step; a host share well below
@@ -17,7 +17,9 @@ the wait means the device does.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -26,26 +28,8 @@ from outpace.config import SamplingParams, SpecConfig
 from outpace.llm import LLM
 from outpace.runner.cuda_graphs import CudaGraphRunner
 
-
-class ReadWait:
-    """Times CudaGraphRunner.read_back's synchronisation in every runner of this process."""
-
-    def __init__(self):
-        self.seconds, self.reads = 0.0, 0
-        read_back = CudaGraphRunner.read_back
-
-        def timed(runner):
-            start = time.perf_counter()
-            if runner.read_done is not None:
-                runner.read_done.synchronize()
-            self.seconds += time.perf_counter() - start
-            self.reads += 1
-            return read_back(runner)            # its own synchronize returns at once now
-
-        CudaGraphRunner.read_back = timed
-
-    def reset(self) -> None:
-        self.seconds, self.reads = 0.0, 0
+sys.path.insert(0, str(Path(__file__).parent))
+from head_costs import Timer  # noqa: E402
 
 
 def main() -> None:
@@ -64,7 +48,7 @@ def main() -> None:
     records = load_spec_bench(args.dataset, limit_per_category=args.limit_per_category)
     chats = [[{"role": "user", "content": r.turns[0]}] for r in records]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    wait = ReadWait()
+    wait = Timer(CudaGraphRunner, "read_back")          # every runner's reads, in every engine below
     for name in args.spec:
         spec = (SpecConfig(method="ngram") if name == "ngram" else
                 SpecConfig(method="eagle3", draft_head=args.draft_head, ngram_first=name == "chain"))
@@ -73,16 +57,16 @@ def main() -> None:
         for chat in chats[:2]:
             llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=32), speculate=speculate)
         for round_ in range(args.rounds):
-            wait.reset()
+            wait.seconds.clear()
             torch.cuda.synchronize()
             start, tokens = time.perf_counter(), 0
             for chat in chats:
                 tokens += len(llm.chat(chat, params, speculate=speculate)[0].token_ids)
-            wall = time.perf_counter() - start
-            reads = max(1, wait.reads)
-            print(f"{name} round {round_}: {tokens / wall:.1f} tok/s, {wait.reads} reads, "
+            wall, waited = time.perf_counter() - start, sum(wait.seconds)
+            reads = max(1, len(wait.seconds))
+            print(f"{name} round {round_}: {tokens / wall:.1f} tok/s, {len(wait.seconds)} reads, "
                   f"{tokens / reads:.2f} tokens a read; a read's wall {1e3 * wall / reads:.3f} ms = "
-                  f"wait {1e3 * wait.seconds / reads:.3f} + host {1e3 * (wall - wait.seconds) / reads:.3f}",
+                  f"wait {1e3 * waited / reads:.3f} + host {1e3 * (wall - waited) / reads:.3f}",
                   flush=True)
         llm.close()
         del llm
