@@ -45,9 +45,11 @@ SPLIT_ATTENTION_PADDING = 16
 # products widen to float32 FMAs (no AVX512_BF16): there oneDNN's float32 products were about 1.6x
 # its bfloat16 ones from 128 rows up (cpu_linear.py's notes), and float32 attention was faster too.
 # Where cpu_kernels.linear runs on vdpbf16ps the chunk stays bfloat16: four 660-790-token rag
-# prompts took 3.14 s to prefill against 6.07 in float32 (products 1.70 s against 4.18). Only
-# prompt chunks: a decode or verify forward keeps the weights' dtype, so plain and speculative
-# steps compute alike.
+# prompts took 3.14 s to prefill against 6.07 in float32 (products 1.70 s against 4.18). A decode
+# or verify forward of its own keeps the weights' dtype; rows packed beside such a chunk compute in
+# float32 with it, and a float32 chunk's attention depends on its length, so under load a row's
+# tokens can depend on how prompts were chunked and packed (DESIGN, "Exactness"). Exact mode
+# keeps every chunk in the weights' dtype (ModelRunner.prefill_dtype).
 FP32_PREFILL_MIN_TOKENS = 128
 
 
