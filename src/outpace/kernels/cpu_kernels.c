@@ -3,7 +3,8 @@
  * One translation unit, built once per instruction-set level with that level's flags
  * (cpu_isa.py): the matrix products (cpu_products.h over cpu_vec.h's registers) exist at every
  * level; the activation kernels (cpu_kernels_dtype.h) have explicit AVX-512 paths (LOAD16,
- * cpu_avx512.h) and elsewhere plain loops the compiler vectorises for the level.
+ * cpu_avx512.h), an AVX2 attention (LOAD8, cpu_avx2.h) and elsewhere plain loops the compiler
+ * vectorises for the level.
  *
  * Each function runs one op over T token rows, row by row, so a row's result never depends on
  * how many rows the call holds. Every activation kernel exists for float32 and bfloat16
@@ -69,6 +70,7 @@ static inline float exp_f32(float x) {
 }
 
 #include "cpu_avx512.h"
+#include "cpu_avx2.h"
 
 /* The cache row holding the key of position p: p itself, or, for a token tree's node (map: its
  * row of rope_attend's tree past the extent), the row map gives positions from map[0] on. */
@@ -93,6 +95,9 @@ static inline float lanes_sum(const float *parts) {
 #define STORE16(p, v) _mm512_storeu_ps(p, v)
 #define ROUND16(v) (v)
 #endif
+#ifdef HAS_AVX2_ATTENTION
+#define LOAD8(p) _mm256_loadu_ps(p)
+#endif
 #include "cpu_kernels_dtype.h"
 #undef T
 #undef NAME
@@ -102,6 +107,7 @@ static inline float lanes_sum(const float *parts) {
 #undef LOAD16
 #undef STORE16
 #undef ROUND16
+#undef LOAD8
 
 #define T bf16
 #define NAME(f) f##_bf16
@@ -113,6 +119,9 @@ static inline float lanes_sum(const float *parts) {
     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define STORE16(p, v) _mm256_storeu_si256((__m256i *)(p), round_to_bf16(v))
 #define ROUND16(v) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_to_bf16(v)), 16))
+#endif
+#ifdef HAS_AVX2_ATTENTION
+#define LOAD8(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #endif
 #ifdef __AVX512BF16__
 #define DOT_PAIRS       /* attention scores as vdpbf16ps over pairs of bfloat16 values */
