@@ -92,17 +92,18 @@ def test_cpu_kernel_forwards_compute_each_token_alike(default_model_dir, dtype, 
 
 
 def test_bf16_prompt_chunks_compute_in_float32(default_model_dir, monkeypatch, cpu_level):
-    """On a CPU without bfloat16 dot products a long bf16 prompt chunk runs in float32 (weights and
-    cache stay bf16): the decode step after it sees the float32 model's logits about as closely as
-    after a bf16 prefill."""
+    """On a CPU without bfloat16 dot products a long bf16 prompt chunk of a model with dense
+    weights runs in float32 (weights and cache stay bf16): the decode step after it sees the
+    float32 model's logits about as closely as after a bf16 prefill."""
     from outpace.runner.model_runner import FP32_PREFILL_MIN_TOKENS
     from outpace.kernels import cpu_kernels
     monkeypatch.setattr(cpu_kernels, "has_bf16_dot", lambda: False)
     ids = list(range(1000, 1000 + 3 * FP32_PREFILL_MIN_TOKENS // 2))
     last = [ids.pop()]
+    DENSE = {torch.float32: "fp32", torch.bfloat16: "bf16"}      # not the GGUF's blocks
     logits = {}
     for dtype, chunk in ((torch.float32, len(ids)), (torch.bfloat16, len(ids)), (torch.bfloat16, 32)):
-        runner = ModelRunner(load_model(default_model_dir, dtype, "cpu", max_len=512), num_slots=1,
+        runner = ModelRunner(load_model(default_model_dir, dtype, "cpu", max_len=512, weights=DENSE[dtype]), num_slots=1,
                              max_len=512, max_step_tokens=64)
         seen = []
         hook = runner.model.register_forward_pre_hook(      # the dtype the forward computes in

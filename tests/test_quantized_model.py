@@ -91,6 +91,27 @@ def test_speculative_greedy_equals_plain_greedy(default_model_dir, exact):
     assert spec.engine.stats.num_accepted_tokens > 0, "the prompts were chosen to give accepted drafts"
 
 
+def test_long_prompt_chunks_stay_bfloat16_and_cache_alike(default_model_dir, monkeypatch, cpu_level):
+    """On a CPU without bfloat16 dot products the quantized model's long prompt chunks stay
+    bfloat16 (its products round their inputs to int8 in either dtype; a dense copy's chunks
+    compute in float32), so a prompt cached in one chunk or in several leaves the same cache, bit
+    for bit, in fast mode: how a load chunks prompts does not change a row's tokens."""
+    monkeypatch.setattr(cpu_kernels, "has_bf16_dot", lambda: False)
+    model = load_model(default_model_dir, torch.bfloat16, "cpu", max_len=512)
+    prompt = list(range(1000, 1201))
+    last = [Row(0, prompt[-1:], len(prompt) - 1)]
+    logits = []
+    for cuts in ([0, 200], [0, 150, 200], [0, 40, 200]):
+        runner = ModelRunner(model, num_slots=1, max_len=512, max_step_tokens=256)
+        assert runner.prefill_dtype is None
+        for a, b in zip(cuts, cuts[1:]):
+            runner.forward([Row(0, prompt[a:b], a)], logits="none")
+        logits.append(runner.forward(last)[0])
+    assert all(torch.equal(logits[0], other) for other in logits[1:])
+    dense = load_model(default_model_dir, torch.bfloat16, "cpu", max_len=512, weights="bf16")
+    assert ModelRunner(dense, num_slots=1, max_len=512, max_step_tokens=256).prefill_dtype is torch.float32
+
+
 RSS_SCRIPT = """
 import ctypes, json, sys, torch
 from outpace.kernels import cpu_kernels

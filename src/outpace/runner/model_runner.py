@@ -18,8 +18,10 @@ import itertools
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from outpace.kernels import cpu_kernels
+from outpace.kernels.cpu_linear import PackedLinear
 from outpace.model.decoder import DecoderLM
 from outpace.model.layers import AttentionKind, ForwardBatch, Packed, PromptChunk
 from outpace.sampling.tree import tree_depths
@@ -42,15 +44,24 @@ SPAN_LIMIT = 2
 SPLIT_ATTENTION_PADDING = 16
 
 # A bfloat16 prompt chunk of at least this many tokens runs in float32 on a CPU whose bfloat16
-# products widen to float32 FMAs (no AVX512_BF16): there oneDNN's float32 products were about 1.6x
-# its bfloat16 ones from 128 rows up (cpu_linear.py's notes), and float32 attention was faster too.
-# Where cpu_kernels.linear runs on vdpbf16ps the chunk stays bfloat16: four 660-790-token rag
-# prompts took 3.14 s to prefill against 6.07 in float32 (products 1.70 s against 4.18). A decode
-# or verify forward of its own keeps the weights' dtype; rows packed beside such a chunk compute in
-# float32 with it, and a float32 chunk's attention depends on its length, so under load a row's
-# tokens can depend on how prompts were chunked and packed (DESIGN, "Exactness"). Exact mode
-# keeps every chunk in the weights' dtype (ModelRunner.prefill_dtype).
+# products widen to float32 FMAs (no AVX512_BF16), where the layers multiply dense weights: there
+# oneDNN's float32 products were about 1.6x its bfloat16 ones from 128 rows up (cpu_linear.py's
+# notes). Where cpu_kernels.linear runs on vdpbf16ps the chunk stays bfloat16: four 660-790-token
+# rag prompts took 3.14 s to prefill against 6.07 in float32 (products 1.70 s against 4.18); so it
+# does where every product of the layers reads GGUF blocks, whose inputs are rounded to int8 in
+# either dtype: with the AVX2 attention kernel, prompts of the default model and of
+# Qwen2.5-Coder-1.5B prefilled within 4% of float32 (one slower, one faster) on an AVX2-only EPYC.
+# A decode or verify forward of its own keeps the weights' dtype; rows packed beside such a chunk
+# compute in float32 with it, and a float32 chunk's attention depends on its length, so under load
+# a row's tokens can depend on how prompts were chunked and packed (DESIGN, "Exactness"). Exact
+# mode keeps every chunk in the weights' dtype (ModelRunner.prefill_dtype).
 FP32_PREFILL_MIN_TOKENS = 128
+
+
+
+def _dense_products(model: DecoderLM) -> bool:
+    """Whether a product of the model's layers multiplies dense weights (not GGUF blocks)."""
+    return any(isinstance(m, (nn.Linear, PackedLinear)) for m in getattr(model, "layers", model).modules())
 
 
 class ModelRunner:
@@ -76,7 +87,8 @@ class ModelRunner:
         # exact mode keeps prompt chunks in the weights' dtype: a float32 chunk's attention depends on
         # its length (PyTorch's), so a prompt's cache would depend on how a load chunked it
         self.prefill_dtype = (torch.float32 if self.device.type == "cpu" and self.dtype == torch.bfloat16
-                              and not cpu_kernels.has_bf16_dot() and exact_width is None else None)
+                              and not cpu_kernels.has_bf16_dot() and exact_width is None
+                              and _dense_products(model) else None)
         self._arange = torch.arange(max_len + max_step_tokens, device=self.device)
         self._padded_logits: torch.Tensor | None = None
         # whether rows of different lengths cost their own tokens (packed) or the longest row's
