@@ -1,8 +1,9 @@
 /* AVX2 helpers of the activation kernels (cpu_kernels_dtype.h's LOAD8 paths, where AVX-512 is
- * absent): the exp and a transpose, on 8 lanes. Builds of other levels compile none of it. */
+ * absent): the exp, the bfloat16 rounding and a transpose, on 8 lanes. Builds of other levels
+ * compile none of it. */
 #if !defined(OUTPACE_PORTABLE) && defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #include <immintrin.h>
-#define HAS_AVX2_ATTENTION
+#define AVX2_PATHS
 
 /* exp_f32 on 8 lanes, the same arithmetic (2^n from its bits, n = 128 as 2^127 * 2) */
 static inline __m256 exp_f32x8(__m256 x) {
@@ -20,6 +21,15 @@ static inline __m256 exp_f32x8(__m256 x) {
     __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(_mm256_min_ps(n, top)), _mm256_set1_epi32(127)), 23);
     __m256 twice = _mm256_blendv_ps(_mm256_set1_ps(1.0f), _mm256_set1_ps(2.0f), _mm256_cmp_ps(n, top, _CMP_GT_OQ));
     return _mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), twice);
+}
+
+static inline __m128i round_to_bf16x8(__m256 v) {      /* f32_to_bf16 on 8 lanes */
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));     /* each lane < 2^16 */
 }
 
 /* rows r[0..8) of 8 floats become the columns */

@@ -3,7 +3,7 @@
  * One translation unit, built once per instruction-set level with that level's flags
  * (cpu_isa.py): the matrix products (cpu_products.h over cpu_vec.h's registers) exist at every
  * level; the activation kernels (cpu_kernels_dtype.h) have explicit AVX-512 paths (LOAD16,
- * cpu_avx512.h), an AVX2 attention (LOAD8, cpu_avx2.h) and elsewhere plain loops the compiler
+ * cpu_avx512.h) and AVX2 ones (LOAD8, cpu_avx2.h), and elsewhere plain loops the compiler
  * vectorises for the level.
  *
  * Each function runs one op over T token rows, row by row, so a row's result never depends on
@@ -95,8 +95,10 @@ static inline float lanes_sum(const float *parts) {
 #define STORE16(p, v) _mm512_storeu_ps(p, v)
 #define ROUND16(v) (v)
 #endif
-#ifdef HAS_AVX2_ATTENTION
+#ifdef AVX2_PATHS
 #define LOAD8(p) _mm256_loadu_ps(p)
+#define STORE8(p, v) _mm256_storeu_ps(p, v)
+#define ROUND8(v) (v)
 #endif
 #include "cpu_kernels_dtype.h"
 #undef T
@@ -108,6 +110,8 @@ static inline float lanes_sum(const float *parts) {
 #undef STORE16
 #undef ROUND16
 #undef LOAD8
+#undef STORE8
+#undef ROUND8
 
 #define T bf16
 #define NAME(f) f##_bf16
@@ -120,8 +124,10 @@ static inline float lanes_sum(const float *parts) {
 #define STORE16(p, v) _mm256_storeu_si256((__m256i *)(p), round_to_bf16(v))
 #define ROUND16(v) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_to_bf16(v)), 16))
 #endif
-#ifdef HAS_AVX2_ATTENTION
+#ifdef AVX2_PATHS
 #define LOAD8(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define STORE8(p, v) _mm_storeu_si128((__m128i *)(p), round_to_bf16x8(v))
+#define ROUND8(v) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(round_to_bf16x8(v)), 16))
 #endif
 #ifdef __AVX512BF16__
 #define DOT_PAIRS       /* attention scores as vdpbf16ps over pairs of bfloat16 values */
