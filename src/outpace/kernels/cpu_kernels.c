@@ -78,6 +78,41 @@ static inline long key_row(const int64_t *map, long p) {
     return map == NULL || p < map[0] ? p : map[1 + p - map[0]];
 }
 
+/* The keys of a call's queries, token t's `group` query heads being queries t * group ..: query i
+ * attends to positions first[i] .. last[i] (its token's position, within the window); lo and hi
+ * bound them all (the blocked attention kernels') */
+static inline void query_keys(const int64_t *positions, long tokens, long group, long window, long *first,
+                              long *last, long *lo, long *hi) {
+    *lo = positions[0];
+    *hi = 0;
+    for (long t = 0; t < tokens; t++) {
+        long pos = positions[t], from = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+        *lo = from < *lo ? from : *lo;
+        *hi = pos > *hi ? pos : *hi;
+        for (long r = 0; r < group; r++) {
+            first[t * group + r] = from;
+            last[t * group + r] = pos;
+        }
+    }
+}
+
+/* keep[c]: which of the `width` (at most 16) keys from position j0 query i0 + c attends to, a bit
+ * a key (0 past the queries); whether any of the four attends to one */
+static inline int block_keep(const long *first, const long *last, long queries, long i0, long j0, long width,
+                             unsigned keep[4]) {
+    int any = 0;
+    for (int c = 0; c < 4; c++) {
+        long i = i0 + c;
+        keep[c] = 0;
+        if (i < queries && j0 <= last[i] && j0 + width - 1 >= first[i]) {
+            long from = first[i] > j0 ? first[i] - j0 : 0, to = last[i] - j0 < width - 1 ? last[i] - j0 : width - 1;
+            keep[c] = ((1u << (to + 1)) - 1u) & ~((1u << from) - 1u);
+        }
+        any |= keep[c] != 0;
+    }
+    return any;
+}
+
 /* sum of parts[0..LANES) in a fixed order */
 static inline float lanes_sum(const float *parts) {
     float total = 0.0f;

@@ -111,6 +111,16 @@ static inline void NAME(rotate)(const T *x, const T *cos, const T *sin, long D, 
         out[i] = ROUND(ROUND(LOAD(x[i]) * LOAD(cos[i])) + ROUND(LOAD(x[i - half]) * LOAD(sin[i])));
 }
 
+/* q [tokens * group, D] = the tokens' `group` query heads rotated (token t's at qk + t * qk_stride) */
+static inline void NAME(rotate_queries)(const T *qk, long qk_stride, const T *cos, const T *sin, long tokens,
+                                        long group, long D, float *q) {
+    for (long t = 0; t < tokens; t++) {
+        for (long r = 0; r < group; r++) {
+            NAME(rotate)(qk + t * qk_stride + r * D, cos + t * D, sin + t * D, D, q + (t * group + r) * D);
+        }
+    }
+}
+
 /* out [tokens, heads, D] = each head rotated (token t's heads at x + t * x_stride, its cos and sin
  * rows at t * D): rotate's arithmetic, so bit for bit PyTorch's ops of dtype T (fused.rope) */
 void NAME(rope)(const T *x, long x_stride, long heads, const T *cos, const T *sin, long tokens, long D, T *out) {
@@ -221,28 +231,16 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
                                  const T *values, const int64_t *positions, const int64_t *map, long tokens,
                                  long window, long group, long D, float scale, float *scratch, T *out,
                                  long out_stride) {
-    long queries = tokens * group, lo = positions[0], hi = 0;
+    long queries = tokens * group, lo, hi;
     long first[BLOCK_QUERIES], last[BLOCK_QUERIES];     /* each query's keys */
-    for (long t = 0; t < tokens; t++) {
-        long pos = positions[t], from = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-        lo = from < lo ? from : lo;
-        hi = pos > hi ? pos : hi;
-        for (long r = 0; r < group; r++) {
-            first[t * group + r] = from;
-            last[t * group + r] = pos;
-        }
-    }
+    query_keys(positions, tokens, group, window, first, last, &lo, &hi);
     long base = lo / 16 * 16, span = hi + 1 - base;
     /* q [queries, D], acc [queries, D], kt [D, 16], vb [16, D], top and sums [queries, 16],
      * scores [queries, span rounded up to 16] */
     float *q = scratch, *acc = q + queries * D, *kt = acc + queries * D, *vb = kt + 16 * D;
     float *top = vb + 16 * D, *sums = top + queries * 16, *scores = sums + queries * 16;
     long stride = (span + 15) / 16 * 16;
-    for (long t = 0; t < tokens; t++) {
-        for (long r = 0; r < group; r++) {
-            NAME(rotate)(qk + t * qk_stride + r * D, cos + t * D, sin + t * D, D, q + (t * group + r) * D);
-        }
-    }
+    NAME(rotate_queries)(qk, qk_stride, cos, sin, tokens, group, D, q);
 #ifdef DOT_PAIRS
     /* the queries (rounded to bfloat16 by rotate, so exactly) as pairs of bfloat16 values, one
      * 32-bit word a pair, after the scores: kt then holds the keys' pairs transposed, [D / 2][16] */
@@ -317,18 +315,8 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
                 }
             }
             for (long i0 = 0; i0 < queries; i0 += 4) {
-                __mmask16 keep[4];
-                int any = 0;
-                for (int c = 0; c < 4; c++) {
-                    long i = i0 + c;
-                    keep[c] = 0;
-                    if (i < queries && j0 <= last[i] && j0 + 15 >= first[i]) {
-                        long from = first[i] > j0 ? first[i] - j0 : 0, to = last[i] - j0 < 15 ? last[i] - j0 : 15;
-                        keep[c] = (__mmask16)(((1u << (to + 1)) - 1u) & ~((1u << from) - 1u));
-                    }
-                    any |= keep[c] != 0;
-                }
-                if (!any) continue;
+                unsigned keep[4];
+                if (!block_keep(first, last, queries, i0, j0, 16, keep)) continue;
                 if (!pass) {        /* scores, and each query's maximum lane by lane */
                     const float *qc[4];
                     for (int c = 0; c < 4; c++) qc[c] = q + (i0 + c < queries ? i0 + c : i0) * D;
@@ -489,27 +477,15 @@ static void NAME(attend_blocked8)(const T *qk, long qk_stride, const T *cos, con
                                   const T *values, const int64_t *positions, const int64_t *map, long tokens,
                                   long window, long group, long D, float scale, float *scratch, T *out,
                                   long out_stride) {
-    long queries = tokens * group, lo = positions[0], hi = 0;
+    long queries = tokens * group, lo, hi;
     long first[BLOCK_QUERIES], last[BLOCK_QUERIES];     /* each query's keys */
-    for (long t = 0; t < tokens; t++) {
-        long pos = positions[t], from = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-        lo = from < lo ? from : lo;
-        hi = pos > hi ? pos : hi;
-        for (long r = 0; r < group; r++) {
-            first[t * group + r] = from;
-            last[t * group + r] = pos;
-        }
-    }
+    query_keys(positions, tokens, group, window, first, last, &lo, &hi);
     long base = lo / 8 * 8, stride = (hi + 1 - base + 7) / 8 * 8;
     /* q [queries, D], acc [queries, D], kt [D, 8], vb [8, D], top and sums [queries, 8],
      * scores [queries, stride] */
     float *q = scratch, *acc = q + queries * D, *kt = acc + queries * D, *vb = kt + 8 * D;
     float *top = vb + 8 * D, *sums = top + queries * 8, *scores = sums + queries * 8;
-    for (long t = 0; t < tokens; t++) {
-        for (long r = 0; r < group; r++) {
-            NAME(rotate)(qk + t * qk_stride + r * D, cos + t * D, sin + t * D, D, q + (t * group + r) * D);
-        }
-    }
+    NAME(rotate_queries)(qk, qk_stride, cos, sin, tokens, group, D, q);
     for (long i = 0; i < queries * D; i++) acc[i] = 0.0f;
     for (long i = 0; i < queries; i++) {
         _mm256_storeu_ps(top + i * 8, _mm256_set1_ps(-INFINITY));
@@ -546,17 +522,7 @@ static void NAME(attend_blocked8)(const T *qk, long qk_stride, const T *cos, con
             }
             for (long i0 = 0; i0 < queries; i0 += 4) {
                 unsigned keep[4];
-                int any = 0;
-                for (int c = 0; c < 4; c++) {
-                    long i = i0 + c;
-                    keep[c] = 0;
-                    if (i < queries && j0 <= last[i] && j0 + 7 >= first[i]) {
-                        long from = first[i] > j0 ? first[i] - j0 : 0, to = last[i] - j0 < 7 ? last[i] - j0 : 7;
-                        keep[c] = ((1u << (to + 1)) - 1u) & ~((1u << from) - 1u);
-                    }
-                    any |= keep[c] != 0;
-                }
-                if (!any) continue;
+                if (!block_keep(first, last, queries, i0, j0, 8, keep)) continue;
                 if (!pass) {        /* scores, and each query's maximum lane by lane */
                     const float *qc[4];
                     for (int c = 0; c < 4; c++) qc[c] = q + (i0 + c < queries ? i0 + c : i0) * D;
