@@ -58,7 +58,6 @@ SPLIT_ATTENTION_PADDING = 16
 FP32_PREFILL_MIN_TOKENS = 128
 
 
-
 def _dense_products(model: DecoderLM) -> bool:
     """Whether a product of the model's layers multiplies dense weights (not GGUF blocks)."""
     return any(isinstance(m, (nn.Linear, PackedLinear)) for m in getattr(model, "layers", model).modules())
