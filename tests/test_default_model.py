@@ -100,11 +100,11 @@ def test_bf16_prompt_chunks_compute_in_float32(default_model_dir, monkeypatch, c
     monkeypatch.setattr(cpu_kernels, "has_bf16_dot", lambda: False)
     ids = list(range(1000, 1000 + 3 * FP32_PREFILL_MIN_TOKENS // 2))
     last = [ids.pop()]
-    DENSE = {torch.float32: "fp32", torch.bfloat16: "bf16"}      # not the GGUF's blocks
+    dense = {torch.float32: "fp32", torch.bfloat16: "bf16"}      # not the GGUF's blocks
     logits = {}
     for dtype, chunk in ((torch.float32, len(ids)), (torch.bfloat16, len(ids)), (torch.bfloat16, 32)):
-        runner = ModelRunner(load_model(default_model_dir, dtype, "cpu", max_len=512, weights=DENSE[dtype]), num_slots=1,
-                             max_len=512, max_step_tokens=64)
+        model = load_model(default_model_dir, dtype, "cpu", max_len=512, weights=dense[dtype])
+        runner = ModelRunner(model, num_slots=1, max_len=512, max_step_tokens=64)
         seen = []
         hook = runner.model.register_forward_pre_hook(      # the dtype the forward computes in
             lambda m, args, kwargs: seen.append(kwargs["compute_dtype"] or dtype), with_kwargs=True)
