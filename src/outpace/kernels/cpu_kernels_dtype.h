@@ -214,6 +214,31 @@ static void NAME(attend_group)(const T *q_heads, const T *cos, const T *sin, con
     }
 }
 
+#if defined(LOAD16) || defined(LOAD8)
+/* A blocked attention pass's prefetches into L2 of a slot's keys or values from position base to
+ * hi, in blocks of `width` keys (a step's stream of weights has evicted the cache). Before the
+ * loop, the blocks its prefetches never reach: keys and values alike before the scores (pass 0),
+ * the values' further blocks before the weighted values (pass 1). */
+static inline void NAME(prefetch_first)(const T *keys, const T *values, const int64_t *map, long base, long hi,
+                                        long D, long width, long pass) {
+    for (long b = pass ? 16 * BLOCKS_AHEAD : 0; b < 16 * BLOCKS_AHEAD * (pass + 1) && base + b <= hi; b += width) {
+        long row = key_row(map, base + b);     /* a block's rows are consecutive but for a tree's nodes */
+        for (long k = 0; k < width * D * (long)sizeof(T) && k < (hi + 1 - base - b) * D * (long)sizeof(T); k += 64) {
+            if (!pass) _mm_prefetch((const char *)(keys + row * D) + k, _MM_HINT_T1);
+            _mm_prefetch((const char *)(values + row * D) + k, _MM_HINT_T1);
+        }
+    }
+}
+
+/* In the loop at the block from j0: the block 16 * BLOCKS_AHEAD keys further on (cache: the keys
+ * or the values) */
+static inline void NAME(prefetch_ahead)(const T *cache, const int64_t *map, long j0, long hi, long D, long width) {
+    if (j0 + 16 * BLOCKS_AHEAD > hi) return;
+    const char *ahead = (const char *)(cache + key_row(map, j0 + 16 * BLOCKS_AHEAD) * D);
+    for (long b = 0; b < width * D * (long)sizeof(T); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
+}
+#endif
+
 #ifdef LOAD16
 /* Attention of `tokens` tokens of one slot, each at its own position, over one key/value head
  * (keys, values: position 0 of [L, D], the key of a position at its row key_row(map, position)),
@@ -258,21 +283,10 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
         _mm512_storeu_ps(sums + i * 16, _mm512_setzero_ps());
     }
     for (long pass = 0; pass < 2; pass++) {
-        /* the first blocks, which the loop's prefetches never reach: keys and values alike before
-         * the scores, the values' further blocks before the weighted values */
-        for (long b = pass ? 16 * BLOCKS_AHEAD : 0; b < 16 * BLOCKS_AHEAD * (pass + 1) && base + b <= hi; b += 16) {
-            long row = key_row(map, base + b);     /* a block's rows are consecutive but for a tree's nodes */
-            for (long k = 0; k < 16 * D * (long)sizeof(T) && k < (hi + 1 - base - b) * D * (long)sizeof(T); k += 64) {
-                if (!pass) _mm_prefetch((const char *)(keys + row * D) + k, _MM_HINT_T1);
-                _mm_prefetch((const char *)(values + row * D) + k, _MM_HINT_T1);
-            }
-        }
+        NAME(prefetch_first)(keys, values, map, base, hi, D, 16, pass);
         for (long j0 = base; j0 <= hi; j0 += 16) {
             long valid = hi - j0 + 1 < 16 ? hi - j0 + 1 : 16;     /* keys past hi may be unwritten */
-            if (j0 + 16 * BLOCKS_AHEAD <= hi) {
-                const char *ahead = (const char *)((pass ? values : keys) + key_row(map, j0 + 16 * BLOCKS_AHEAD) * D);
-                for (long b = 0; b < 16 * D * (long)sizeof(T); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
-            }
+            NAME(prefetch_ahead)(pass ? values : keys, map, j0, hi, D, 16);
 #ifdef DOT_PAIRS
             for (long d = 0; pairs && !pass && d < D; d += 32) {    /* 16 pairs of 16 keys, transposed */
                 __m512 rows[16];
@@ -470,9 +484,9 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
  * (8b .. 8b + 7), widened to float32 and transposed once for the call's queries, a query's 8
  * scores one register of FMAs, four queries sharing each load; the same two passes (scores and
  * maxima lane by lane, then exponentials and weighted values), so a query's result depends on its
- * own position (and window) alone. Before it, the compiler's loops over one query at a time took
- * about 5 of a 4-token verify step's 14 ms at 200 keys of the default model. D a multiple of 16;
- * scratch as attend_blocked's. */
+ * own position (and window) alone. attend_group, the compiler's loops over one query at a time,
+ * spends about 5 of a 4-token verify step's 14 ms at 200 keys of the default model here. D a
+ * multiple of 16; scratch as attend_blocked's. */
 static void NAME(attend_blocked8)(const T *qk, long qk_stride, const T *cos, const T *sin, const T *keys,
                                   const T *values, const int64_t *positions, const int64_t *map, long tokens,
                                   long window, long group, long D, float scale, float *scratch, T *out,
@@ -492,21 +506,10 @@ static void NAME(attend_blocked8)(const T *qk, long qk_stride, const T *cos, con
         _mm256_storeu_ps(sums + i * 8, _mm256_setzero_ps());
     }
     for (long pass = 0; pass < 2; pass++) {
-        /* attend_blocked's prefetches before the loop: keys and values of the first keys, then
-         * the values the loop's prefetches never reach */
-        for (long b = pass ? 16 * BLOCKS_AHEAD : 0; b < 16 * BLOCKS_AHEAD * (pass + 1) && base + b <= hi; b += 8) {
-            long row = key_row(map, base + b);
-            for (long k = 0; k < 8 * D * (long)sizeof(T) && k < (hi + 1 - base - b) * D * (long)sizeof(T); k += 64) {
-                if (!pass) _mm_prefetch((const char *)(keys + row * D) + k, _MM_HINT_T1);
-                _mm_prefetch((const char *)(values + row * D) + k, _MM_HINT_T1);
-            }
-        }
+        NAME(prefetch_first)(keys, values, map, base, hi, D, 8, pass);
         for (long j0 = base; j0 <= hi; j0 += 8) {
             long valid = hi - j0 + 1 < 8 ? hi - j0 + 1 : 8;       /* keys past hi may be unwritten */
-            if (j0 + 16 * BLOCKS_AHEAD <= hi) {     /* as far ahead as attend_blocked prefetches */
-                const char *ahead = (const char *)((pass ? values : keys) + key_row(map, j0 + 16 * BLOCKS_AHEAD) * D);
-                for (long b = 0; b < 8 * D * (long)sizeof(T); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
-            }
+            NAME(prefetch_ahead)(pass ? values : keys, map, j0, hi, D, 8);
             for (long d = 0; d < D; d += 8) {
                 __m256 rows[8];
                 for (long j = 0; j < 8; j++) {

@@ -60,7 +60,7 @@ FP32_PREFILL_MIN_TOKENS = 128
 
 def _dense_products(model: DecoderLM) -> bool:
     """Whether a product of the model's layers multiplies dense weights (not GGUF blocks)."""
-    return any(isinstance(m, (nn.Linear, PackedLinear)) for m in getattr(model, "layers", model).modules())
+    return any(isinstance(m, (nn.Linear, PackedLinear)) for m in model.layers.modules())
 
 
 class ModelRunner:
