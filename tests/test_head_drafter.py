@@ -771,6 +771,8 @@ def test_on_the_cpu_causal_forwards_run_in_the_attention_kernel(folders, qk_norm
         with torch.no_grad():
             drafter.head.q_norm.weight.uniform_(0.5, 1.5)
             drafter.head.k_norm.weight.uniform_(0.5, 1.5)
+        drafter.pair = drafter.head.cpu_pair_head(drafter.embed, torch.float32)
+        assert drafter.pair is None         # the one-call layer serves heads without query/key norms
     B, S = 2, 5
     feature = torch.randn(B, S, drafter.head.cfg.hidden_size)
     tokens = torch.randint(0, 49152, (B, S))
@@ -790,6 +792,43 @@ def test_on_the_cpu_causal_forwards_run_in_the_attention_kernel(folders, qk_norm
     for kernel, torch_path in zip(*results):
         torch.testing.assert_close(kernel, torch_path, rtol=1e-4, atol=1e-4)
     assert not torch.equal(results[0][1], before[0])        # the pairs' keys were written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_the_cpu_a_head_layer_or_chain_is_one_kernel_call(folders, dtype):
+    """On the CPU an EAGLE-3 head's catch-up forward, and a whole greedy chain, run in one kernel
+    call each (cpu_kernels.PairHead): outputs, drafts and the keys and values written are the
+    head's forwards through the same kernels one Python call at a time, bit for bit."""
+    from outpace.kernels import cpu_kernels
+    if not cpu_kernels.has_library():
+        pytest.skip("no C compiler: the CPU kernels are not built")
+    llm = LLM(str(folders[0]), spec=SpecConfig(method="eagle3", draft_head=str(folders[1]), num_draft_tokens=4),
+              **dict(OPTIONS, dtype=str(dtype).removeprefix("torch.")))
+    drafter = llm.engine.drafter
+    pair = drafter.pair
+    assert pair is not None
+    torch.manual_seed(0)
+    B, S = 2, 5
+    feature = torch.randn(B, S, drafter.head.cfg.hidden_size).to(dtype)
+    tokens = torch.randint(0, 49152, (B, S))
+    slots = torch.tensor([2, 0])
+    positions = torch.tensor([[3], [0]]) + torch.arange(S)
+    drafter.k_cache.normal_()
+    drafter.v_cache.normal_()
+    drafter.last_out.normal_()
+    before = drafter.k_cache.clone(), drafter.v_cache.clone()
+    results = []
+    for one_call in (pair, None):
+        drafter.pair = one_call
+        drafter.k_cache.copy_(before[0])
+        drafter.v_cache.copy_(before[1])
+        with torch.inference_mode():
+            out = drafter._causal_forward(feature, tokens, slots, positions, 3 + S)
+            chain = drafter._chains(slots, torch.tensor([7, 4]), 4, 7)
+        results.append((out, chain, drafter.k_cache.clone(), drafter.v_cache.clone()))
+    for one_call, per_op in zip(*results):
+        assert torch.equal(one_call, per_op)
+    assert not torch.equal(results[0][2], before[0])        # the pairs' keys were written
 
 
 def test_on_the_cpu_drafting_is_priced_at_what_it_takes(folders, plain):

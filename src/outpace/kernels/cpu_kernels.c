@@ -306,3 +306,119 @@ int decoder_stack(const StackLayer *layers, long n_layers, int wide, void *h, vo
     free(scratch);
     return failed;
 }
+
+/* An EAGLE-3 head (model/eagle3.py) for head_layer and head_chain: its decoder layer (layer's
+ * input_norm the embedding's norm, its qkv reading both normed inputs side by side, 2 * hidden
+ * wide), the feature's norm, the final norm and LM head over the draft vocabulary, the draft ids'
+ * offsets to the target's, and the embedding of the target's ids: dense rows in the activations'
+ * dtype (embed_format -1) or a GGUF matrix's blocks (dequantize_rows' formats). */
+typedef struct {
+    StackLayer layer;
+    const void *feature_norm, *final_norm;
+    Product lm_head;
+    long draft_vocab;
+    const int64_t *d2t;
+    const void *embed;
+    long embed_format, embed_row_bytes;
+    const void *cos, *sin;      /* rotary tables [positions, D] in the activations' dtype */
+} PairHead;
+
+static int embed_rows(const PairHead *hd, int wide, const int64_t *ids, long n, long hidden, void *out) {
+    if (hd->embed_format < 0) {
+        long size = wide ? 4 : 2;
+        for (long t = 0; t < n; t++) memcpy((char *)out + t * hidden * size, (const char *)hd->embed + ids[t] * hidden * size,
+                                            (size_t)(hidden * size));
+        return 0;
+    }
+    return dequantize_rows(hd->embed, hd->embed_row_bytes, (int)hd->embed_format, ids, n, !wide, out);
+}
+
+/* The head's layer over T pairs (feature [T, hidden], the target's token ids [T]) at positions
+ * (rows of slot_div pairs a slot, as rope_attend takes them), each attending to its slot's
+ * entries up to its own position: out [T, hidden] the layer's outputs. The ops and their order
+ * are those of DraftHead.project and finish over the CPU kernels (the head drafter's Python
+ * path), so the bits are too. Returns 0, -1 when memory ran out, -2 for sizes a kernel cannot
+ * take. */
+int head_layer(const PairHead *hd, int wide, const void *feature, const int64_t *ids, long tokens, long hidden,
+               long inter, float eps, long NH, long KVH, long D, long L, float scale, void *k_cache, void *v_cache,
+               const int64_t *slots, long slot_div, const int64_t *positions, void *out) {
+    long size = wide ? 4 : 2, width = (NH + 2 * KVH) * D, row = hidden * size;
+    const StackLayer *ly = &hd->layer;
+    char *scratch = malloc((size_t)(tokens * (4 * hidden + width + NH * D + hidden + hidden + 3 * inter + 2 * D) * size));
+    if (!scratch) return -1;
+    char *emb = scratch, *pair = emb + tokens * row, *normed = pair + 2 * tokens * row;
+    char *qkv = normed + tokens * row, *attn = qkv + tokens * width * size, *delta = attn + tokens * NH * D * size;
+    char *h = delta + tokens * row, *gate_up = h + tokens * row, *act = gate_up + tokens * 2 * inter * size;
+    char *cos = act + tokens * inter * size, *sin = cos + tokens * D * size;
+    int failed = embed_rows(hd, wide, ids, tokens, hidden, emb);
+    for (long t = 0; t < tokens && !failed; t++) {
+        memcpy(cos + t * D * size, (const char *)hd->cos + positions[t] * D * size, (size_t)(D * size));
+        memcpy(sin + t * D * size, (const char *)hd->sin + positions[t] * D * size, (size_t)(D * size));
+    }
+    if (!failed) {      /* [norm(embedding), norm(feature)] a pair */
+        add_norm(wide, emb, NULL, ly->input_norm, NULL, normed, tokens, hidden, eps);
+        for (long t = 0; t < tokens; t++) memcpy(pair + 2 * t * row, normed + t * row, (size_t)row);
+        add_norm(wide, feature, NULL, hd->feature_norm, NULL, normed, tokens, hidden, eps);
+        for (long t = 0; t < tokens; t++) memcpy(pair + (2 * t + 1) * row, normed + t * row, (size_t)row);
+        failed = product(&ly->qkv, pair, wide, tokens, 2 * hidden, qkv, width);
+    }
+    if (!failed) {
+        const char *v = qkv + (NH + KVH) * D * size;
+        failed = wide ? rope_attend_f32((const float *)qkv, width, (const float *)v, width, (const float *)cos,
+                                        (const float *)sin, k_cache, v_cache, slots, slot_div, positions, tokens, NH,
+                                        KVH, D, L, 0, scale, (float *)attn, NULL, 0)
+                      : rope_attend_bf16((const bf16 *)qkv, width, (const bf16 *)v, width, (const bf16 *)cos,
+                                         (const bf16 *)sin, k_cache, v_cache, slots, slot_div, positions, tokens, NH,
+                                         KVH, D, L, 0, scale, (bf16 *)attn, NULL, 0);
+    }
+    if (!failed) failed = product(&ly->o, attn, wide, tokens, NH * D, delta, hidden);
+    if (!failed) {
+        add_norm(wide, feature, delta, ly->post_norm, h, normed, tokens, hidden, eps);
+        failed = product(&ly->gate_up, normed, wide, tokens, hidden, gate_up, 2 * inter);
+    }
+    if (!failed) {
+        if (wide) silu_mul_f32((const float *)gate_up, (float *)act, tokens, inter);
+        else silu_mul_bf16((const bf16 *)gate_up, (bf16 *)act, tokens, inter);
+        failed = product(&ly->down, act, wide, tokens, inter, delta, hidden);
+    }
+    for (long k = 0; k < tokens * hidden && !failed; k++) {    /* h + the MLP's output, as a PyTorch add rounds */
+        if (wide) ((float *)out)[k] = ((const float *)h)[k] + ((const float *)delta)[k];
+        else ((bf16 *)out)[k] = f32_to_bf16(bf16_to_f32(((const bf16 *)h)[k]) + bf16_to_f32(((const bf16 *)delta)[k]));
+    }
+    free(scratch);
+    return failed;
+}
+
+/* The head's greedy chains of `depth` drafts for R rows (slots [R], their last tokens at positions
+ * starts [R]), from each row's stored output out [R, hidden] (overwritten): draft d is the argmax
+ * of the LM head over the final norm of the output before it (DraftHead.logits: the logits in the
+ * activations' dtype, then float32), as the target's id; drafts past the first are fed back with
+ * that output at position start + d - 1 (head_layer), writing the head's cache there. chain [R,
+ * depth] int64. Returns as head_layer does. */
+int head_chain(const PairHead *hd, int wide, void *out, long R, long depth, long hidden, long inter, float eps,
+               long NH, long KVH, long D, long L, float scale, void *k_cache, void *v_cache, const int64_t *slots,
+               const int64_t *starts, int64_t *chain) {
+    long size = wide ? 4 : 2, V = hd->draft_vocab;
+    int64_t *ids = malloc((size_t)(R * (16 + 4 * V + (hidden + V) * size)));
+    if (!ids) return -1;
+    int64_t *positions = ids + R;
+    float *wide_logits = (float *)(positions + R);
+    char *normed = (char *)(wide_logits + R * V), *logits = normed + R * hidden * size;
+    int failed = 0;
+    for (long d = 0; d < depth && !failed; d++) {
+        add_norm(wide, out, NULL, hd->final_norm, NULL, normed, R, hidden, eps);
+        if ((failed = product(&hd->lm_head, normed, wide, R, hidden, logits, V))) break;
+        for (long k = 0; k < R * V; k++) wide_logits[k] = wide ? ((float *)logits)[k] : bf16_to_f32(((bf16 *)logits)[k]);
+        argmax_f32(wide_logits, R, V, ids);
+        for (long r = 0; r < R; r++) {
+            ids[r] += hd->d2t[ids[r]];
+            chain[r * depth + d] = ids[r];
+            positions[r] = starts[r] + d;
+        }
+        if (d + 1 < depth)
+            failed = head_layer(hd, wide, out, ids, R, hidden, inter, eps, NH, KVH, D, L, scale, k_cache, v_cache,
+                                slots, 1, positions, out);
+    }
+    free(ids);
+    return failed;
+}

@@ -64,6 +64,10 @@ def _loaded() -> tuple[ctypes.CDLL, str] | None:
     lib.decoder_stack.argtypes = [p, i, ctypes.c_int, p, p, i, i, i, f, i, i, i, i, i, f, p, p, i, p, p, p, i, p, p, i,
                                   p, i, p]
     lib.decoder_stack.restype = ctypes.c_int
+    lib.head_layer.argtypes = [p, ctypes.c_int, p, p, i, i, i, f, i, i, i, i, f, p, p, p, i, p, p]
+    lib.head_layer.restype = ctypes.c_int
+    lib.head_chain.argtypes = [p, ctypes.c_int, p, i, i, i, i, f, i, i, i, i, f, p, p, p, p, p]
+    lib.head_chain.restype = ctypes.c_int
     lib.linear.argtypes = [p, ctypes.c_int, i, i, p, ctypes.c_int, i, p, p, i]
     lib.linear.restype = ctypes.c_int
     lib.linear_bf16_dot.restype = ctypes.c_int
@@ -318,6 +322,26 @@ class _StackLayer(ctypes.Structure):
                 ("gate_up", _Product), ("down", _Product)]
 
 
+def _set_product(product: _Product, runs: list[tuple], tensors: list) -> None:
+    """product's runs of columns (cpu_linear.kernel_parts' list); their tensors join `tensors`,
+    which the caller keeps: the structure points into them."""
+    product.parts = len(runs)
+    for k, (weight, fmt, columns, bias) in enumerate(runs):
+        product.weight[k], product.format[k], product.columns[k] = weight.data_ptr(), fmt, columns
+        product.bias[k] = None if bias is None else bias.data_ptr()
+        tensors += [weight, bias]
+
+
+def _set_layer(entry: _StackLayer, layer: tuple, tensors: list) -> None:
+    """entry from (input norm weight, post norm weight, qkv, o, gate_up, down), as DecoderStack
+    takes a layer."""
+    input_norm, post_norm, *products = layer
+    tensors += [input_norm, post_norm]
+    entry.input_norm, entry.post_norm = input_norm.data_ptr(), post_norm.data_ptr()
+    for name, runs in zip(("qkv", "o", "gate_up", "down"), products):
+        _set_product(getattr(entry, name), runs, tensors)
+
+
 class DecoderStack:
     """A decoder's layers as one call of cpu_kernels.c's decoder_stack: every layer's norms,
     products, attention and SwiGLU, the same kernels in the same order as the layers' own forwards
@@ -330,16 +354,8 @@ class DecoderStack:
     def __init__(self, layers: list[tuple], eps: float, num_heads: int, intermediate: int):
         self.tensors = []
         self.array = (_StackLayer * len(layers))()
-        for entry, (input_norm, post_norm, *products) in zip(self.array, layers):
-            self.tensors += [input_norm, post_norm]
-            entry.input_norm, entry.post_norm = input_norm.data_ptr(), post_norm.data_ptr()
-            for name, runs in zip(("qkv", "o", "gate_up", "down"), products):
-                product = getattr(entry, name)
-                product.parts = len(runs)
-                for k, (weight, fmt, columns, bias) in enumerate(runs):
-                    product.weight[k], product.format[k], product.columns[k] = weight.data_ptr(), fmt, columns
-                    product.bias[k] = None if bias is None else bias.data_ptr()
-                    self.tensors += [weight, bias]
+        for entry, layer in zip(self.array, layers):
+            _set_layer(entry, layer, self.tensors)
         self.eps, self.num_heads, self.intermediate = eps, num_heads, intermediate
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
@@ -365,7 +381,90 @@ class DecoderStack:
             v_cache.data_ptr(), k_cache.stride(0), cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
             slots.data_ptr(), T // slots.numel(), positions.data_ptr(), *_tree_args(tree), at.data_ptr(), len(keep),
             None if kept is None else kept.data_ptr())
-        if failed:
-            raise MemoryError("out of memory in a CPU decoder step") if failed == -1 else ValueError(
-                "CPU decoder kernel: a product or attention it cannot take")
+        _raise_failed(failed, "decoder step")
         return h, delta, kept
+
+
+def _raise_failed(failed: int, what: str) -> None:
+    """decoder_stack's, head_layer's and head_chain's failures as exceptions."""
+    if failed:
+        raise MemoryError(f"out of memory in a CPU {what}") if failed == -1 else ValueError(
+            f"CPU {what} kernel: a product or attention it cannot take")
+
+
+class _PairHead(ctypes.Structure):
+    _fields_ = [("layer", _StackLayer), ("feature_norm", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
+                ("lm_head", _Product), ("draft_vocab", ctypes.c_long), ("d2t", ctypes.c_void_p),
+                ("embed", ctypes.c_void_p), ("embed_format", ctypes.c_long), ("embed_row_bytes", ctypes.c_long),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p)]
+
+
+class PairHead:
+    """An EAGLE-3 head as cpu_kernels.c's head_layer and head_chain take it: a forward of its
+    layer, or a row's whole greedy chain, in one call each, the ops of the head drafter's Python
+    path over these kernels in the same order (the same bits), where that path paid interpreter
+    and PyTorch work about as long as the kernels' own.
+
+    layer: (embedding norm, post norm, qkv, o, gate_up, down) as DecoderStack takes a layer, qkv
+    reading [norm(embedding), norm(feature)]; feature_norm, final_norm: norm weights in the
+    activations' dtype; lm_head: kernel_parts' runs over draft_vocab rows; d2t [draft_vocab]
+    int64; embed: (dense rows in the activations' dtype, None) or (a GGUF matrix's blocks, its
+    type); cos, sin: rotary tables [positions, D] in the activations' dtype."""
+
+    def __init__(self, layer: tuple, feature_norm: torch.Tensor, final_norm: torch.Tensor, lm_head: list[tuple],
+                 d2t: torch.Tensor, embed: tuple[torch.Tensor, str | None], cos: torch.Tensor, sin: torch.Tensor,
+                 eps: float, num_heads: int, intermediate: int):
+        self.tensors = [feature_norm, final_norm, d2t, cos, sin, embed[0]]
+        self.head = head = _PairHead()
+        _set_layer(head.layer, layer, self.tensors)
+        _set_product(head.lm_head, lm_head, self.tensors)
+        head.feature_norm, head.final_norm = feature_norm.data_ptr(), final_norm.data_ptr()
+        head.draft_vocab, head.d2t = d2t.numel(), d2t.data_ptr()
+        table, qtype = embed
+        head.embed = table.data_ptr()
+        head.embed_format = -1 if qtype is None else QUANT_FORMATS[qtype]
+        head.embed_row_bytes = 0 if qtype is None else table.shape[1]
+        head.cos, head.sin = cos.data_ptr(), sin.data_ptr()
+        self.dtype, self.eps, self.num_heads, self.intermediate = cos.dtype, eps, num_heads, intermediate
+        self.positions = cos.shape[0]
+
+    def _check_positions(self, last: int) -> None:
+        if last >= self.positions:
+            raise IndexError(f"head position {last} is past its rotary tables' {self.positions}")
+
+    def layer(self, feature: torch.Tensor, ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The layer over pairs (feature [..., H], the target's ids [...]) at positions (rows of
+        one slot each: slots [B], positions [B, S]; or slots and positions [T]), each attending to
+        its slot's entries up to its own position, writing its own: the outputs [..., H]."""
+        feature, ids = feature.contiguous(), ids.contiguous()
+        slots, positions = slots.contiguous(), positions.contiguous()
+        self._check_positions(int(positions.max()))
+        H = feature.shape[-1]
+        T = ids.numel()
+        KVH, L, D = k_cache.shape[1:]
+        out = torch.empty_like(feature)
+        failed = _library().head_layer(
+            ctypes.byref(self.head), self.dtype == torch.float32, feature.data_ptr(), ids.data_ptr(), T, H,
+            self.intermediate, self.eps, self.num_heads, KVH, D, L, D ** -0.5, k_cache.data_ptr(), v_cache.data_ptr(),
+            slots.data_ptr(), T // slots.numel(), positions.data_ptr(), out.data_ptr())
+        _raise_failed(failed, "head step")
+        return out
+
+    def chain(self, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+              starts: torch.Tensor, depth: int) -> torch.Tensor:
+        """Greedy chains [R, depth] (the target's ids) of R rows in slots [R] whose last tokens sit
+        at starts [R], from their stored outputs out [R, H]: draft d (from 1) is fed at position
+        start + d - 1, writing the head's entry there."""
+        out = out.clone(memory_format=torch.contiguous_format)
+        slots, starts = slots.contiguous(), starts.contiguous()
+        self._check_positions(int(starts.max()) + depth - 2)
+        R, H = out.shape
+        KVH, L, D = k_cache.shape[1:]
+        chain = torch.empty(R, depth, dtype=torch.int64)
+        failed = _library().head_chain(
+            ctypes.byref(self.head), self.dtype == torch.float32, out.data_ptr(), R, depth, H, self.intermediate,
+            self.eps, self.num_heads, KVH, D, L, D ** -0.5, k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+            starts.data_ptr(), chain.data_ptr())
+        _raise_failed(failed, "head step")
+        return chain

@@ -174,6 +174,12 @@ class DraftHead(nn.Module):
             h = h + delta
         return h, norm(h)
 
+    def cpu_pair_head(self, embed: nn.Module, dtype: torch.dtype) -> cpu_kernels.PairHead | None:
+        """The head as one CPU kernel call a layer or chain (cpu_kernels.PairHead), embedding
+        through `embed`, for activations of this dtype; None where the kernels do not compute it
+        (the drafter's Python path then runs it)."""
+        return None
+
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Target ids of draft ids."""
         return draft_ids + self.d2t[draft_ids]

@@ -30,10 +30,12 @@ from safetensors.torch import save_file
 from torch import nn
 
 from outpace.errors import CorruptModelError, IncompatibleModelsError, ModelNotFoundError
+from outpace.kernels import cpu_kernels
+from outpace.kernels.cpu_linear import QuantizedEmbedding, kernel_parts
 from outpace.kernels.fused import linear, rms_norm_cat
 from outpace.model.config import ModelConfig
 from outpace.model.draft_head import DraftHead, HeadConfig
-from outpace.model.layers import RMSNorm
+from outpace.model.layers import MLP, RMSNorm
 
 # checkpoint name -> (our parameter, shard of a fused one: gate_up = [gate; up])
 WEIGHTS = {
@@ -70,6 +72,27 @@ class Eagle3Head(DraftHead):
             return feature, rms_norm_cat(embed, self.input_norm.weight, feature, self.hidden_norm.weight,
                                          self.input_norm.eps)
         return feature, torch.cat([self.normed(self.input_norm, embed), self.normed(self.hidden_norm, feature)], dim=-1)
+
+
+    def cpu_pair_head(self, embed: nn.Module, dtype: torch.dtype) -> cpu_kernels.PairHead | None:
+        if not self.kernels or self.qkv is None or self.q_norm is not None:
+            return None
+        norms = (self.input_norm, self.post_norm, self.hidden_norm, self.norm)
+        products = [kernel_parts(m) for m in (self.qkv, self.o, self.mlp.gate_up, self.mlp.down, self.lm_head)]
+        if (any(type(n) is not RMSNorm for n in norms) or type(self.mlp) is not MLP
+                or any(p is None or len(p) > cpu_kernels.MAX_PARTS for p in products)):
+            return None
+        if type(embed) is QuantizedEmbedding and embed.like.dtype == dtype:
+            table = (embed.blocks, embed.qtype)
+        elif type(embed) is nn.Embedding:
+            table = (embed.weight.detach().to(dtype).contiguous(), None)
+        else:
+            return None
+        input_norm, post_norm, hidden_norm, norm = (n.weight.detach().to(dtype).contiguous() for n in norms)
+        cos, sin = (t.to(dtype).contiguous() for t in (self.rope_cos, self.rope_sin))
+        return cpu_kernels.PairHead((input_norm, post_norm, *products[:4]), hidden_norm, norm, products[4],
+                                    self.d2t.contiguous(), table, cos, sin, self.cfg.rms_norm_eps, self.cfg.num_heads,
+                                    self.cfg.intermediate_size)
 
 
 def default_layers(num_layers: int) -> tuple[int, ...]:

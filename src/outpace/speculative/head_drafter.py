@@ -98,6 +98,8 @@ class HeadDrafter(Drafter):
         cfg = head.cfg
         self.hidden_layers = cfg.target_layers
         self.embed = head.embed if head.embed is not None else context.target.embed
+        # and, where the kernels compute the whole head, each forward or chain in one call
+        self.pair = head.cpu_pair_head(self.embed, context.dtype) if self.kernel_attention else None
         shape = (context.num_slots, cfg.num_kv_heads, self.cache_len, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=context.dtype, device=context.device)
         self.v_cache = torch.zeros(shape, dtype=context.dtype, device=context.device)
@@ -203,6 +205,8 @@ class HeadDrafter(Drafter):
         if not self.kernel_attention:
             mask = torch.arange(kv_len, device=self.device) <= positions[:, :, None]
             return self._forward(feature, tokens, slots, positions, positions, mask[:, None])
+        if self.pair is not None:
+            return self.pair.layer(feature, tokens, self.k_cache, self.v_cache, slots, positions)
         head, cfg = self.head, self.head.cfg
         residual, qkv = self._qkv(feature, tokens)
         qkv = qkv.contiguous()
@@ -365,6 +369,8 @@ class HeadDrafter(Drafter):
         (from 1) is fed at rotary position start + d - 1, writes its entry there and attends to
         it and every entry before it."""
         out = self.last_out[slots]                                              # [R, H]
+        if self.pair is not None:
+            return self.pair.chain(out, self.k_cache, self.v_cache, slots, starts, depth)
         ids = self.head.logits(out).argmax(-1)                                  # [R] draft ids
         chain = [self.head.to_target(ids)]
         for d in range(1, depth):
