@@ -493,6 +493,18 @@ def test_remaining_tokens_follow_finished_sequences():
     assert c.remaining(100, 500) == pytest.approx(10) and c.remaining(0, 16) == 16
 
 
+def test_sequences_cut_at_their_max_tokens_do_not_shorten_longer_ones():
+    """A sequence that ended at its max_tokens says only that it would have gone on at least that
+    long. Regression: a benchmark's two warm-up requests of 8 tokens made a 256-token request look
+    8 tokens from its end, so a draft model's prompt setup was never repaid and it never drafted."""
+    c = DraftController(8, FLAT)
+    for s in range(2):
+        c.end(s, 8, cut=True)
+    assert c.remaining(0, 256) == 256
+    c.end(2, 40)                    # one ended on its own: all their tokens over that one end
+    assert c.remaining(0, 256) == pytest.approx((8 * 0.95 ** 2 + 8 * 0.95 + 40) / 1.0)
+
+
 def test_drafting_overhead_is_not_charged_to_plain_steps():
     """Plain steps measured 0.1 above the calibration, the few drafting steps 0.2 more a drafted
     token. Regression: the fit's slope, shrunk toward none while drafting steps were few, left

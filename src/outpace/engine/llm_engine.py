@@ -306,6 +306,7 @@ class LLMEngine:
         seq.finish_time = time.perf_counter()
         self.scheduler.finish(seq)
         self.drafter.end(seq.seq_id)
-        self.controller.end(seq.seq_id, seq.num_output_tokens if seq.finish_reason != "abort" else 0)
+        self.controller.end(seq.seq_id, seq.num_output_tokens if seq.finish_reason != "abort" else 0,
+                            cut=seq.finish_reason == "length")
         self.stats.add(seq.stats)
         self.sequences.pop(seq.seq_id, None)

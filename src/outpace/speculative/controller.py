@@ -211,7 +211,8 @@ class DraftController:
         # batch bucket -> seconds a row's token saves by drafting, a mean row's at that load's last
         # decision: what a new sequence's prompt setup is weighed against
         self.saving: dict[int, float] = {}
-        self.outputs = [0.0, 0.0]   # finished sequences' output lengths, decayed: [sum, count]
+        # finished sequences' output tokens and how many of them ended on their own, decayed
+        self.outputs = [0.0, 0.0]
         self.probe_setup: int | None = None    # the running sequence set up on trust while probing (pays_setup)
         self.tree_width = tree_width
         self.tree_depth = tree_depth
@@ -448,12 +449,17 @@ class DraftController:
 
     def remaining(self, num_output: int, room: int) -> float:
         """Tokens a sequence that has output num_output tokens is expected to output yet: its room
-        in max_tokens, at most the mean finished sequence's output beyond num_output (a quarter
-        of that mean at least: a sequence past the mean is not about to end)."""
-        total, count = self.outputs
-        if not count:
+        in max_tokens, at most the mean output length beyond num_output (a quarter of that mean
+        at least: a sequence past the mean is not about to end). The mean is finished sequences'
+        tokens over those of them that ended on their own: one cut at its max_tokens says only
+        that it would have gone on at least that long (the estimate of a constant chance to stop
+        a token from such cut-off lengths), so short requests (a benchmark's warm-up of 8 tokens)
+        do not make longer ones look about to end, and where every sequence was cut, each is
+        expected to fill its room."""
+        tokens, ended = self.outputs
+        if not ended:
             return room
-        mean = total / count
+        mean = tokens / ended
         return min(room, max(mean - num_output, mean / 4))
 
     @property
@@ -623,15 +629,16 @@ class DraftController:
     def _choice(self, batch_size: int) -> ShapeChoice:
         return self.shapes.setdefault(self._bucket(batch_size), ShapeChoice(1))
 
-    def end(self, seq_id: int, num_output: int = 0) -> None:
-        """The sequence finished with num_output tokens (0: cancelled, or unknown)."""
+    def end(self, seq_id: int, num_output: int = 0, cut: bool = False) -> None:
+        """The sequence finished with num_output tokens (0: cancelled, or unknown); cut: at its
+        max_tokens or the model's length, not on its own."""
         self._gains_memo.clear()
         self.rates.pop(seq_id, None)
         if self.probe_setup == seq_id:
             self.probe_setup = None
         if num_output:
-            total, count = self.outputs
-            self.outputs = [total * OUTPUT_DECAY + num_output, count * OUTPUT_DECAY + 1.0]
+            tokens, ended = self.outputs
+            self.outputs = [tokens * OUTPUT_DECAY + num_output, ended * OUTPUT_DECAY + (not cut)]
 
 
 def interpolate(points: list[tuple[float, float]], x: float, extend: bool = False) -> float:
