@@ -28,7 +28,8 @@ every token of the row it has not read yet (its prompt, where it did not cache i
 of steps it did not draft in). Such a setup is paid only where it is repaid: where drafting at the
 chosen length saves, per token of the row, the difference between a plain step's seconds per
 token and a drafting step's, over the tokens the row is expected to have left (its room in
-max_tokens, at most what finished sequences went on for), MIN_RETURN times the setup's seconds.
+max_tokens, at most what finished sequences went on for, one cut at its own max_tokens counting
+as one that went on: `remaining`), MIN_RETURN times the setup's seconds.
 A row that would not repay it drafts nothing and its setup keeps growing, so under a load where
 drafting does not pay, the draft model costs nothing after its probes.
 

@@ -201,7 +201,8 @@ class HeadDrafter(Drafter):
         """Pairs at positions [B, S] (rotary and cache positions alike, all below kv_len), each
         attending to its slot's entries up to its own position: their outputs [B, S, H]. On the CPU
         one call of the target's attention kernel rotates, writes and attends, where PyTorch takes
-        a mask and a dozen calls (a head forward there is mostly such calls' overhead)."""
+        a mask and a dozen calls (a head forward there is mostly such calls' overhead); where the
+        kernels compute the whole head (self.pair), the whole forward is one call."""
         if not self.kernel_attention:
             mask = torch.arange(kv_len, device=self.device) <= positions[:, :, None]
             return self._forward(feature, tokens, slots, positions, positions, mask[:, None])
