@@ -216,6 +216,13 @@ static void quantize_rows(const void *x, int wide, long M, long K, QuantRows int
     }
 }
 
+/* a tile's integer sums isum[rows][vecs] held in registers here (cpu_vec.h's vi_keep), after each
+ * run of 4 inputs */
+#define KEEP_SUMS(isum, rows, vecs) \
+    _Pragma("GCC unroll 16") for (int m_ = 0; m_ < TILE_ROWS; m_++) \
+        _Pragma("GCC unroll 16") for (int v_ = 0; v_ < TILE_VECS; v_++) \
+            if (m_ < (rows) && v_ < (vecs)) vi_keep(&(isum)[m_][v_]);
+
 /* W_Q8_0, W_Q4_1, W_Q4_0 or W_Q5_0 weights over rows quantized to int8: per group of 32 inputs,
  * the runs of 4 inputs' weights are loaded (nibbles split, Q5_0's fifth bits set) and each row's 4
  * inputs broadcast as one int32, their products summed in int32 lanes (vi_dot_*); then each
@@ -266,6 +273,7 @@ static inline __attribute__((always_inline)) void tile_int8(QuantRows xq, long K
                         if (v < vecs) isum[m][v] = vi_dot_s8(isum[m][v], q[v], x4);
                     }
                 }
+                KEEP_SUMS(isum, rows, vecs)
             }
         } else {
             long start = format == W_Q4_1 ? 64 : format == W_Q5_0 ? 96 : 32;
@@ -297,6 +305,7 @@ static inline __attribute__((always_inline)) void tile_int8(QuantRows xq, long K
                         isum[m][v] = vi_dot_u8(isum[m][v], high[v], x_high);
                     }
                 }
+                KEEP_SUMS(isum, rows, vecs)
             }
         }
         VF scale[TILE_VECS], minimum[TILE_VECS];
@@ -424,6 +433,7 @@ static inline __attribute__((always_inline)) void tile_kquant(QuantRows xq, long
                             if (v < vecs) isum[m][v] = vi_sum16_u8(isum[m][v], q[v], x4);
                         }
                     }
+                    KEEP_SUMS(isum, rows, vecs)
                 }
 #pragma GCC unroll 16
                 for (int m = 0; m < TILE_ROWS; m++) {
@@ -492,6 +502,7 @@ static inline __attribute__((always_inline)) void tile_kquant(QuantRows xq, long
                             if (v < vecs) s16[m][v] = vi_sum16_u8(s16[m][v], q[t][v], x4);
                         }
                     }
+                    KEEP_SUMS(s16, rows, vecs)
                     if ((t + 1) % per_sum && t < 3) continue;
 #pragma GCC unroll 16
                     for (int m = 0; m < TILE_ROWS; m++) {
