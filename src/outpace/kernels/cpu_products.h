@@ -333,22 +333,29 @@ static inline __attribute__((always_inline)) void tile_int8(QuantRows xq, long K
     store_acc(acc, rows, vecs, bias, n_valid, out, wide_out, N);
 }
 
-/* W_Q4_K's scale (d * sc) and negated minimum (-(dmin * m)) of sub-block j (inputs 32j .. 32j + 31)
- * of the columns whose 12 scale bytes b[16k] (k = 0..11) start at b, with d and -dmin: GGUF's 6-bit
- * sc and m, the first four sub-blocks' whole in a byte, the last four's split into 4 and 2 bits
- * (each integer exact as a float), then one rounding each ((-dmin) * m = -(dmin * m), bit for bit). */
-static inline __attribute__((always_inline)) void q4_k_scales(const uint8_t *b, int j, VF d, VF neg_dmin, VF *scale,
-                                                              VF *low) {
-    VF sc, m, sixteen = vf_set1(16.0f);
-    if (j < 4) {
-        sc = vf_widen_bits(b + 16 * j, 0, 63);
-        m = vf_widen_bits(b + 16 * (j + 4), 0, 63);
-    } else {
-        sc = vf_add(vf_widen_bits(b + 16 * (j + 4), 0, 15), vf_mul(vf_widen_bits(b + 16 * (j - 4), 6, 3), sixteen));
-        m = vf_add(vf_widen_bits(b + 16 * (j + 4), 4, 15), vf_mul(vf_widen_bits(b + 16 * j, 6, 3), sixteen));
+/* GGUF's 6-bit scale sc and minimum m of each sub-block j (inputs 32j .. 32j + 31) of a block of 16
+ * columns whose 12 scale bytes b[16k + c] (k = 0..11) start at b, as bytes: into[0][j][c] = sc,
+ * into[1][j][c] = m (the first four sub-blocks' whole in a byte, the last four's split into 4 and
+ * 2 bits). One pass over all 16 columns the compiler vectorises: taking each sub-block's bits
+ * apart in float lanes had cost a one-row product about as much as its integer dot products. */
+static inline __attribute__((always_inline)) void q4_k_unpack(const uint8_t *b, uint8_t into[2][8][16]) {
+    for (int j = 0; j < 4; j++) {
+        for (int c = 0; c < 16; c++) {
+            into[0][j][c] = b[16 * j + c] & 63;
+            into[1][j][c] = b[16 * (j + 4) + c] & 63;
+            into[0][j + 4][c] = (b[16 * (j + 8) + c] & 15) | (uint8_t)(b[16 * j + c] >> 6 << 4);
+            into[1][j + 4][c] = (b[16 * (j + 8) + c] >> 4) | (uint8_t)(b[16 * (j + 4) + c] >> 6 << 4);
+        }
     }
-    *scale = vf_mul(d, sc);
-    *low = vf_mul(neg_dmin, m);
+}
+
+/* W_Q4_K's scale (d * sc) and negated minimum (-(dmin * m)) of sub-block j of the columns from c of
+ * a block q4_k_unpack took apart, with d and -dmin: each integer exact as a float, then one
+ * rounding each ((-dmin) * m = -(dmin * m), bit for bit). */
+static inline __attribute__((always_inline)) void q4_k_scales(const uint8_t unpacked[2][8][16], int c, int j, VF d,
+                                                              VF neg_dmin, VF *scale, VF *low) {
+    *scale = vf_mul(d, vf_widen_bits(unpacked[0][j] + c, 0, 63));
+    *low = vf_mul(neg_dmin, vf_widen_bits(unpacked[1][j] + c, 0, 63));
 }
 
 /* A tile's W_Q4_K scales and negated minima, as tile_kquant computes them, into [K / 32][2][TILE_COLS]
@@ -363,9 +370,11 @@ static void q4_k_tile_scales(const char *w, long K, int vecs, float *into) {
             const char *at = w + v * VL / 16 * block_bytes + g * Q4_K_GROUP_BYTES;
             VF d = vf_load_half((const uint16_t *)at + c);
             VF neg_dmin = vf_mul(vf_load_half((const uint16_t *)at + 16 + c), vf_set1(-1.0f));
+            uint8_t unpacked[2][8][16];
+            q4_k_unpack((const uint8_t *)at + 64, unpacked);
             for (int j = 0; j < 8; j++) {
                 VF scale, low;
-                q4_k_scales((const uint8_t *)at + 64 + c, j, d, neg_dmin, &scale, &low);
+                q4_k_scales(unpacked, c, j, d, neg_dmin, &scale, &low);
                 float *block = into + (8 * g + j) * 2 * TILE_COLS + v * VL;
                 vf_store(block, scale);
                 vf_store(block + TILE_COLS, low);
@@ -395,6 +404,7 @@ static inline __attribute__((always_inline)) void tile_kquant(QuantRows xq, long
         const char *at[TILE_VECS];
         int c[TILE_VECS];                                   /* a register's first column in its block */
         VF d[TILE_VECS], neg_dmin[TILE_VECS];
+        uint8_t unpacked[TILE_COLS / 16][2][8][16];         /* Q4_K's, per block of 16 columns (q4_k_unpack) */
 #pragma GCC unroll 16
         for (int v = 0; v < TILE_VECS; v++) {
             if (v >= vecs) continue;
@@ -405,6 +415,7 @@ static inline __attribute__((always_inline)) void tile_kquant(QuantRows xq, long
             }
             d[v] = vf_load_half((const uint16_t *)at[v] + c[v]);
             if (format == W_Q4_K) neg_dmin[v] = vf_mul(vf_load_half((const uint16_t *)at[v] + 16 + c[v]), vf_set1(-1.0f));
+            if (format == W_Q4_K && !scales && c[v] == 0) q4_k_unpack((const uint8_t *)at[v] + 64, unpacked[v * VL / 16]);
         }
         for (int j = 0; j < 8; j++) {           /* the group's block j of 32 inputs: the rows' block 8g + j */
             long b = 8 * g + j;
@@ -448,7 +459,7 @@ static inline __attribute__((always_inline)) void tile_kquant(QuantRows xq, long
                         scale[v] = vf_load(scales + 2 * b * TILE_COLS + v * VL);
                         low[v] = vf_load(scales + (2 * b + 1) * TILE_COLS + v * VL);
                     } else {
-                        q4_k_scales((const uint8_t *)at[v] + 64 + c[v], j, d[v], neg_dmin[v], &scale[v], &low[v]);
+                        q4_k_scales(unpacked[v * VL / 16], c[v], j, d[v], neg_dmin[v], &scale[v], &low[v]);
                     }
                 }
 #pragma GCC unroll 16
