@@ -750,6 +750,33 @@ def test_on_the_cpu_the_heads_products_run_in_the_kernels(folders):
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain32
 
 
+def _random_pairs(drafter, dtype: torch.dtype) -> tuple:
+    """Random pairs of two rows of 5, in slots 2 and 0 from positions 3 and 0 (keys up to 8),
+    over random caches: (feature, tokens, slots, positions, the caches' copies)."""
+    torch.manual_seed(0)
+    B, S = 2, 5
+    feature = torch.randn(B, S, drafter.head.cfg.hidden_size).to(dtype)
+    tokens = torch.randint(0, 49152, (B, S))
+    slots = torch.tensor([2, 0])
+    positions = torch.tensor([[3], [0]]) + torch.arange(S)
+    drafter.k_cache.normal_()
+    drafter.v_cache.normal_()
+    return feature, tokens, slots, positions, (drafter.k_cache.clone(), drafter.v_cache.clone())
+
+
+def _each_way(drafter, before: tuple, name: str, values: tuple, run) -> list[list]:
+    """run()'s tensors, then the caches after it, with the drafter's attribute `name` set to each
+    of values in turn and the caches reset to `before` each time."""
+    results = []
+    for value in values:
+        setattr(drafter, name, value)
+        drafter.k_cache.copy_(before[0])
+        drafter.v_cache.copy_(before[1])
+        with torch.inference_mode():
+            results.append(run() + [drafter.k_cache.clone(), drafter.v_cache.clone()])
+    return results
+
+
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_on_the_cpu_causal_forwards_run_in_the_attention_kernel(folders, qk_norm):
     """On the CPU a float32 head's catch-ups and chains attend in the target's attention kernel
@@ -773,22 +800,9 @@ def test_on_the_cpu_causal_forwards_run_in_the_attention_kernel(folders, qk_norm
             drafter.head.k_norm.weight.uniform_(0.5, 1.5)
         drafter.pair = drafter.head.cpu_pair_head(drafter.embed, torch.float32)
         assert drafter.pair is None         # the one-call layer serves heads without query/key norms
-    B, S = 2, 5
-    feature = torch.randn(B, S, drafter.head.cfg.hidden_size)
-    tokens = torch.randint(0, 49152, (B, S))
-    slots = torch.tensor([2, 0])
-    positions = torch.tensor([[3], [0]]) + torch.arange(S)
-    drafter.k_cache.normal_()
-    drafter.v_cache.normal_()
-    before = drafter.k_cache.clone(), drafter.v_cache.clone()
-    results = []
-    for kernel in (True, False):
-        drafter.kernel_attention = kernel
-        drafter.k_cache.copy_(before[0])
-        drafter.v_cache.copy_(before[1])
-        with torch.inference_mode():
-            out = drafter._causal_forward(feature, tokens, slots, positions, 3 + S)
-        results.append((out, drafter.k_cache.clone(), drafter.v_cache.clone()))
+    feature, tokens, slots, positions, before = _random_pairs(drafter, torch.float32)
+    results = _each_way(drafter, before, "kernel_attention", (True, False),
+                        lambda: [drafter._causal_forward(feature, tokens, slots, positions, 8)])
     for kernel, torch_path in zip(*results):
         torch.testing.assert_close(kernel, torch_path, rtol=1e-4, atol=1e-4)
     assert not torch.equal(results[0][1], before[0])        # the pairs' keys were written
@@ -807,25 +821,11 @@ def test_on_the_cpu_a_head_layer_or_chain_is_one_kernel_call(folders, dtype):
     drafter = llm.engine.drafter
     pair = drafter.pair
     assert pair is not None
-    torch.manual_seed(0)
-    B, S = 2, 5
-    feature = torch.randn(B, S, drafter.head.cfg.hidden_size).to(dtype)
-    tokens = torch.randint(0, 49152, (B, S))
-    slots = torch.tensor([2, 0])
-    positions = torch.tensor([[3], [0]]) + torch.arange(S)
-    drafter.k_cache.normal_()
-    drafter.v_cache.normal_()
+    feature, tokens, slots, positions, before = _random_pairs(drafter, dtype)
     drafter.last_out.normal_()
-    before = drafter.k_cache.clone(), drafter.v_cache.clone()
-    results = []
-    for one_call in (pair, None):
-        drafter.pair = one_call
-        drafter.k_cache.copy_(before[0])
-        drafter.v_cache.copy_(before[1])
-        with torch.inference_mode():
-            out = drafter._causal_forward(feature, tokens, slots, positions, 3 + S)
-            chain = drafter._chains(slots, torch.tensor([7, 4]), 4, 7)
-        results.append((out, chain, drafter.k_cache.clone(), drafter.v_cache.clone()))
+    results = _each_way(drafter, before, "pair", (pair, None),
+                        lambda: [drafter._causal_forward(feature, tokens, slots, positions, 8),
+                                 drafter._chains(slots, torch.tensor([7, 4]), 4, 7)])
     for one_call, per_op in zip(*results):
         assert torch.equal(one_call, per_op)
     assert not torch.equal(results[0][2], before[0])        # the pairs' keys were written

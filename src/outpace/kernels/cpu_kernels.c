@@ -307,11 +307,11 @@ int decoder_stack(const StackLayer *layers, long n_layers, int wide, void *h, vo
     return failed;
 }
 
-/* An EAGLE-3 head (model/eagle3.py) for head_layer and head_chain: its decoder layer (layer's
- * input_norm the embedding's norm, its qkv reading both normed inputs side by side, 2 * hidden
- * wide), the feature's norm, the final norm and LM head over the draft vocabulary, the draft ids'
- * offsets to the target's, and the embedding of the target's ids: dense rows in the activations'
- * dtype (embed_format -1) or a GGUF matrix's blocks (dequantize_rows' formats). */
+/* An EAGLE-3 head (model/eagle3.py) as head_layer and head_chain take it: its decoder layer (whose
+ * input_norm is the embedding's norm and whose qkv reads both normed inputs side by side, 2 *
+ * hidden wide), the feature's norm, the final norm, the LM head over the draft vocabulary, the
+ * draft ids' offsets to the target's, and the embedding of the target's ids: dense rows in the
+ * activations' dtype (embed_format -1) or a GGUF matrix's blocks (dequantize_rows' formats). */
 typedef struct {
     StackLayer layer;
     const void *feature_norm, *final_norm;
@@ -344,7 +344,8 @@ int head_layer(const PairHead *hd, int wide, const void *feature, const int64_t 
                const int64_t *slots, long slot_div, const int64_t *positions, void *out) {
     long size = wide ? 4 : 2, width = (NH + 2 * KVH) * D, row = hidden * size;
     const StackLayer *ly = &hd->layer;
-    char *scratch = malloc((size_t)(tokens * (4 * hidden + width + NH * D + hidden + hidden + 3 * inter + 2 * D) * size));
+    /* emb, pair (2 rows), normed, delta, h: hidden wide; qkv, attn, gate_up, act, cos, sin */
+    char *scratch = malloc((size_t)(tokens * (6 * hidden + width + NH * D + 3 * inter + 2 * D) * size));
     if (!scratch) return -1;
     char *emb = scratch, *pair = emb + tokens * row, *normed = pair + 2 * tokens * row;
     char *qkv = normed + tokens * row, *attn = qkv + tokens * width * size, *delta = attn + tokens * NH * D * size;

@@ -73,7 +73,6 @@ class Eagle3Head(DraftHead):
                                          self.input_norm.eps)
         return feature, torch.cat([self.normed(self.input_norm, embed), self.normed(self.hidden_norm, feature)], dim=-1)
 
-
     def cpu_pair_head(self, embed: nn.Module, dtype: torch.dtype) -> cpu_kernels.PairHead | None:
         if not self.kernels or self.qkv is None or self.q_norm is not None:
             return None
@@ -84,8 +83,8 @@ class Eagle3Head(DraftHead):
             return None
         if type(embed) is QuantizedEmbedding and embed.like.dtype == dtype:
             table = (embed.blocks, embed.qtype)
-        elif type(embed) is nn.Embedding:
-            table = (embed.weight.detach().to(dtype).contiguous(), None)
+        elif type(embed) is nn.Embedding and embed.weight.dtype == dtype:
+            table = (embed.weight.detach().contiguous(), None)
         else:
             return None
         input_norm, post_norm, hidden_norm, norm = (n.weight.detach().to(dtype).contiguous() for n in norms)
