@@ -250,6 +250,50 @@ static void add_norm(int wide, const void *h, const void *delta, const void *wei
     else add_rms_norm_bf16(h, delta, weight, h_out, x_out, rows, dim, eps);
 }
 
+/* out[0..n) = a + b, as a PyTorch add of the activations' dtype rounds */
+static void add_rounded(int wide, const void *a, const void *b, void *out, long n) {
+    for (long k = 0; k < n; k++) {
+        if (wide) ((float *)out)[k] = ((const float *)a)[k] + ((const float *)b)[k];
+        else ((bf16 *)out)[k] = f32_to_bf16(bf16_to_f32(((const bf16 *)a)[k]) + bf16_to_f32(((const bf16 *)b)[k]));
+    }
+}
+
+/* values of attend_mlp's work for `tokens` rows: qkv, the heads' outputs, the normed stream, gate_up
+ * and the activation, in that order */
+static long layer_work(long tokens, long hidden, long inter, long NH, long KVH, long D) {
+    return tokens * ((NH + 2 * KVH) * D + NH * D + hidden + 3 * inter);
+}
+
+/* A decoder layer from its attention's input x [tokens, K] on (decoder_stack's layers, head_layer):
+ * q, k and v, their rotation, cache writes and attention (rope_attend's arguments), the output
+ * product into delta, h = stream + delta and its post norm, then the SwiGLU MLP's output into
+ * delta: the layer's output stream is h + delta. x may be work's normed stream, which the qkv
+ * product reads before the post norm writes it. */
+static int attend_mlp(const StackLayer *ly, int wide, const void *x, long K, const void *stream, void *h, void *delta,
+                      char *work, long tokens, long hidden, long inter, float eps, long NH, long KVH, long D, long L,
+                      long window, float scale, void *kc, void *vc, const void *cos, const void *sin,
+                      const int64_t *slots, long slot_div, const int64_t *positions, const int64_t *tree,
+                      long tree_stride) {
+    long size = wide ? 4 : 2, width = (NH + 2 * KVH) * D;
+    char *qkv = work, *attn = qkv + tokens * width * size, *normed = attn + tokens * NH * D * size;
+    char *gate_up = normed + tokens * hidden * size, *act = gate_up + tokens * 2 * inter * size;
+    const char *v = qkv + (NH + KVH) * D * size;
+    int failed = product(&ly->qkv, x, wide, tokens, K, qkv, width);
+    if (!failed)
+        failed = wide ? rope_attend_f32((const float *)qkv, width, (const float *)v, width, cos, sin, kc, vc, slots,
+                                        slot_div, positions, tokens, NH, KVH, D, L, window, scale, (float *)attn, tree,
+                                        tree_stride)
+                      : rope_attend_bf16((const bf16 *)qkv, width, (const bf16 *)v, width, cos, sin, kc, vc, slots,
+                                         slot_div, positions, tokens, NH, KVH, D, L, window, scale, (bf16 *)attn, tree,
+                                         tree_stride);
+    if (failed || (failed = product(&ly->o, attn, wide, tokens, NH * D, delta, hidden))) return failed;
+    add_norm(wide, stream, delta, ly->post_norm, h, normed, tokens, hidden, eps);
+    if ((failed = product(&ly->gate_up, normed, wide, tokens, hidden, gate_up, 2 * inter))) return failed;
+    if (wide) silu_mul_f32((const float *)gate_up, (float *)act, tokens, inter);
+    else silu_mul_bf16((const bf16 *)gate_up, (bf16 *)act, tokens, inter);
+    return product(&ly->down, act, wide, tokens, inter, delta, hidden);
+}
+
 /* Every layer of a decoder (layers.DecoderLayer: pre-norm attention without query/key norms, a
  * SwiGLU MLP) over T tokens in one call, each op the same kernel the layer's Python forward calls,
  * in the same order, so the result is bit for bit the per-layer one. A decode step of the default
@@ -268,42 +312,22 @@ int decoder_stack(const StackLayer *layers, long n_layers, int wide, void *h, vo
                   void *v_cache, long cache_stride, const void *cos, const void *sin, const int64_t *slots,
                   long slot_div, const int64_t *positions, const int64_t *tree, long tree_stride, const int64_t *keep,
                   long n_kept, void *kept) {
-    long size = wide ? 4 : 2, width = (NH + 2 * KVH) * D;
-    char *scratch = malloc((size_t)(tokens * (width + NH * D + hidden + 3 * inter) * size));
-    if (!scratch) return -1;
-    char *qkv = scratch, *attn = qkv + tokens * width * size, *x = attn + tokens * NH * D * size;
-    char *gate_up = x + tokens * hidden * size, *act = gate_up + tokens * 2 * inter * size;
-    const char *v = qkv + (NH + KVH) * D * size;
+    long size = wide ? 4 : 2;
+    char *work = malloc((size_t)(layer_work(tokens, hidden, inter, NH, KVH, D) * size));
+    if (!work) return -1;
+    char *x = work + tokens * ((NH + 2 * KVH) * D + NH * D) * size;       /* the work's normed stream */
     int failed = 0;
     for (long i = 0; i < n_layers && !failed; i++) {
         const StackLayer *ly = layers + i;
         char *kc = (char *)k_cache + i * cache_stride * size, *vc = (char *)v_cache + i * cache_stride * size;
         add_norm(wide, h, i ? delta : NULL, ly->input_norm, h, x, tokens, hidden, eps);
-        if ((failed = product(&ly->qkv, x, wide, tokens, hidden, qkv, width))) break;
-        failed = wide ? rope_attend_f32((const float *)qkv, width, (const float *)v, width, cos, sin, (float *)kc,
-                                        (float *)vc, slots, slot_div, positions, tokens, NH, KVH, D, L, window, scale,
-                                        (float *)attn, tree, tree_stride)
-                      : rope_attend_bf16((const bf16 *)qkv, width, (const bf16 *)v, width, cos, sin, (bf16 *)kc,
-                                         (bf16 *)vc, slots, slot_div, positions, tokens, NH, KVH, D, L, window, scale,
-                                         (bf16 *)attn, tree, tree_stride);
-        if (failed || (failed = product(&ly->o, attn, wide, tokens, NH * D, delta, hidden))) break;
-        add_norm(wide, h, delta, ly->post_norm, h, x, tokens, hidden, eps);
-        if ((failed = product(&ly->gate_up, x, wide, tokens, hidden, gate_up, 2 * inter))) break;
-        if (wide) silu_mul_f32((const float *)gate_up, (float *)act, tokens, inter);
-        else silu_mul_bf16((const bf16 *)gate_up, (bf16 *)act, tokens, inter);
-        if ((failed = product(&ly->down, act, wide, tokens, inter, delta, hidden))) break;
-        if (keep[i] < 0) continue;
-        for (long t = 0; t < tokens; t++) {      /* the stream after the layer, rounded as a bfloat16 add rounds */
-            long at = (t * n_kept + keep[i]) * hidden;
-            for (long j = 0; j < hidden; j++) {
-                long k = t * hidden + j;
-                if (wide) ((float *)kept)[at + j] = ((const float *)h)[k] + ((const float *)delta)[k];
-                else ((bf16 *)kept)[at + j] = f32_to_bf16(bf16_to_f32(((const bf16 *)h)[k]) +
-                                                          bf16_to_f32(((const bf16 *)delta)[k]));
-            }
-        }
+        failed = attend_mlp(ly, wide, x, hidden, h, h, delta, work, tokens, hidden, inter, eps, NH, KVH, D, L, window,
+                            scale, kc, vc, cos, sin, slots, slot_div, positions, tree, tree_stride);
+        for (long t = 0; t < tokens && !failed && keep[i] >= 0; t++)     /* the stream after the layer */
+            add_rounded(wide, (char *)h + t * hidden * size, (char *)delta + t * hidden * size,
+                        (char *)kept + (t * n_kept + keep[i]) * hidden * size, hidden);
     }
-    free(scratch);
+    free(work);
     return failed;
 }
 
@@ -342,15 +366,14 @@ static int embed_rows(const PairHead *hd, int wide, const int64_t *ids, long n, 
 int head_layer(const PairHead *hd, int wide, const void *feature, const int64_t *ids, long tokens, long hidden,
                long inter, float eps, long NH, long KVH, long D, long L, float scale, void *k_cache, void *v_cache,
                const int64_t *slots, long slot_div, const int64_t *positions, void *out) {
-    long size = wide ? 4 : 2, width = (NH + 2 * KVH) * D, row = hidden * size;
+    long size = wide ? 4 : 2, row = hidden * size;
     const StackLayer *ly = &hd->layer;
-    /* emb, pair (2 rows), normed, delta, h: hidden wide; qkv, attn, gate_up, act, cos, sin */
-    char *scratch = malloc((size_t)(tokens * (6 * hidden + width + NH * D + 3 * inter + 2 * D) * size));
+    /* emb, pair (2 rows), delta, h: hidden wide; cos, sin; then attend_mlp's work */
+    char *scratch = malloc((size_t)((tokens * (5 * hidden + 2 * D) + layer_work(tokens, hidden, inter, NH, KVH, D)) * size));
     if (!scratch) return -1;
-    char *emb = scratch, *pair = emb + tokens * row, *normed = pair + 2 * tokens * row;
-    char *qkv = normed + tokens * row, *attn = qkv + tokens * width * size, *delta = attn + tokens * NH * D * size;
-    char *h = delta + tokens * row, *gate_up = h + tokens * row, *act = gate_up + tokens * 2 * inter * size;
-    char *cos = act + tokens * inter * size, *sin = cos + tokens * D * size;
+    char *emb = scratch, *pair = emb + tokens * row, *delta = pair + 2 * tokens * row, *h = delta + tokens * row;
+    char *cos = h + tokens * row, *sin = cos + tokens * D * size, *work = sin + tokens * D * size;
+    char *normed = work + tokens * ((NH + 2 * KVH) * D + NH * D) * size;  /* the work's normed stream */
     int failed = embed_rows(hd, wide, ids, tokens, hidden, emb);
     for (long t = 0; t < tokens && !failed; t++) {
         memcpy(cos + t * D * size, (const char *)hd->cos + positions[t] * D * size, (size_t)(D * size));
@@ -361,31 +384,10 @@ int head_layer(const PairHead *hd, int wide, const void *feature, const int64_t 
         for (long t = 0; t < tokens; t++) memcpy(pair + 2 * t * row, normed + t * row, (size_t)row);
         add_norm(wide, feature, NULL, hd->feature_norm, NULL, normed, tokens, hidden, eps);
         for (long t = 0; t < tokens; t++) memcpy(pair + (2 * t + 1) * row, normed + t * row, (size_t)row);
-        failed = product(&ly->qkv, pair, wide, tokens, 2 * hidden, qkv, width);
+        failed = attend_mlp(ly, wide, pair, 2 * hidden, feature, h, delta, work, tokens, hidden, inter, eps, NH, KVH, D,
+                            L, 0, scale, k_cache, v_cache, cos, sin, slots, slot_div, positions, NULL, 0);
     }
-    if (!failed) {
-        const char *v = qkv + (NH + KVH) * D * size;
-        failed = wide ? rope_attend_f32((const float *)qkv, width, (const float *)v, width, (const float *)cos,
-                                        (const float *)sin, k_cache, v_cache, slots, slot_div, positions, tokens, NH,
-                                        KVH, D, L, 0, scale, (float *)attn, NULL, 0)
-                      : rope_attend_bf16((const bf16 *)qkv, width, (const bf16 *)v, width, (const bf16 *)cos,
-                                         (const bf16 *)sin, k_cache, v_cache, slots, slot_div, positions, tokens, NH,
-                                         KVH, D, L, 0, scale, (bf16 *)attn, NULL, 0);
-    }
-    if (!failed) failed = product(&ly->o, attn, wide, tokens, NH * D, delta, hidden);
-    if (!failed) {
-        add_norm(wide, feature, delta, ly->post_norm, h, normed, tokens, hidden, eps);
-        failed = product(&ly->gate_up, normed, wide, tokens, hidden, gate_up, 2 * inter);
-    }
-    if (!failed) {
-        if (wide) silu_mul_f32((const float *)gate_up, (float *)act, tokens, inter);
-        else silu_mul_bf16((const bf16 *)gate_up, (bf16 *)act, tokens, inter);
-        failed = product(&ly->down, act, wide, tokens, inter, delta, hidden);
-    }
-    for (long k = 0; k < tokens * hidden && !failed; k++) {    /* h + the MLP's output, as a PyTorch add rounds */
-        if (wide) ((float *)out)[k] = ((const float *)h)[k] + ((const float *)delta)[k];
-        else ((bf16 *)out)[k] = f32_to_bf16(bf16_to_f32(((const bf16 *)h)[k]) + bf16_to_f32(((const bf16 *)delta)[k]));
-    }
+    if (!failed) add_rounded(wide, h, delta, out, tokens * hidden);     /* h + the MLP's output */
     free(scratch);
     return failed;
 }
@@ -409,8 +411,8 @@ int head_chain(const PairHead *hd, int wide, void *out, long R, long depth, long
     for (long d = 0; d < depth && !failed; d++) {
         add_norm(wide, out, NULL, hd->final_norm, NULL, normed, R, hidden, eps);
         if ((failed = product(&hd->lm_head, normed, wide, R, hidden, logits, V))) break;
-        for (long k = 0; k < R * V; k++) wide_logits[k] = wide ? ((float *)logits)[k] : bf16_to_f32(((bf16 *)logits)[k]);
-        argmax_f32(wide_logits, R, V, ids);
+        for (long k = 0; k < R * V && !wide; k++) wide_logits[k] = bf16_to_f32(((bf16 *)logits)[k]);
+        argmax_f32(wide ? (const float *)logits : wide_logits, R, V, ids);
         for (long r = 0; r < R; r++) {
             ids[r] += hd->d2t[ids[r]];
             chain[r * depth + d] = ids[r];

@@ -365,14 +365,14 @@ static inline __attribute__((always_inline)) void q4_k_scales(const uint8_t unpa
  * products 1.17-1.19x faster on an AMD EPYC) */
 static void q4_k_tile_scales(const char *w, long K, int vecs, float *into) {
     long groups = K / 256, block_bytes = groups * Q4_K_GROUP_BYTES;
-    for (int v = 0; v < vecs; v++) {
-        int c = v * VL % 16;
-        for (long g = 0; g < groups; g++) {
+    for (long g = 0; g < groups; g++) {
+        uint8_t unpacked[2][8][16];         /* v's block of 16 columns, unpacked at the block's first register */
+        for (int v = 0; v < vecs; v++) {
+            int c = v * VL % 16;
             const char *at = w + v * VL / 16 * block_bytes + g * Q4_K_GROUP_BYTES;
             VF d = vf_load_half((const uint16_t *)at + c);
             VF neg_dmin = vf_mul(vf_load_half((const uint16_t *)at + 16 + c), vf_set1(-1.0f));
-            uint8_t unpacked[2][8][16];
-            q4_k_unpack((const uint8_t *)at + 64, unpacked);
+            if (c == 0) q4_k_unpack((const uint8_t *)at + 64, unpacked);
             for (int j = 0; j < 8; j++) {
                 VF scale, low;
                 q4_k_scales(unpacked, c, j, d, neg_dmin, &scale, &low);
