@@ -102,7 +102,12 @@ def _weights(fmt: str, k: int, n: int, stream_bytes: int, baseline: Baseline | N
         one = {fmt: cpu_kernels.pack_quantized(blocks, fmt)}
         if baseline is not None:
             one[f"base {fmt}"] = baseline.pack(blocks, fmt)
-    return {tag: [packed.clone() for _ in range(copies)] for tag, packed in one.items()}
+    # the methods' copies allocated in turn: a set allocated before another streamed about 5% slower here
+    sets = {tag: [] for tag in one}
+    for _ in range(copies):
+        for tag, packed in one.items():
+            sets[tag].append(packed.clone())
+    return sets
 
 
 def main() -> None:

@@ -384,6 +384,29 @@ static void q4_k_tile_scales(const char *w, long K, int vecs, float *into) {
     }
 }
 
+/* run t of a W_Q4_K sub-block j (inputs 32 j + 4 t .. + 3 and their weights: the tile's run 8 (j / 2)
+ * + t, nibble j % 2): its products into the rows' 16-bit sums isum (vi_sum16_u8) */
+static inline __attribute__((always_inline)) void q4_k_run(VI isum[TILE_ROWS][TILE_VECS], const char *at[TILE_VECS],
+                                                           const int c[TILE_VECS], const int8_t *in, long K, int j,
+                                                           int t, long rows, int vecs) {
+    VI q[TILE_VECS];
+#pragma GCC unroll 16
+    for (int v = 0; v < TILE_VECS; v++) {
+        if (v < vecs) q[v] = vi_byte_bits(vi_load(at[v] + 256 + 64 * (8 * (j / 2) + t) + 4 * c[v]), 4 * (j % 2), 15);
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < TILE_ROWS; m++) {
+        if (m >= rows) continue;
+        int32_t x4;
+        memcpy(&x4, in + m * K + 4 * t, sizeof x4);
+#pragma GCC unroll 16
+        for (int v = 0; v < TILE_VECS; v++) {
+            if (v < vecs) isum[m][v] = vi_sum16_u8(isum[m][v], q[v], x4);
+        }
+    }
+    KEEP_SUMS(isum, rows, vecs)
+}
+
 /* W_Q4_K or W_Q6_K weights over rows quantized to int8: per block of 32 inputs (Q4_K's sub-block,
  * Q6_K's two sub-blocks of 16), the runs of 4 inputs' weights are loaded (nibbles split, Q6_K's
  * fourth run joined from the top bits of its quad's three), each row's 4 inputs broadcast as one
@@ -429,23 +452,11 @@ static inline __attribute__((always_inline)) void tile_kquant(QuantRows xq, long
                     for (int v = 0; v < TILE_VECS; v++) isum[m][v] = vi_zero();
                 }
                 _Static_assert(SUM16_RUNS(15) >= 8, "a 16-bit sum takes a Q4_K sub-block's 8 runs");
-                for (int t = 0; t < 8; t++) {
-                    VI q[TILE_VECS];
-#pragma GCC unroll 16
-                    for (int v = 0; v < TILE_VECS; v++) {
-                        if (v < vecs) q[v] = vi_byte_bits(vi_load(at[v] + 256 + 64 * (8 * (j / 2) + t) + 4 * c[v]), 4 * (j % 2), 15);
-                    }
-#pragma GCC unroll 16
-                    for (int m = 0; m < TILE_ROWS; m++) {
-                        if (m >= rows) continue;
-                        int32_t x4;
-                        memcpy(&x4, in + m * K + 4 * t, sizeof x4);
-#pragma GCC unroll 16
-                        for (int v = 0; v < TILE_VECS; v++) {
-                            if (v < vecs) isum[m][v] = vi_sum16_u8(isum[m][v], q[v], x4);
-                        }
-                    }
-                    KEEP_SUMS(isum, rows, vecs)
+                if (rows >= UNROLL_RUNS_FROM) {
+#pragma GCC unroll 8
+                    for (int t = 0; t < 8; t++) q4_k_run(isum, at, c, in, K, j, t, rows, vecs);
+                } else {
+                    for (int t = 0; t < 8; t++) q4_k_run(isum, at, c, in, K, j, t, rows, vecs);
                 }
 #pragma GCC unroll 16
                 for (int m = 0; m < TILE_ROWS; m++) {

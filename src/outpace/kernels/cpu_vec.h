@@ -45,7 +45,8 @@
  * TILE_VECS registers of sums a row and TILE_ROWS rows make a product tile: as many as the
  * level's registers hold beside the weights' registers and the inputs' broadcasts; QUANT_ROWS
  * rows make an int8 tile (its integer block sums beside its float sums), Q6_K_ROWS (QUANT_ROWS
- * where a level does not set it) a Q6_K one.
+ * where a level does not set it) a Q6_K one. Q4_K tiles of UNROLL_RUNS_FROM rows or more unroll a
+ * sub-block's 8 runs whole.
  * PREFETCH_BYTES: how far ahead of its reads a tile prefetches a column block's weights, where a
  * column block's weights (16 columns' over all inputs, one stream of reads) are fewer bytes than
  * PREFETCH_STREAMS_UNDER: a short stream ends before the CPU's own prefetcher has followed it, and
@@ -177,6 +178,9 @@ static inline VF vf_fmadd(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
                              * products 1.1-1.4x faster than as 3 + 2 rows on an AMD EPYC (Zen 3), 64 rows alike;
                              * 2 rows made 9-16 rows about 1.4x slower */
 #define Q6_K_ROWS 4         /* Q6_K's weights take 8 registers: 5 rows made its 64-row products 0.89-0.98x */
+#define UNROLL_RUNS_FROM 4  /* 4- and 5-row Q4_K tiles unroll a sub-block's runs whole (1.08x and 1.20x on an AMD
+                             * EPYC, Zen 3: a 5-row tile's sums had spilled); fewer rows keep the loop (unrolled,
+                             * 1-2 rows 0.97x) */
 #define DOT_S8_OFFSET 0
 typedef __m256i VI;
 static inline VI vi_zero(void) { return _mm256_setzero_si256(); }
@@ -348,6 +352,9 @@ static inline VI vi_sum16_u8(VI s, VI w, int32_t x4) { return vi_dot_u8(s, w, x4
 static inline VI vi_add_sum16(VI acc, VI s) { return vi_add(acc, s); }
 #endif
 #define SUM16_RUNS(top) (SUM16 ? 32767 / (2 * 127 * (top)) : 64)
+#ifndef UNROLL_RUNS_FROM    /* other levels: the compiler's own unrolling (not measured against a whole one) */
+#define UNROLL_RUNS_FROM 64
+#endif
 
 #define PREFETCH_BYTES 65536
 #define PREFETCH_STREAMS_UNDER 16384
