@@ -22,7 +22,6 @@ from outpace.paths import outpace_home
 
 FOLDER = Path(__file__).parent
 SOURCE = FOLDER / "cpu_kernels.c"
-HEADERS = tuple(sorted(FOLDER.glob("cpu_*.h")))
 # every level: optimised, no contraction of a * b + c into one rounding where the C does not ask
 # for it (kernels and their scalar tails compute alike)
 COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
@@ -34,8 +33,11 @@ def compiler() -> str | None:
 
 
 def library_path(level: Level, cc: str, source: Path = SOURCE) -> Path:
+    """Where `source`'s build at this level goes: named by the source, the headers beside it (another
+    checkout's kernels get their own), the compiler and the level's flags."""
     digest = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in (source, *HEADERS)), cc.encode(), " ".join(level.flags).encode()):
+    headers = sorted(source.parent.glob("cpu_*.h"))
+    for part in (*(p.read_bytes() for p in (source, *headers)), cc.encode(), " ".join(level.flags).encode()):
         digest.update(part + b"\0")
     return outpace_home() / "kernels" / f"{source.stem}-{level.name}-{digest.hexdigest()[:16]}.so"
 
