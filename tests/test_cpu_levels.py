@@ -94,6 +94,39 @@ def test_each_level_is_cached_apart_and_rebuilt_when_stale(tmp_path, monkeypatch
     assert cpu_build.library_path(avx2, "cc") != cpu_build.library_path(portable, "cc")
 
 
+def test_another_checkouts_kernels_are_named_by_their_own_headers(tmp_path):
+    """A copy of the kernels whose header differs from this checkout's (another checkout, as
+    benchmarks/kernels_ab.py compares them) gets its own build, not this checkout's cached one."""
+    copy = tmp_path / "kernels"
+    shutil.copytree(cpu_build.FOLDER, copy, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    portable = cpu_isa.levels("x86_64")[0]
+    assert cpu_build.library_path(portable, "cc", copy / "cpu_kernels.c") == cpu_build.library_path(portable, "cc")
+    header = copy / "cpu_vec.h"
+    header.write_text(header.read_text() + "\n/* another checkout */\n")
+    assert cpu_build.library_path(portable, "cc", copy / "cpu_kernels.c") != cpu_build.library_path(portable, "cc")
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler: the kernels cannot build here")
+def test_kernel_calls_go_to_the_library_in_use_and_back():
+    """cpu_kernels.using sends every kernel call to the library given, and only within."""
+    if not cpu_kernels.has_library():
+        pytest.skip("the kernels are off here")
+    calls = []
+    lib = cpu_kernels.library_of()
+
+    class Counting:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(lib, name)
+
+    x = torch.randn(3, 64)
+    with cpu_kernels.using(Counting()):
+        cpu_kernels.add_rms_norm(x, None, torch.ones(64), 1e-6)
+    assert calls == ["add_rms_norm_f32"]
+    cpu_kernels.add_rms_norm(x, None, torch.ones(64), 1e-6)
+    assert calls == ["add_rms_norm_f32"]
+
+
 def test_a_failed_build_says_why_and_falls_back(tmp_path, monkeypatch, capsys):
     """A compiler that fails (here `false`) leaves the kernels off with one line on stderr, and
     float32 steps run PyTorch's ops."""

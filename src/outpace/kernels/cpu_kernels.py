@@ -15,7 +15,8 @@ The C is compiled per instruction-set level (cpu_isa: portable, avx2, avx512, av
 aarch64 portable, neon) with the system's C compiler into the outpace cache folder (cpu_build,
 one compile of a few seconds at first use) and loaded with ctypes; the level is the highest the CPU
 has, capped by OUTPACE_CPU_ISA. Attention shares its work among OpenMP threads (PyTorch's own
-libgomp, already loaded) from about 170 tokens of context. Without a compiler, or with
+libgomp, already loaded) from 64 keys summed over its key/value heads (22 tokens of context for
+the default model's three). Without a compiler, or with
 OUTPACE_CPU_KERNELS=0, steps run PyTorch's ops; the first case says so once on stderr.
 
 Every kernel works row by row, so a token's result does not depend on how many tokens the call
@@ -24,11 +25,13 @@ PyTorch's bfloat16 ops round; results match PyTorch's ops to rounding (tests/tes
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import os
 import sys
+from pathlib import Path
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -48,10 +51,15 @@ def _loaded() -> tuple[ctypes.CDLL, str] | None:
         return None
     level = cpu_isa.chosen()
     try:
-        lib = ctypes.CDLL(str(cpu_build.build(level)))
+        lib = _declared(ctypes.CDLL(str(cpu_build.build(level))))
     except OSError as e:
         print(f"outpace: CPU kernels off ({e}); CPU steps use PyTorch's ops", file=sys.stderr)
         return None
+    return lib, level.name
+
+
+def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """lib with its functions' argument and result types set."""
     p, i, f = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
     for suffix in SUFFIX.values():
         getattr(lib, f"add_rms_norm_{suffix}").argtypes = [p, p, p, p, p, i, i, f]
@@ -77,12 +85,36 @@ def _loaded() -> tuple[ctypes.CDLL, str] | None:
     lib.dequantize_rows.restype = ctypes.c_int
     lib.quantize_q4_0.argtypes = [p, i, i, p]
     lib.quantize_q4_0.restype = ctypes.c_int
-    return lib, level.name
+    return lib
+
+
+_swapped: ctypes.CDLL | None = None       # using's library while it is active
 
 
 def _library() -> ctypes.CDLL | None:
+    if _swapped is not None:
+        return _swapped
     loaded = _loaded()
     return None if loaded is None else loaded[0]
+
+
+def library_of(source: Path = cpu_build.SOURCE) -> ctypes.CDLL:
+    """The kernels of a cpu_kernels.c (by default this checkout's; another checkout's with the
+    headers beside it) built at this machine's level, for `using`."""
+    return _declared(ctypes.CDLL(str(cpu_build.build(cpu_isa.chosen(), source))))
+
+
+@contextlib.contextmanager
+def using(lib: ctypes.CDLL):
+    """Within: every kernel call goes to lib (library_of), packed weights staying as they are, so
+    its checkout must share this one's packed formats and structure layouts.
+    benchmarks/kernels_ab.py times two checkouts' kernels this way, call by call in one process."""
+    global _swapped
+    previous, _swapped = _swapped, lib
+    try:
+        yield
+    finally:
+        _swapped = previous
 
 
 def reload() -> None:
