@@ -10,7 +10,7 @@
  * same order either way. */
 void NAME(add_rms_norm)(const T *h, const T *delta, const T *weight, T *h_out, T *x_out, long rows, long dim,
                         float eps) {
-#pragma omp parallel for if (rows * dim >= PARALLEL_MIN_VALUES) schedule(static)
+#pragma omp parallel for if (PARALLEL_ROWS(rows, dim)) schedule(static)
     for (long r = 0; r < rows; r++) {
         const T *hr = h + r * dim;
         T *xo = x_out + r * dim;
@@ -73,7 +73,7 @@ void NAME(add_rms_norm)(const T *h, const T *delta, const T *weight, T *h_out, T
  * loops), with AVX2 8 (in bfloat16 the compiler's loops took 17 us a token of the default model's
  * 1536 values, a tenth of its decode step's layers), the same arithmetic */
 void NAME(silu_mul)(const T *gate_up, T *out, long rows, long inter) {
-#pragma omp parallel for if (rows * inter >= PARALLEL_MIN_VALUES) schedule(static)
+#pragma omp parallel for if (PARALLEL_ROWS(rows, inter)) schedule(static)
     for (long r = 0; r < rows; r++) {
         const T *g = gate_up + r * 2 * inter, *u = g + inter;
         T *o = out + r * inter;
@@ -124,7 +124,7 @@ static inline void NAME(rotate_queries)(const T *qk, long qk_stride, const T *co
 /* out [tokens, heads, D] = each head rotated (token t's heads at x + t * x_stride, its cos and sin
  * rows at t * D): rotate's arithmetic, so bit for bit PyTorch's ops of dtype T (fused.rope) */
 void NAME(rope)(const T *x, long x_stride, long heads, const T *cos, const T *sin, long tokens, long D, T *out) {
-#pragma omp parallel for if (tokens * heads * D >= PARALLEL_MIN_VALUES) schedule(static)
+#pragma omp parallel for if (PARALLEL_ROWS(tokens, heads * D)) schedule(static)
     for (long t = 0; t < tokens; t++) {
         float rot[MAX_HEAD_DIM];
         for (long h = 0; h < heads; h++) {
