@@ -589,3 +589,25 @@ def test_decisions_asked_again_within_a_step_follow_new_evidence():
     assert c.num_draft([0], 1) == 0 < c.num_draft([99], 1)
     c.end(0)
     assert c.num_draft([0], 1) == c.num_draft([99], 1)     # an ended sequence starts afresh
+
+
+def test_a_later_position_priced_out_by_the_prior_is_measured_too():
+    """Each drafted token costs 0.7 of a plain step: a second one pays at a high follow rate but not
+    at the prior's 0.7, so a controller that drafted only what its estimates paid for drafted one
+    token a step for good and never saw its drafts' later rate. While fewer than PROBE_DRAFTS drafts
+    reached the position past a step's length, the step drafts it too: a drafter accepted every
+    time then works up to whole drafts, one whose second tokens are always rejected goes back to
+    one token after about PROBE_DRAFTS probes."""
+    costly = {1: [1.0 + 0.7 * k for k in range(9)]}
+    for later_accepted in (True, False):
+        c = DraftController(8, costly)
+        lengths = []
+        for step in range(60):
+            k = c.num_draft([0], 1)
+            lengths.append(k)
+            c.observe(0, 8, k, k if later_accepted else min(k, 1))
+        if later_accepted:
+            assert lengths[-10:] == [8] * 10
+        else:
+            assert lengths[-10:] == [1] * 10
+            assert PROBE_DRAFTS <= lengths.count(2) < 2 * PROBE_DRAFTS
