@@ -197,6 +197,40 @@ def test_calibration_times_the_rows_each_runner_runs(tmp_path, monkeypatch):
             assert [[1, 1], [2, 2], [3, 3]] == [s for s in shapes if len(s) == 2]
 
 
+def test_calibration_times_every_shape_once_a_round(tmp_path, monkeypatch):
+    """The shapes are timed in rounds, every shape once a round, and each keeps its best: a slow
+    spell of the machine then weighs on one round of every shape rather than on every time of the
+    few shapes measured during it (one shape after another, it had skewed the curve the controller
+    reads)."""
+    import dataclasses
+    import time as clock
+    from types import SimpleNamespace
+
+    import torch
+
+    from outpace.runner.calibrate import measure_verify_cost
+
+    @dataclasses.dataclass
+    class Shape:
+        hidden: int = 8
+
+    monkeypatch.setenv("OUTPACE_HOME", str(tmp_path))
+    seen, now = [], [0.0]
+    monkeypatch.setattr(clock, "perf_counter", lambda: now[0])
+
+    def forward(rows):
+        seen.append(sum(len(r.token_ids) for r in rows))
+        # calls 5 to 12 (the first round's tail, the second round's head) run 10 times slower
+        now[0] += 10.0 * seen[-1] if 5 <= len(seen) <= 12 else seen[-1]
+
+    runner = SimpleNamespace(model=SimpleNamespace(cfg=Shape(), modules=lambda: []), dtype=torch.float32,
+                             device=torch.device("cpu"), packs_rows=False, forward=forward,
+                             cache=SimpleNamespace(commit=lambda slots, num_accepted: None))
+    cost = measure_verify_cost(runner, max_seqs=1, num_draft_tokens=8, reps=3)
+    assert seen[1:] == [1, 2, 3, 4, 5, 6, 7, 8, 9] * 3             # after the warm-up call
+    assert cost[1] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]
+
+
 def test_each_graph_steps_drafter_part_is_calibrated_apart(tmp_path, monkeypatch):
     """The calibration cache keeps one measure per drafter part of a graph step (its cost_key) and
     hidden layers: every measured forward runs that work, so an engine with a head's chains in its
