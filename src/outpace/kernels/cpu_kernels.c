@@ -31,13 +31,13 @@ typedef uint16_t bf16;
 #define LANES 16            /* partial sums per reduction: one AVX-512 register of floats */
 /* attention runs on several threads from this many keys (summed over tokens and key/value heads):
  * fewer cost less than waking the threads. Within a step the threads are still spinning from the
- * products: the default model's decode step at 60-170 tokens of context was 1.03-1.09x faster on
- * two threads than with the 512 this was before (AMD EPYC, Zen 3) */
+ * products: the default model's decode step at 60-170 tokens of context is 1.03-1.09x faster on
+ * two threads than from 512 keys (AMD EPYC, Zen 3) */
 #define PARALLEL_MIN_KEYS 64
 /* the kernels that work row by row (norms, SwiGLU, rotation, argmax) share rows among threads where
  * there are two or more and PARALLEL_MIN_VALUES values in all, and quantize_rows its blocks from
  * that many values: within a step the threads still spin from the products, so a verify of the
- * default model's 2-5 tokens was 1.02-1.05x faster than from 65536 values (AMD EPYC, Zen 3) */
+ * default model's 2-5 tokens is 1.02-1.05x faster than from 65536 values (AMD EPYC, Zen 3) */
 #define PARALLEL_MIN_VALUES 2048
 #define PARALLEL_ROWS(rows, values) ((rows) > 1 && (rows) * (values) >= PARALLEL_MIN_VALUES)
 

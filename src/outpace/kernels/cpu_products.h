@@ -223,6 +223,25 @@ static void quantize_rows(const void *x, int wide, long M, long K, QuantRows int
         _Pragma("GCC unroll 16") for (int v_ = 0; v_ < TILE_VECS; v_++) \
             if (m_ < (rows) && v_ < (vecs)) vi_keep(&(isum)[m_][v_]);
 
+/* one run of 4 inputs: each row's 4 inputs (at in + m * K) broadcast as one int32 and their
+ * products with the run's weights q summed into the row's sums, vi_sum16_u8's 16-bit ones (sum16;
+ * unsigned weights) or vi_dot_s8's int32 ones */
+static inline __attribute__((always_inline)) void run_products(VI sums[TILE_ROWS][TILE_VECS], const VI q[TILE_VECS],
+                                                               const int8_t *in, long K, int sum16, long rows,
+                                                               int vecs) {
+#pragma GCC unroll 16
+    for (int m = 0; m < TILE_ROWS; m++) {
+        if (m >= rows) continue;
+        int32_t x4;
+        memcpy(&x4, in + m * K, sizeof x4);
+#pragma GCC unroll 16
+        for (int v = 0; v < TILE_VECS; v++) {
+            if (v < vecs) sums[m][v] = sum16 ? vi_sum16_u8(sums[m][v], q[v], x4) : vi_dot_s8(sums[m][v], q[v], x4);
+        }
+    }
+    KEEP_SUMS(sums, rows, vecs)
+}
+
 /* W_Q8_0, W_Q4_1, W_Q4_0 or W_Q5_0 weights over rows quantized to int8: per group of 32 inputs,
  * the runs of 4 inputs' weights are loaded (nibbles split, Q5_0's fifth bits set) and each row's 4
  * inputs broadcast as one int32, their products summed in int32 lanes (vi_dot_*); then each
@@ -263,17 +282,7 @@ static inline __attribute__((always_inline)) void tile_int8(QuantRows xq, long K
                 for (int v = 0; v < TILE_VECS; v++) {
                     if (v < vecs) q[v] = vi_load(at[v] + 32 + 64 * t + 4 * c[v]);
                 }
-#pragma GCC unroll 16
-                for (int m = 0; m < TILE_ROWS; m++) {
-                    if (m >= rows) continue;
-                    int32_t x4;
-                    memcpy(&x4, in + m * K + 4 * t, sizeof x4);
-#pragma GCC unroll 16
-                    for (int v = 0; v < TILE_VECS; v++) {
-                        if (v < vecs) isum[m][v] = vi_dot_s8(isum[m][v], q[v], x4);
-                    }
-                }
-                KEEP_SUMS(isum, rows, vecs)
+                run_products(isum, q, in + 4 * t, K, 0, rows, vecs);
             }
         } else {
             long start = format == W_Q4_1 ? 64 : format == W_Q5_0 ? 96 : 32;
@@ -394,17 +403,7 @@ static inline __attribute__((always_inline)) void q4_k_run(VI isum[TILE_ROWS][TI
     for (int v = 0; v < TILE_VECS; v++) {
         if (v < vecs) q[v] = vi_byte_bits(vi_load(at[v] + 256 + 64 * (8 * (j / 2) + t) + 4 * c[v]), 4 * (j % 2), 15);
     }
-#pragma GCC unroll 16
-    for (int m = 0; m < TILE_ROWS; m++) {
-        if (m >= rows) continue;
-        int32_t x4;
-        memcpy(&x4, in + m * K + 4 * t, sizeof x4);
-#pragma GCC unroll 16
-        for (int v = 0; v < TILE_VECS; v++) {
-            if (v < vecs) isum[m][v] = vi_sum16_u8(isum[m][v], q[v], x4);
-        }
-    }
-    KEEP_SUMS(isum, rows, vecs)
+    run_products(isum, q, in + 4 * t, K, 1, rows, vecs);
 }
 
 /* W_Q4_K or W_Q6_K weights over rows quantized to int8: per block of 32 inputs (Q4_K's sub-block,
@@ -515,17 +514,7 @@ static inline __attribute__((always_inline)) void tile_kquant(QuantRows xq, long
                 }
 #pragma GCC unroll 4
                 for (int t = 0; t < 4; t++) {
-#pragma GCC unroll 16
-                    for (int m = 0; m < TILE_ROWS; m++) {
-                        if (m >= rows) continue;
-                        int32_t x4;
-                        memcpy(&x4, in + m * K + 16 * half + 4 * t, sizeof x4);
-#pragma GCC unroll 16
-                        for (int v = 0; v < TILE_VECS; v++) {
-                            if (v < vecs) s16[m][v] = vi_sum16_u8(s16[m][v], q[t][v], x4);
-                        }
-                    }
-                    KEEP_SUMS(s16, rows, vecs)
+                    run_products(s16, q[t], in + 16 * half + 4 * t, K, 1, rows, vecs);
                     if ((t + 1) % per_sum && t < 3) continue;
 #pragma GCC unroll 16
                     for (int m = 0; m < TILE_ROWS; m++) {

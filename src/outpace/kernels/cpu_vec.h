@@ -179,8 +179,8 @@ static inline VF vf_fmadd(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
                              * 2 rows made 9-16 rows about 1.4x slower */
 #define Q6_K_ROWS 4         /* Q6_K's weights take 8 registers: 5 rows made its 64-row products 0.89-0.98x */
 #define UNROLL_RUNS_FROM 4  /* 4- and 5-row Q4_K tiles unroll a sub-block's runs whole (1.08x and 1.20x on an AMD
-                             * EPYC, Zen 3: a 5-row tile's sums had spilled); fewer rows keep the loop (unrolled,
-                             * 1-2 rows 0.97x) */
+                             * EPYC, Zen 3: in the loop a 5-row tile's sums spill); fewer rows keep the loop
+                             * (unrolled, 1-2 rows 0.97x) */
 #define DOT_S8_OFFSET 0
 typedef __m256i VI;
 static inline VI vi_zero(void) { return _mm256_setzero_si256(); }

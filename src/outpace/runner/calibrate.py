@@ -84,9 +84,9 @@ def _measure(runner: ModelRunner, max_seqs: int, num_draft_tokens: int, reps: in
     runner.cache.commit([0], [0])
     # every shape once a round, rounds one after another: a slow spell of a shared machine then
     # raises one round's times, which the best of the rounds leaves out, rather than every time of
-    # the few shapes measured during it (one shape after another, a Qwen2.5-Coder-1.5B's verify of
-    # 2 drafts had read 1.54 plain forwards in one calibration and 1.46 in another, of 3 1.77 and
-    # 1.29: the draft controller then drafted one token a step)
+    # the few shapes measured during it, which skews the curve the draft controller reads (shape
+    # after shape, a Qwen2.5-Coder-1.5B verify of 3 drafts read 1.29 and 1.77 plain forwards in
+    # two calibrations on a 2-core machine)
     best = [float("inf")] * len(shapes)
     with tqdm(total=reps * len(shapes), desc="outpace: measuring verify cost (once per model and machine)",
               leave=False) as progress:

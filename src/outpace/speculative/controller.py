@@ -24,8 +24,8 @@ step that would not draft drafts one token: a drafter that the priors price out 
 whose drafted tokens cost far more than n-gram lookup's) would otherwise never be measured. Likewise,
 while fewer than PROBE_DRAFTS drafts (decayed) reached the position past a step's chosen length, the
 step drafts that one token more: a later position's rate is otherwise never measured where its
-prior says it does not pay (a Qwen2.5-Coder 0.5B draft, 80-90% of whose second tokens are
-accepted, drafted one token a step for a whole run at the prior's 70%).
+prior says it does not pay, and a draft model whose second tokens are mostly accepted drafts one
+token a step for good.
 
 Some drafting costs a row something once, before its first drafted token: a draft model reads
 every token of the row it has not read yet (its prompt, where it did not cache it, and the tokens
