@@ -31,7 +31,7 @@ typedef uint16_t bf16;
 #define LANES 16            /* partial sums per reduction: one AVX-512 register of floats */
 /* attention runs on several threads from this many keys (summed over tokens and key/value heads):
  * fewer cost less than waking the threads. Within a step the threads are still spinning from the
- * products: the default model's decode step at 60-170 tokens of context is 1.03-1.09x faster on
+ * products: the default model's decode step at 100-151 tokens of context is 1.03-1.07x faster on
  * two threads than from 512 keys (AMD EPYC, Zen 3) */
 #define PARALLEL_MIN_KEYS 64
 /* the kernels that work row by row (norms, SwiGLU, rotation, argmax) share rows among threads where
