@@ -269,6 +269,11 @@ static long layer_work(long tokens, long hidden, long inter, long NH, long KVH, 
     return tokens * ((NH + 2 * KVH) * D + NH * D + hidden + 3 * inter);
 }
 
+/* where the normed stream starts in attend_mlp's work (values of `size` bytes) */
+static char *work_normed(char *work, long tokens, long NH, long KVH, long D, long size) {
+    return work + tokens * ((NH + 2 * KVH) * D + NH * D) * size;
+}
+
 /* A decoder layer from its attention's input x [tokens, K] on (decoder_stack's layers, head_layer):
  * q, k and v, their rotation, cache writes and attention (rope_attend's arguments), the output
  * product into delta, h = stream + delta and its post norm, then the SwiGLU MLP's output into
@@ -280,7 +285,7 @@ static int attend_mlp(const StackLayer *ly, int wide, const void *x, long K, con
                       const int64_t *slots, long slot_div, const int64_t *positions, const int64_t *tree,
                       long tree_stride) {
     long size = wide ? 4 : 2, width = (NH + 2 * KVH) * D;
-    char *qkv = work, *attn = qkv + tokens * width * size, *normed = attn + tokens * NH * D * size;
+    char *qkv = work, *attn = qkv + tokens * width * size, *normed = work_normed(work, tokens, NH, KVH, D, size);
     char *gate_up = normed + tokens * hidden * size, *act = gate_up + tokens * 2 * inter * size;
     const char *v = qkv + (NH + KVH) * D * size;
     int failed = product(&ly->qkv, x, wide, tokens, K, qkv, width);
@@ -320,7 +325,7 @@ int decoder_stack(const StackLayer *layers, long n_layers, int wide, void *h, vo
     long size = wide ? 4 : 2;
     char *work = malloc((size_t)(layer_work(tokens, hidden, inter, NH, KVH, D) * size));
     if (!work) return -1;
-    char *x = work + tokens * ((NH + 2 * KVH) * D + NH * D) * size;       /* the work's normed stream */
+    char *x = work_normed(work, tokens, NH, KVH, D, size);
     int failed = 0;
     for (long i = 0; i < n_layers && !failed; i++) {
         const StackLayer *ly = layers + i;
@@ -378,7 +383,7 @@ int head_layer(const PairHead *hd, int wide, const void *feature, const int64_t 
     if (!scratch) return -1;
     char *emb = scratch, *pair = emb + tokens * row, *delta = pair + 2 * tokens * row, *h = delta + tokens * row;
     char *cos = h + tokens * row, *sin = cos + tokens * D * size, *work = sin + tokens * D * size;
-    char *normed = work + tokens * ((NH + 2 * KVH) * D + NH * D) * size;  /* the work's normed stream */
+    char *normed = work_normed(work, tokens, NH, KVH, D, size);
     int failed = embed_rows(hd, wide, ids, tokens, hidden, emb);
     for (long t = 0; t < tokens && !failed; t++) {
         memcpy(cos + t * D * size, (const char *)hd->cos + positions[t] * D * size, (size_t)(D * size));

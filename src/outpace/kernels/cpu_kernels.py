@@ -51,7 +51,7 @@ def _loaded() -> tuple[ctypes.CDLL, str] | None:
         return None
     level = cpu_isa.chosen()
     try:
-        lib = _declared(ctypes.CDLL(str(cpu_build.build(level))))
+        lib = library_of()
     except OSError as e:
         print(f"outpace: CPU kernels off ({e}); CPU steps use PyTorch's ops", file=sys.stderr)
         return None

@@ -82,6 +82,11 @@ def _measure(runner: ModelRunner, max_seqs: int, num_draft_tokens: int, reps: in
         shapes = [(b, b * (s - 1)) for b in batch_buckets(max_seqs) for s in range(1, num_draft_tokens + 2)]
     runner.forward([Row(0, [0] * (num_draft_tokens + 1), CONTEXT)])          # warm-up: first calls allocate
     runner.cache.commit([0], [0])
+    if runner.packs_rows:
+        layouts = [[Row(slot, [0] * (1 + min(draft, max(0, extra - slot * draft))), CONTEXT) for slot in range(b)]
+                   for b, extra in shapes]
+    else:
+        layouts = [[Row(slot, [0] * (1 + extra // b), CONTEXT) for slot in range(b)] for b, extra in shapes]
     # every shape once a round, rounds one after another: a slow spell of a shared machine then
     # raises one round's times, which the best of the rounds leaves out, rather than every time of
     # the few shapes measured during it, which skews the curve the draft controller reads (shape
@@ -91,11 +96,7 @@ def _measure(runner: ModelRunner, max_seqs: int, num_draft_tokens: int, reps: in
     with tqdm(total=reps * len(shapes), desc="outpace: measuring verify cost (once per model and machine)",
               leave=False) as progress:
         for _ in range(reps):
-            for i, (b, extra) in enumerate(shapes):
-                if runner.packs_rows:
-                    rows = [Row(slot, [0] * (1 + min(draft, max(0, extra - slot * draft))), CONTEXT) for slot in range(b)]
-                else:
-                    rows = [Row(slot, [0] * (1 + extra // b), CONTEXT) for slot in range(b)]
+            for i, rows in enumerate(layouts):
                 t0 = time.perf_counter()
                 runner.forward(rows)
                 runner.cache.commit([r.slot for r in rows], [0] * len(rows))     # a recurrent model's rollback

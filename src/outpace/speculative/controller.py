@@ -473,7 +473,7 @@ class DraftController:
     @property
     def probing(self) -> bool:
         """Whether fewer than PROBE_DRAFTS drafts were verified: drafting is then tried on trust."""
-        return self.pool[0].reached < PROBE_DRAFTS
+        return self._probes_position(0)
 
     def _probes_position(self, index: int) -> bool:
         """Whether fewer than PROBE_DRAFTS drafts reached draft position index + 1 (0-based index):
