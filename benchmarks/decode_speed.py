@@ -61,7 +61,7 @@ def measure(label: str, model: str, dtype: str, args, prompts: list[str]) -> dic
     hf_source = gguf_file(model) or Path(model)
     extra = {"cuda_graphs": False} if args.no_cuda_graphs else {}
     llm = LLM(model, spec="none", dtype=dtype, device=args.device, max_num_seqs=1, max_model_len=args.max_model_len,
-              weights=args.weights, **extra)
+              weights=args.weights, prefix_caching=False, **extra)    # every round's prompt prefilled whole
     tok = llm.tokenizer
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
            for p in prompts]

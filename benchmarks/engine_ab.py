@@ -111,7 +111,8 @@ def main() -> None:
     texts = first_turns(args.dataset)
     start = 7 * (STANDARD_LEVELS.index(c) if c in STANDARD_LEVELS else 0)
     engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=c, spec=spec, device=args.device,
-                                    tensor_parallel_size=args.tensor_parallel_size))
+                                    tensor_parallel_size=args.tensor_parallel_size,
+                                    prefix_caching=False))       # both modes prefill each prompt whole: the one run second would find it cached
     tok = engine.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": texts[(start + i) % len(texts)]}]),
                           add_special_tokens=False) for i in range(max(8, 2 * c))]

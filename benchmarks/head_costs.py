@@ -61,7 +61,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     questions = [r.turns[0] for r in load_spec_bench(args.dataset, limit_per_category=args.limit_per_category)]
-    llm = LLM(args.model, max_num_seqs=1, calibrate=False, weights=args.weights,
+    # both modes prefill each prompt whole: the one run second would find it cached
+    llm = LLM(args.model, max_num_seqs=1, calibrate=False, weights=args.weights, prefix_caching=False,
               spec=SpecConfig(method="eagle3", draft_head=args.draft_head, num_draft_tokens=args.num_draft_tokens,
                               tree_width=args.tree_width))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)

@@ -53,7 +53,7 @@ def main() -> None:
         spec = (SpecConfig(method="ngram") if name == "ngram" else
                 SpecConfig(method="eagle3", draft_head=args.draft_head, ngram_first=name == "chain"))
         speculate = name != "plain"
-        llm = LLM(args.model, spec=spec, device="cuda", max_num_seqs=1)
+        llm = LLM(args.model, spec=spec, device="cuda", max_num_seqs=1, prefix_caching=False)
         for chat in chats[:2]:
             llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=32), speculate=speculate)
         for round_ in range(args.rounds):

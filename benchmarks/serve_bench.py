@@ -150,7 +150,8 @@ def start_server(args) -> subprocess.Popen:
     except httpx.HTTPError:
         pass
     cmd = [sys.executable, "-m", "outpace.cli", "serve", "--model", args.model, "--port", str(args.port),
-           "--max-num-seqs", str(max(args.concurrency)), "--spec", "ngram", "--log-interval", "60"]
+           "--max-num-seqs", str(max(args.concurrency)), "--spec", "ngram", "--log-interval", "60",
+           "--no-prefix-caching"]      # each round sends the same prompts: a later one would find them cached
     cmd += args.server_args
     log = open(Path(args.out) / "server.log", "w")
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))

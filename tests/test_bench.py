@@ -119,9 +119,11 @@ class FakeLLM:
     def __init__(self, spec_departs: int):
         self.spec_departs = spec_departs
         self.calls = []
+        self.salts = set()
 
-    def chat(self, messages, params, speculate):
+    def chat(self, messages, params, speculate, cache_salt):
         self.calls.append((speculate, [m["content"] for m in messages]))
+        self.salts.add((speculate, cache_salt))
         turn = len(messages) // 2
         ids = [5, 6, 7] if speculate and turn >= self.spec_departs else [5, 6, 8]
         text = f"{'spec' if speculate else 'plain'} {turn}"
@@ -138,6 +140,8 @@ def test_conversations_use_their_own_answers(monkeypatch, spec_departs):
     counter = iter(range(2, 10))                 # prompts 2 and 3: baseline first, then speculative first
     q = specbench.run_question(llm, record, SamplingParams(temperature=0, max_tokens=3), counter)
     assert [speculate for speculate, _ in llm.calls] == [False, True, True, False]
+    # each run reuses only its own conversation's cached prefixes
+    assert llm.salts == {(True, "spec"), (False, "baseline")}
     second_turn = {speculate: contents for speculate, contents in llm.calls[2:]}
     assert second_turn[True] == ["first?", "spec 0", "second?"]
     assert second_turn[False] == ["first?", "plain 0", "second?"]

@@ -32,6 +32,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-overlap", action="store_true",
                    help="CUDA graphs: launch each greedy step only after the host has read the last one's "
                         "tokens (by default it is launched before, so the GPU never waits for the host)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="prefill every prompt whole; by default a request starts from the keys a finished one "
+                        "left in its cache slot, as far as its prompt begins with the same tokens")
     p.add_argument("--recurrent-rollback", default="auto", choices=["auto", "snapshots", "replay"],
                    help="hybrid models (recurrent layers): a rejected draft's state is rolled back from a snapshot "
                         "per verified token, or by replaying the accepted tokens from a checkpoint (less memory); "
@@ -42,7 +45,7 @@ def model_options(args) -> dict:
     """The engine options that add_model_args reads, as LLM / EngineConfig keywords."""
     return dict(dtype=args.dtype, weights=args.weights, device=args.device, max_model_len=args.max_model_len,
                 cuda_graphs=not args.no_cuda_graphs, overlap=not args.no_overlap,
-                tensor_parallel_size=args.tensor_parallel_size,
+                tensor_parallel_size=args.tensor_parallel_size, prefix_caching=not args.no_prefix_caching,
                 recurrent_snapshots={"auto": None, "snapshots": True, "replay": False}[args.recurrent_rollback])
 
 

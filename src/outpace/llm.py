@@ -23,6 +23,7 @@ class RequestOutput:
     finish_reason: str
     timing: dict = field(default_factory=dict)
     spec: dict = field(default_factory=dict)
+    num_cached_tokens: int = 0      # prompt tokens found cached from an earlier request (prefix caching)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -70,26 +71,28 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *, use_tqdm: bool = False,
-                 on_tokens=None, speculate: bool = True) -> list[RequestOutput]:
+                 on_tokens=None, speculate: bool = True, cache_salt: str = "") -> list[RequestOutput]:
         """prompts: text, token ids, or a list of either. sampling_params: one for every prompt, or a
         list of one per prompt. on_tokens(seq) is called after each step that gave a sequence new
-        tokens (streaming). speculate=False decodes plainly (a baseline)."""
+        tokens (streaming). speculate=False decodes plainly (a baseline). cache_salt: the prompts
+        reuse only cached prefixes of requests given the same salt (EngineConfig.prefix_caching)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        return self._run(list(prompts), ids, params, use_tqdm, on_tokens, speculate)
+        return self._run(list(prompts), ids, params, use_tqdm, on_tokens, speculate, cache_salt)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             *, use_tqdm: bool = False, on_tokens=None, speculate: bool = True) -> list[RequestOutput]:
+             *, use_tqdm: bool = False, on_tokens=None, speculate: bool = True,
+             cache_salt: str = "") -> list[RequestOutput]:
         """messages: one conversation (a list of {role, content}) or a list of conversations.
         Special-token text inside a message stays text, as the server treats it (Tokenizer.encode_chat)."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         texts = [self.tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in conversations]
         ids = [self.tokenizer.encode_chat(m, add_generation_prompt=True) for m in conversations]
-        return self._run(texts, ids, sampling_params or SamplingParams(), use_tqdm, on_tokens, speculate)
+        return self._run(texts, ids, sampling_params or SamplingParams(), use_tqdm, on_tokens, speculate, cache_salt)
 
-    def _run(self, prompts, ids, params, use_tqdm, on_tokens, speculate) -> list[RequestOutput]:
+    def _run(self, prompts, ids, params, use_tqdm, on_tokens, speculate, cache_salt) -> list[RequestOutput]:
         engine = self.engine
         started = time.perf_counter()
         if isinstance(params, SamplingParams):
@@ -97,7 +100,7 @@ class LLM:
         elif len(params) != len(ids):
             raise InvalidParameterError(f"got {len(params)} SamplingParams for {len(ids)} prompts: give one, or one "
                                         "per prompt")
-        seqs = [engine.add_request(i, p, speculate) for i, p in zip(ids, params)]
+        seqs = [engine.add_request(i, p, speculate, cache_salt) for i, p in zip(ids, params)]
         bar = tqdm(total=len(seqs), desc="generating", disable=not use_tqdm)
         try:
             while engine.has_unfinished():
@@ -112,5 +115,5 @@ class LLM:
                 engine.abort(seq.seq_id)     # frees slots if interrupted; no-op when finished
         return [RequestOutput(p if isinstance(p, str) else None, s.prompt_ids, s.text, s.output_ids,
                               s.finish_reason, _timing(s, engine.load_s, started),
-                              s.stats.as_dict(s.finish_time - started))
+                              s.stats.as_dict(s.finish_time - started), s.num_reused)
                 for p, s in zip(prompts, seqs)]

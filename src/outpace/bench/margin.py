@@ -30,9 +30,7 @@ def next_token_logits(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
     """The target's float32 logits [V] for the token after `token_ids`, from a fresh prefill on a
     free cache slot (chunked like the engine's own prefill). Call only between steps: the slot's
     scratch keys are overwritten by the next request that takes it."""
-    if not engine.scheduler.free_slots:
-        raise RuntimeError("no free cache slot: compute margins when no request is running")
-    slot = engine.scheduler.free_slots[-1]
+    slot = engine.scheduler.take_scratch_slot()
     chunk = engine.config.max_prefill_tokens
     starts = range(0, len(token_ids), chunk)
     for start in starts[:-1]:

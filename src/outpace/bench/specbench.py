@@ -56,7 +56,8 @@ def run_question(llm: LLM, record: Record, params: SamplingParams, prompt_counte
         outs: dict[str, RequestOutput] = {}
         for name in order:
             history[name].append({"role": "user", "content": user})
-            outs[name] = llm.chat(history[name], turn_params, speculate=name == "spec")[0]
+            # each run reuses the prefixes its own conversation left (its next turn's), never the other's
+            outs[name] = llm.chat(history[name], turn_params, speculate=name == "spec", cache_salt=name)[0]
             history[name].append({"role": "assistant", "content": outs[name].text})
         spec, base = outs["spec"], outs["baseline"]
         identical = diverged = None

@@ -91,7 +91,7 @@ class LLMEngine:
         self.drafter.bind(DraftContext(config.max_num_seqs, config.max_model_len, num_draft_tokens + 1,
                                        next(self.model.parameters()).device, self.dtype, self.model,
                                        self.tokenizer, self._draft_runner, config.weights,
-                                       graphs=self.uses_graphs and config.cuda_graphs))
+                                       graphs=self.uses_graphs and config.cuda_graphs, prefix_key=self._prefix_key))
         self.snapshots = self._snapshots(config, max(num_draft_tokens + 1, exact_width or 1))
         self.runner = self._make_runner(config, num_draft_tokens, exact_width)
         cost = None
@@ -103,7 +103,7 @@ class LLMEngine:
                                           draft_cost=self.drafter.cost_per_token, tree_width=spec.tree_width,
                                           tree_depth=getattr(getattr(self.runner, "extension", None), "tree_depth",
                                                              None))
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_prefill_tokens)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_prefill_tokens, low_slots_first=self.uses_graphs)
         parts = (self.drafter, self.controller, config.max_model_len, num_draft_tokens)
         # under tensor parallelism graph steps neither draft in the graph nor overlap (yet): EagerStep
         self.steps = (GraphStep(self.runner, *parts, scheduler=self.scheduler, overlap=config.overlap)
@@ -171,8 +171,10 @@ class LLMEngine:
             self.workers.close()
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True) -> Sequence:
-        """Queue a request. speculate=False decodes it plainly (a baseline in the same engine)."""
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True,
+                    cache_salt: str = "") -> Sequence:
+        """Queue a request. speculate=False decodes it plainly (a baseline in the same engine).
+        cache_salt: the request reuses only prefixes kept from requests of the same salt."""
         limit = self.config.max_model_len
         if not prompt_ids:
             raise InvalidParameterError("the prompt is empty: give at least one token")
@@ -185,12 +187,26 @@ class LLMEngine:
             raise InvalidParameterError(f"prompt token ids must be in [0, {vocab})")
         seq = Sequence(next(self._ids), prompt_ids, params)
         seq.speculate = speculate and self.num_draft_tokens > 0
+        seq.cache_salt = cache_salt
+        seq.reuse_prefix = self._reuses_prefix(seq)
         seq.seed = request_seed(params)
         seq.stopper = StopChecker(self.tokenizer, params, self.model.cfg.eos_token_ids, limit)
         self.sequences[seq.seq_id] = seq
         self.scheduler.add(seq)
         self.drafter.begin(seq.seq_id, prompt_ids)
         return seq
+
+    def _reuses_prefix(self, seq: Sequence) -> bool:
+        """Whether seq may start from a freed slot's kept prefix (scheduler.py): with prefix
+        caching on, not for a recurrent model (its state holds the whole sequence, not a prefix),
+        nor where the sequence's drafter reads the target's hidden states (a head caches features
+        of every prompt position, which a reused prefix does not recompute)."""
+        return (self.config.prefix_caching and not self.model.is_recurrent
+                and not (seq.speculate and self.drafter.hidden_layers))
+
+    def _prefix_key(self, seq_id: int) -> str | None:
+        seq = self.sequences[seq_id]
+        return seq.cache_salt if seq.reuse_prefix else None
 
     def abort(self, seq_id: int) -> None:
         """Cancel a request: its slot is free for the next step; other requests are untouched."""
@@ -248,7 +264,7 @@ class LLMEngine:
         # chunks follow it: the drafter caches a chunk only after the one before it)
         setup = self.drafter.setup_seconds([c.seq.seq_id for c in chunks])
         defer = None if setup is None else [
-            c.start == 0 and not self.controller.pays_setup(seconds, c.seq.params.max_tokens, plan.load, c.seq.seq_id)
+            c.start == c.seq.num_reused and not self.controller.pays_setup(seconds, c.seq.params.max_tokens, plan.load, c.seq.seq_id)
             for c, seconds in zip(chunks, setup)]
         self.drafter.prefilled(Prefilled([c.seq.seq_id for c in chunks], [c.seq.slot for c in chunks],
                                          [c.start for c in chunks], [c.seq.token_ids[c.start:c.end] for c in chunks],

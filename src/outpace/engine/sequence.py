@@ -85,6 +85,9 @@ class Sequence:
         self.status = Status.WAITING
         self.slot: int | None = None
         self.num_cached = 0                 # tokens whose keys/values are in the cache
+        self.reuse_prefix = False           # may start from a freed slot's kept prefix (set by the engine)
+        self.cache_salt = ""                # only kept prefixes of the same salt are reused
+        self.num_reused = 0                 # prompt tokens found cached in its slot (prefix caching)
         self.finish_reason: str | None = None
         self.stats = SpecStats()
         self.seed: int | None = None        # the sampling seed (sampling.sampler.request_seed), set by the engine

@@ -6,7 +6,9 @@
   GET  /health                200 while the engine loop runs, with running/waiting counts; else 503
   GET  /metrics               Prometheus text
 
-Every response carries usage, with the request's speculation figures in usage.speculation (a
+Every response carries usage, with the prompt tokens found cached from an earlier request in
+usage.prompt_tokens_details.cached_tokens (prefix caching; the extension field `cache_salt` keeps a
+request to prefixes of its own salt) and the request's speculation figures in usage.speculation (a
 streamed response carries it on its last choice chunk, or in a separate final chunk with no choices
 when stream_options.include_usage asks for OpenAI's layout). A client that disconnects cancels its
 request: the stream's generator is cancelled, and its `finally` aborts the request in the engine.
@@ -123,7 +125,7 @@ def build_app(engine: LLMEngine, model_name: str, config: ServerConfig | None = 
         prompt = await prompts.build(raw, is_chat=isinstance(shape, ChatShape))
         parsed = prompt.request
         try:
-            stream = await runner.add(shape.id, prompt.token_ids, prompt.params, parsed.speculate)
+            stream = await runner.add(shape.id, prompt.token_ids, prompt.params, parsed.speculate, parsed.cache_salt)
         except OutpaceError as error:
             raise bad_request(error, parsed.prompt_param) from None
         except EngineFailure as error:

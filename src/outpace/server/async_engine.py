@@ -42,11 +42,13 @@ class Update:
     num_output_tokens: int
     finish_reason: str | None
     spec: dict | None = None        # speculation figures, on the last update only
+    num_cached_tokens: int = 0      # prompt tokens found cached from an earlier request
 
     @property
     def usage(self) -> dict:
         usage = {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_output_tokens,
-                 "total_tokens": self.num_prompt_tokens + self.num_output_tokens}
+                 "total_tokens": self.num_prompt_tokens + self.num_output_tokens,
+                 "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
         if self.spec is not None:
             usage["speculation"] = self.spec
         return usage
@@ -155,12 +157,12 @@ class AsyncEngine:
         self.commands.put(command)
 
     async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                  speculate: bool = True) -> RequestStream:
+                  speculate: bool = True, cache_salt: str = "") -> RequestStream:
         """Queue a request; returns once the engine holds it. Raises what add_request raises."""
         if not self.is_alive:
             raise EngineFailure("the engine loop is not running; restart the server")
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
-        self.submit(("add", stream, prompt_ids, params, speculate))
+        self.submit(("add", stream, prompt_ids, params, speculate, cache_salt))
         try:
             await stream.accepted
         except asyncio.CancelledError:
@@ -213,9 +215,9 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _add(self, stream: RequestStream, prompt_ids, params, speculate) -> None:
+    def _add(self, stream: RequestStream, prompt_ids, params, speculate, cache_salt) -> None:
         try:
-            stream.seq = self.engine.add_request(prompt_ids, params, speculate)
+            stream.seq = self.engine.add_request(prompt_ids, params, speculate, cache_salt)
         except Exception as error:      # invalid input the handler did not catch: the client's 400
             stream.resolve(error)
             return
@@ -246,7 +248,7 @@ class AsyncEngine:
             stream.num_tokens_counted = seq.num_output_tokens
             finished = seq.finish_reason is not None
             stream.push(Update(seq.text, seq.num_prompt_tokens, seq.num_output_tokens, seq.finish_reason,
-                               spec_figures(seq) if finished else None))
+                               spec_figures(seq) if finished else None, seq.num_reused))
             if finished:
                 self._finish(stream, seq, seq.finish_reason)
 

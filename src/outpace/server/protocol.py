@@ -44,6 +44,7 @@ class GenerateRequest:
     stream: bool = False
     include_usage: bool = False
     speculate: bool = True                         # extension: False decodes plainly (a baseline)
+    cache_salt: str = ""                           # extension (vLLM's): reuse only cached prefixes of this salt
 
     @property
     def prompt_param(self) -> str:
@@ -166,7 +167,8 @@ def _common(body: dict, max_tokens: int | None) -> GenerateRequest:
     if not isinstance(include_usage, bool):
         raise ApiError(400, "stream_options.include_usage must be true or false", "stream_options")
     return GenerateRequest(model=model, max_tokens=max_tokens, sampling=sampling, stream=stream,
-                           include_usage=include_usage, speculate=_field(body, "speculate", bool, default=True))
+                           include_usage=include_usage, speculate=_field(body, "speculate", bool, default=True),
+                           cache_salt=_field(body, "cache_salt", str, default=""))
 
 
 def _max_tokens(body: dict, names: tuple[str, ...], default: int | None) -> int | None:

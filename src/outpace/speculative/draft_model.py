@@ -28,6 +28,10 @@ where the model does not pay costs nothing for it after the controller's probes.
 window (draft_window N), the model reads only each prompt's last N tokens, as a sequence of its
 own from position 0 of its slot: its share of a long prompt's prefill is N tokens at most, and it
 drafts from that much context (a lookup ahead of it, ngram_first, still matches the whole prompt).
+A sequence's slot keeps this model's keys once it ends, as the target's does (engine/scheduler.py):
+the next sequence this model caches in that slot starts with them valid as far as its tokens
+begin with the kept ones, whatever prefix the target reused (a shorter one: the chunks cache
+the rest; a longer one: the first draft catches up).
 
 A greedy row drafts the draft's argmax. A sampled row samples the draft's distribution, shaped
 by the row's own parameters, with the target's noise for that output position (u(seed, i),
@@ -44,6 +48,7 @@ from typing import Sequence
 
 import torch
 
+from outpace.engine.scheduler import common_prefix
 from outpace.errors import InvalidParameterError
 from outpace.runner.calibrate import batch_buckets, kept
 from outpace.runner.model_runner import Row
@@ -77,6 +82,8 @@ class DraftModelDrafter(Drafter):
         self.offset: dict[int, int] = {}            # seq_id -> the sequence's position of tokens[0]
         self.valid: dict[int, int] = {}             # seq_id -> cached prefix of tokens (the invariant above)
         self.fed: dict[int, list[int]] = {}         # seq_id -> drafted tokens written past valid
+        self.slot_of: dict[int, tuple[int, str | None]] = {}   # seq_id -> (its slot, prefix key) once cached there
+        self.kept: dict[int, tuple[str, list[int]]] = {}        # slot -> (salt, tokens its keys hold) of one ended
         self.per_token: dict[int, float] = {}       # batch bucket -> seconds per drafted token
         self.catch_up: list[tuple[int, float]] = []  # (n, seconds a row of n tokens adds to a forward)
 
@@ -94,6 +101,7 @@ class DraftModelDrafter(Drafter):
         # of a 0.5B draft's bytes read a token
         self.model.logit_rows = min(self.model.cfg.vocab_size, self.vocab)
         self.runner = context.make_runner(self.model)
+        self.prefix_key = context.prefix_key
         # whether propose feeds drafted tokens on the device and reads them once (see the top)
         self.drafts_on_device = self.runner.device.type == "cuda"
         self._measure(context.num_slots, context.max_len, context.max_step_tokens)
@@ -163,12 +171,13 @@ class DraftModelDrafter(Drafter):
                                                       defer):
             if later:
                 continue
-            # the chunk's part inside the window, at the draft's own positions
-            skip = max(0, self.offset[seq_id] - start)
-            start = start + skip - self.offset[seq_id]
-            if skip < len(tokens) and self.valid[seq_id] == start:
-                rows.append(Row(slot, tokens[skip:], start))
-                cached.append((seq_id, start + len(tokens) - skip))
+            self._adopt(seq_id, slot)
+            # the chunk at the draft's own positions (inside the window), past what its cache holds
+            start -= self.offset[seq_id]
+            valid, end = self.valid[seq_id], start + len(tokens)
+            if start <= valid < end:
+                rows.append(Row(slot, tokens[valid - start:], valid))
+                cached.append((seq_id, end))
         if rows:
             self.runner.forward(rows, logits="none")
         for seq_id, end in cached:
@@ -185,7 +194,20 @@ class DraftModelDrafter(Drafter):
         tokens += token_ids
         self.fed[seq_id] = []
 
+    def _adopt(self, seq_id: int, slot: int) -> None:
+        """Before this model first writes seq_id's slot: the keys kept there that begin its tokens
+        are valid, where the sequence may reuse a prefix of that salt (DraftContext.prefix_key)."""
+        if seq_id not in self.slot_of:
+            key = self.prefix_key(seq_id)
+            self.slot_of[seq_id] = slot, key
+            salt, kept = self.kept.pop(slot, (None, []))
+            self.valid[seq_id] = common_prefix(kept, self.tokens[seq_id]) if key is not None and key == salt else 0
+
     def end(self, seq_id: int) -> None:
+        slot, key = self.slot_of.pop(seq_id, (None, None))
+        if key is not None:
+            tokens = self.tokens[seq_id]
+            self.kept[slot] = key, tokens[:min(self.valid[seq_id], len(tokens))]
         for state in (self.tokens, self.offset, self.valid, self.fed):
             state.pop(seq_id, None)
 
@@ -200,14 +222,16 @@ class DraftModelDrafter(Drafter):
         rows = []
         for i in active:
             seq_id = batch.seq_ids[i]
+            self._adopt(seq_id, batch.slots[i])
             tokens, valid = self.tokens[seq_id], min(self.valid[seq_id], len(self.tokens[seq_id]) - 1)
             rows.append(Row(batch.slots[i], tokens[valid:], valid))
-            self.valid[seq_id] = len(tokens)        # every real token is cached after this forward
             self.fed[seq_id] = []
         drafts: list[list[int]] = [[] for _ in range(len(batch))]
         if active:
             draft = self._draft_on_device if self.drafts_on_device else self._draft_by_position
             draft(batch, active, rows, drafts)
+        for i in active:            # every real token is cached once the first forward ran
+            self.valid[batch.seq_ids[i]] = len(self.tokens[batch.seq_ids[i]])
         return Drafts.from_lists(drafts)
 
     def _draft_by_position(self, batch: DraftBatch, active: list[int], rows: list[Row],

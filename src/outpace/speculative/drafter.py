@@ -171,6 +171,9 @@ class DraftContext:
     make_runner: object             # (model) -> ModelRunner with the target's slots and length
     weights: str = "auto"           # how the target's GGUF matrices are held (EngineConfig.weights); a draft model's alike
     graphs: bool = False            # the target replays CUDA graphs: a drafter's own forwards may as well
+    # (seq_id) -> the request's cache_salt where it may start from a kept prefix (prefix caching,
+    # engine/scheduler.py), else None: a drafter's own kept keys serve only requests of the same salt
+    prefix_key: object = lambda seq_id: None
 
 
 class Drafter:

@@ -1,0 +1,225 @@
+"""Prefix caching: a request starts from the keys a freed slot kept of an earlier request's tokens.
+
+Guards: the scheduler gives a request the free slot holding the longest prefix of its prompt (of
+its salt) and starts its prefill there, never at or past the prompt's last token; a slot keeps
+no more than its sequence cached (a stop cuts tokens whose keys were written); the slot freed
+longest ago goes first, so kept prefixes last. With a tiny float64 model, conversations give the
+same output with prefix caching as without it whatever the drafter (rejected drafts leave stale
+keys past the kept length, which must never be reused); a draft model's own cache starts from its
+kept prefix too, and as its own draft the target is then still accepted every time; a drafter
+that reads hidden states, a recurrent model and another salt reuse nothing.
+"""
+import pytest
+import torch
+
+from outpace import LLM, SamplingParams, SpecConfig
+from outpace.engine.scheduler import Scheduler
+from outpace.engine.sequence import Sequence
+from test_spec_lossless import RandomDrafter
+from tiny import make_tiny
+
+OPTIONS = dict(dtype="float64", device="cpu", max_num_seqs=2, max_model_len=256, max_prefill_tokens=8,
+               calibrate=False)
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+# two conversations, three user turns each; each turn's prompt is the last prompt, its answer and these
+TURNS = [[[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [9, 10, 11], [12]],
+         [[100, 200, 300, 100, 200], [7] * 12, [42, 43]]]
+
+
+def sequence(seq_id: int, prompt: list[int], salt: str = "", reuse: bool = True) -> Sequence:
+    seq = Sequence(seq_id, prompt, SamplingParams())
+    seq.reuse_prefix, seq.cache_salt = reuse, salt
+    return seq
+
+
+def run_to_end(scheduler: Scheduler, seq: Sequence, output: list[int]) -> None:
+    scheduler.add(seq)
+    scheduler.schedule()
+    seq.token_ids += output
+    seq.num_cached = len(seq.token_ids) - 1         # the last token is never cached
+    scheduler.finish(seq)
+
+
+def test_a_next_turn_starts_where_the_last_left_off():
+    scheduler = Scheduler(3, 4)
+    first = sequence(0, [1, 2, 3, 4, 5])
+    run_to_end(scheduler, first, [6, 7, 8])                     # keeps [1 .. 7]
+    run_to_end(scheduler, sequence(1, [9, 9, 9]), [1])
+    turn = sequence(2, [1, 2, 3, 4, 5, 6, 7, 8, 10, 11])
+    scheduler.add(turn)
+    plan = scheduler.schedule()
+    assert turn.slot == first.slot and turn.num_reused == turn.num_cached == 7
+    assert [(c.start, c.end) for c in plan.prefill] == [(7, 9)]      # up to its last token
+    assert first.slot not in scheduler.kept                     # the slot's keys are the new sequence's now
+
+
+def test_a_prompt_the_slot_holds_whole_still_feeds_its_last_token():
+    scheduler = Scheduler(1, 4)
+    run_to_end(scheduler, sequence(0, [1, 2, 3, 4]), [5, 6])
+    again = sequence(1, [1, 2, 3])
+    scheduler.add(again)
+    plan = scheduler.schedule()
+    assert again.num_cached == 2 and not plan.prefill and plan.decode == [again]
+
+
+def test_a_stop_that_cut_cached_tokens_keeps_only_the_tokens_left():
+    scheduler = Scheduler(1, 4)
+    seq = sequence(0, [1, 2, 3])
+    scheduler.add(seq)
+    scheduler.schedule()
+    seq.num_cached = 6                  # a verify cached drafts past a stop string the stopper then dropped
+    seq.token_ids += [4]
+    scheduler.finish(seq)
+    assert scheduler.kept[0].token_ids == [1, 2, 3, 4]
+
+
+def test_another_salt_or_no_reuse_starts_from_nothing_in_the_slot_freed_longest_ago():
+    scheduler = Scheduler(3, 4)
+    for seq_id, prompt in enumerate([[1, 2, 3], [4, 5, 6], [7, 8, 9]]):
+        run_to_end(scheduler, sequence(seq_id, prompt, salt="a"), [0])
+    # slots 0, 1, 2 keep [1, 2, 3], [4, 5, 6], [7, 8, 9], freed in that order
+    for freed_first, seq in enumerate((sequence(3, [4, 5, 6, 1], salt="b"),
+                                       sequence(4, [7, 8, 9, 1], salt="a", reuse=False))):
+        scheduler.add(seq)
+        scheduler.schedule()
+        assert seq.num_cached == 0 and seq.slot == freed_first
+        scheduler.finish(seq)
+    same = sequence(5, [7, 8, 9, 1], salt="a")
+    scheduler.add(same)
+    scheduler.schedule()
+    assert same.slot == 2 and same.num_cached == 3
+
+
+def test_low_slots_first_takes_the_lowest_slot_unless_one_holds_a_prefix():
+    scheduler = Scheduler(3, 4, low_slots_first=True)
+    first, second = sequence(0, [1, 2, 3]), sequence(1, [9, 9])
+    for seq in (first, second):
+        scheduler.add(seq)
+    scheduler.schedule()
+    for seq in (first, second):
+        seq.token_ids += [0]
+        seq.num_cached = len(seq.token_ids) - 1
+        scheduler.finish(seq)
+    turn, other = sequence(2, [9, 9, 0, 5]), sequence(3, [5, 5])
+    for seq in (turn, other):
+        scheduler.add(seq)
+    scheduler.schedule()
+    # slot 2, never used, would go first by age
+    assert (turn.slot, turn.num_cached) == (1, 2) and (other.slot, other.num_cached) == (0, 0)
+
+
+def test_a_scratch_slot_keeps_nothing():
+    scheduler = Scheduler(1, 4)
+    run_to_end(scheduler, sequence(0, [1, 2, 3]), [4])
+    assert scheduler.take_scratch_slot() == 0 and not scheduler.kept
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, default_model_dir):
+    target = tmp_path_factory.mktemp("tiny-target")
+    make_tiny("llama", target, vocab_size=49152, tokenizer_from=default_model_dir, dtype=torch.float64)
+    hybrid = tmp_path_factory.mktemp("tiny-hybrid")
+    make_tiny("qwen3_5", hybrid, vocab_size=49152, tokenizer_from=default_model_dir, dtype=torch.float64)
+    return target, hybrid
+
+
+def converse(llm: LLM, speculate: bool = True, salt: str = "") -> tuple[list, list]:
+    """TURNS' two conversations side by side, each turn of both in one generate call: their
+    answers, and the prompt tokens each turn found cached."""
+    prompts, answers, cached = [[], []], [], []
+    for turn in zip(*TURNS):
+        prompts = [p + t for p, t in zip(prompts, turn)]
+        outs = llm.generate(prompts, PARAMS, speculate=speculate, cache_salt=salt)
+        answers.append([o.token_ids for o in outs])
+        cached.append([o.num_cached_tokens for o in outs])
+        prompts = [p + o.token_ids for p, o in zip(prompts, outs)]
+    return answers, cached
+
+
+@pytest.fixture(scope="module")
+def uncached(folders):
+    llm = LLM(str(folders[0]), spec="none", prefix_caching=False, **OPTIONS)
+    answers, cached = converse(llm)
+    assert cached == [[0, 0]] * 3
+    return answers
+
+
+def expected_cached(answers: list) -> list:
+    """Turn t finds cached its last prompt and answer but the answer's last token."""
+    cached, lengths = [[0, 0]], [0, 0]
+    for t in range(1, 3):
+        lengths = [n + len(TURNS[c][t - 1]) + len(answers[t - 1][c]) for c, n in enumerate(lengths)]
+        cached.append([n - 1 for n in lengths])
+    return cached
+
+
+@pytest.mark.parametrize("drafter", ["plain", "ngram", "random"])
+def test_conversations_equal_their_uncached_answers(folders, uncached, drafter):
+    """Rejected drafts write keys past a sequence's length; a kept prefix must stop before them."""
+    options = dict(spec="none") if drafter == "plain" else dict(spec=SpecConfig(num_draft_tokens=4))
+    if drafter == "random":
+        options = dict(drafter=RandomDrafter(49152), spec=SpecConfig(num_draft_tokens=4))
+    llm = LLM(str(folders[0]), **options, **OPTIONS)
+    answers, cached = converse(llm)
+    assert answers == uncached
+    assert cached == expected_cached(uncached)
+    if drafter == "random":
+        assert llm.engine.stats.num_draft_tokens > llm.engine.stats.num_accepted_tokens
+
+
+def test_the_target_as_its_own_draft_model_reuses_its_kept_keys(folders, uncached):
+    """A draft cache entry that its kept prefix got wrong would show as a rejected draft."""
+    spec = SpecConfig(method="draft", draft_model=str(folders[0]), num_draft_tokens=4, draft_vocab=0)
+    llm = LLM(str(folders[0]), spec=spec, **OPTIONS)
+    drafter = llm.engine.drafter
+    fed = []
+    forward = drafter.runner.forward
+    drafter.runner.forward = lambda rows, *a, **k: fed.append(sum(len(r.token_ids) for r in rows)) or forward(
+        rows, *a, **k)
+    prompts, reads = [[], []], []
+    for turn in zip(*TURNS):
+        prompts = [p + t for p, t in zip(prompts, turn)]
+        fed.clear()
+        outs = llm.generate(prompts, PARAMS)
+        reads.append(sum(fed))
+        prompts = [p + o.token_ids for p, o in zip(prompts, outs)]
+    assert llm.engine.stats.num_accepted_tokens == llm.engine.stats.num_draft_tokens > 0
+    # the third turn reads its new user tokens and drafts, not the conversation so far
+    assert reads[2] < sum(len(p) for p in prompts) / 2
+    assert sorted(llm.engine.scheduler.kept) == [0, 1] and sorted(drafter.kept) == [0, 1]
+
+
+def test_a_draft_model_catches_up_past_its_kept_keys(folders, uncached):
+    """A plain turn in between moves the target's kept prefix past the draft model's: the draft
+    catches up on the tokens it lacks, and is still accepted every time."""
+    spec = SpecConfig(method="draft", draft_model=str(folders[0]), num_draft_tokens=4, draft_vocab=0)
+    llm = LLM(str(folders[0]), spec=spec, **dict(OPTIONS, max_num_seqs=1))
+    prompt = []
+    for index, turn in enumerate(TURNS[0]):
+        prompt += turn
+        out = llm.generate(prompt, PARAMS, speculate=index != 1)[0]
+        assert out.token_ids == uncached[index][0]
+        prompt += out.token_ids
+    assert llm.engine.stats.num_accepted_tokens == llm.engine.stats.num_draft_tokens > 0
+
+
+def test_another_salt_reuses_nothing(folders, uncached):
+    llm = LLM(str(folders[0]), spec="none", **OPTIONS)
+    prompt = TURNS[0][0]
+    first = llm.generate(prompt, PARAMS, cache_salt="a")[0]
+    prompt = prompt + first.token_ids + TURNS[0][1]
+    assert llm.generate(prompt, PARAMS, cache_salt="b")[0].num_cached_tokens == 0
+    assert llm.generate(prompt, PARAMS, cache_salt="a")[0].num_cached_tokens == len(prompt) - len(TURNS[0][1]) - 1
+
+
+def test_recurrent_models_and_hidden_state_drafters_reuse_nothing(folders):
+    """A recurrent layer's state holds the whole sequence, and a head's cache holds features of every
+    prompt position: neither is a prefix the next turn can start from."""
+    hybrid = LLM(str(folders[1]), spec="none", **OPTIONS)
+    target = LLM(str(folders[0]), spec=SpecConfig(num_draft_tokens=4), **OPTIONS)
+    target.engine.drafter.hidden_layers = (0,)      # as a head drafter asks: its speculating rows reuse nothing
+    for llm, speculate in ((hybrid, True), (target, True)):
+        prompt = TURNS[0][0]
+        first = llm.generate(prompt, PARAMS, speculate=speculate)[0]
+        again = llm.generate(prompt + first.token_ids + TURNS[0][1], PARAMS, speculate=speculate)[0]
+        assert again.num_cached_tokens == 0
