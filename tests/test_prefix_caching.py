@@ -223,3 +223,20 @@ def test_recurrent_models_and_hidden_state_drafters_reuse_nothing(folders):
         first = llm.generate(prompt, PARAMS, speculate=speculate)[0]
         again = llm.generate(prompt + first.token_ids + TURNS[0][1], PARAMS, speculate=speculate)[0]
         assert again.num_cached_tokens == 0
+
+
+def test_exact_mode_reuses_the_keys_a_fresh_prefill_writes(folders):
+    """Exact mode's forwards do not depend on their shapes: in bfloat16 the keys a turn's decode
+    steps wrote are, bit for bit, those a fresh prefill of the same tokens writes in one chunk
+    (outside exact mode a chunk this long may take float32 products: runner/model_runner.py)."""
+    options = dict(OPTIONS, dtype="bfloat16", max_num_seqs=1, max_prefill_tokens=256)
+    spec = SpecConfig(num_draft_tokens=4, exact=True)
+    llm = LLM(str(folders[0]), spec=spec, **options)
+    llm.generate(list(range(1000, 1140)), PARAMS)
+    kept = llm.engine.scheduler.kept[0].token_ids
+    fresh = LLM(str(folders[0]), spec=spec, prefix_caching=False, **options)
+    fresh.generate(kept + [5], SamplingParams(temperature=0, max_tokens=1))
+    n = len(kept)
+    for a, b in ((llm.engine.runner.cache.k, fresh.engine.runner.cache.k),
+                 (llm.engine.runner.cache.v, fresh.engine.runner.cache.v)):
+        assert torch.equal(a[:, 0, :, :n], b[:, 0, :, :n])

@@ -33,6 +33,7 @@ RUNS = ("spec", "baseline")
 def _run(out: RequestOutput) -> dict:
     return {
         "num_prompt_tokens": out.num_prompt_tokens,
+        "num_cached_tokens": out.num_cached_tokens,     # of the prompt, reused from the conversation's last turn
         "num_tokens": out.num_generated_tokens,
         "prefill_s": out.timing["prefill_s"],
         "decode_s": out.timing["decode_s"],
