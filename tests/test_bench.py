@@ -68,6 +68,8 @@ def test_bench_results_are_computed_from_the_runs(tiny_folder, dataset, tmp_path
             assert 1 <= run["num_tokens"] == len(run["token_ids"]) <= 8
             assert run["prefill_s"] > 0 and run["decode_s"] >= 0
         assert t["baseline"]["spec"]["num_draft_tokens"] == 0, "the baseline must not speculate"
+    # both runs' second turns start from their own first turn's keys, whichever run goes first
+    assert turns[1]["spec"]["num_cached_tokens"] > 0 and turns[1]["baseline"]["num_cached_tokens"] > 0
 
     overall = results["overall"]
     for side in ("spec", "baseline"):

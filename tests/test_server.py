@@ -94,6 +94,19 @@ def test_content_parts_format_like_a_string(client):
     assert as_parts.choices[0].message.content == as_text.choices[0].message.content
 
 
+def test_a_conversations_next_turn_reports_its_cached_prompt(client):
+    """The second turn starts from the keys the first left in its slot: usage says how many; another
+    cache_salt finds none of them."""
+    messages = [{"role": "user", "content": "Count from one to five."}]
+    first = client.chat.completions.create(messages=messages, max_tokens=8, extra_body={"cache_salt": "t"}, **greedy())
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And back down?"}]
+    cached = {salt: client.chat.completions.create(messages=messages, max_tokens=4, extra_body={"cache_salt": salt},
+                                                   **greedy()).usage.prompt_tokens_details.cached_tokens
+              for salt in ("other", "t")}
+    assert cached["other"] == 0 and first.usage.prompt_tokens < cached["t"] < first.usage.prompt_tokens + 8
+
+
 def test_stop_string_cuts_the_text(client):
     prompt = "Count: one, two, three, four,"
     free = client.completions.create(prompt=prompt, max_tokens=16, **greedy()).choices[0].text
@@ -158,6 +171,7 @@ BAD_COMPLETIONS = [
     ("n above one", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
     ("logprobs", {"model": MODEL, "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
     ("penalty", {"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("cache_salt wrong type", {"model": MODEL, "prompt": "hi", "cache_salt": 7}, 400, "cache_salt"),
     ("unknown model", {"model": "gpt-5", "prompt": "hi"}, 404, "model"),
 ]
 BAD_CHATS = [

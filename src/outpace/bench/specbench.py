@@ -142,7 +142,9 @@ def bench_command(args, spec: SpecConfig, params: SamplingParams) -> None:
         raise OutpaceError("outpace bench compares speculation with plain decoding: use --spec ngram")
     records = load_spec_bench(args.dataset, args.category, args.limit_per_category)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    llm = LLM(args.model, spec=spec, max_num_seqs=1, **model_options(args))
+    # one request at a time, in two slots: each run's conversation keeps its own slot's prefix for its
+    # next turn (with one, the run that goes second in a turn would evict the other's)
+    llm = LLM(args.model, spec=spec, max_num_seqs=2, **model_options(args))
     config = {"command": " ".join(["outpace"] + sys.argv[1:]), "model": args.model, "dataset": str(args.dataset),
               "categories": args.category, "limit_per_category": args.limit_per_category,
               "spec": dataclasses.asdict(spec)}

@@ -137,7 +137,10 @@ class Prefilled:
     at those positions (chunk i's first lengths[i] entries), None when nobody asked.
     defer[i]: the controller does not expect chunk i's sequence to draft soon (its setup would not
     pay, DraftController.pays_setup), so a drafter with a cache of its own may leave the chunk to
-    its catch-up; None: no chunk is deferred."""
+    its catch-up; None: no chunk is deferred.
+    A sequence's first chunk starts past 0 where the target reused a prefix its slot kept (prefix
+    caching, engine/scheduler.py; never for a drafter that asks for hidden states): a drafter with
+    a cache of its own keeps its slots' keys likewise or catches up (draft_model.py)."""
 
     seq_ids: list[int]
     slots: list[int]
