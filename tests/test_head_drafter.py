@@ -60,7 +60,7 @@ def test_a_random_head_keeps_greedy_output(folders, plain, tree_width):
     assert [o.token_ids for o in out] == plain
     assert sum(o.spec["num_draft_tokens"] for o in out) > 0
     drafter = llm.engine.drafter
-    assert drafter.hidden_layers == (0, 1, 2) and not drafter.prompts
+    assert drafter.hidden_layers == (0, 1, 2) and not drafter.tokens
     assert sorted(llm.engine.scheduler.free_slots) == [0, 1, 2]
 
 

@@ -6,8 +6,9 @@ no more than its sequence cached (a stop cuts tokens whose keys were written); t
 longest ago goes first, so kept prefixes last. With a tiny float64 model, conversations give the
 same output with prefix caching as without it whatever the drafter (rejected drafts leave stale
 keys past the kept length, which must never be reused); a draft model's own cache starts from its
-kept prefix too, and as its own draft the target is then still accepted every time; a drafter
-that reads hidden states, a recurrent model and another salt reuse nothing.
+kept prefix too, and as its own draft the target is then still accepted every time; a head
+reuses the pairs its slot kept and drafts exactly what it drafts from fresh ones; a recurrent
+model and another salt reuse nothing; in exact mode a reused key is a fresh prefill's, bit for bit.
 """
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch
 from outpace import LLM, SamplingParams, SpecConfig
 from outpace.engine.scheduler import Scheduler
 from outpace.engine.sequence import Sequence
+from heads import target_config, write_eagle3_head
 from test_spec_lossless import RandomDrafter
 from tiny import make_tiny
 
@@ -212,17 +214,47 @@ def test_another_salt_reuses_nothing(folders, uncached):
     assert llm.generate(prompt, PARAMS, cache_salt="a")[0].num_cached_tokens == len(prompt) - len(TURNS[0][1]) - 1
 
 
-def test_recurrent_models_and_hidden_state_drafters_reuse_nothing(folders):
-    """A recurrent layer's state holds the whole sequence, and a head's cache holds features of every
-    prompt position: neither is a prefix the next turn can start from."""
-    hybrid = LLM(str(folders[1]), spec="none", **OPTIONS)
-    target = LLM(str(folders[0]), spec=SpecConfig(num_draft_tokens=4), **OPTIONS)
-    target.engine.drafter.hidden_layers = (0,)      # as a head drafter asks: its speculating rows reuse nothing
-    for llm, speculate in ((hybrid, True), (target, True)):
-        prompt = TURNS[0][0]
-        first = llm.generate(prompt, PARAMS, speculate=speculate)[0]
-        again = llm.generate(prompt + first.token_ids + TURNS[0][1], PARAMS, speculate=speculate)[0]
-        assert again.num_cached_tokens == 0
+def test_a_recurrent_model_reuses_nothing(folders):
+    """A recurrent layer's state holds the whole sequence, not a prefix the next turn can start from."""
+    llm = LLM(str(folders[1]), spec="none", **OPTIONS)
+    prompt = TURNS[0][0]
+    first = llm.generate(prompt, PARAMS)[0]
+    assert llm.generate(prompt + first.token_ids + TURNS[0][1], PARAMS)[0].num_cached_tokens == 0
+
+
+def recorded(drafter) -> list:
+    """The drafter's drafts, step by step, as host lists."""
+    drafts, propose = [], drafter.propose
+
+    def record(batch):
+        out = propose(batch)
+        drafts.append(out.host_rows())
+        return out
+    drafter.propose = record
+    return drafts
+
+
+def test_a_head_drafts_from_its_kept_pairs_what_it_drafts_from_fresh_ones(tmp_path, default_model_dir):
+    """A head's pairs come from the target's hidden states, which a reused prefix does not
+    recompute: it reuses the pairs its slot kept, and drafts exactly what it drafts without them."""
+    target, head = tmp_path / "target", tmp_path / "head"
+    make_tiny("llama-4-layers", target, vocab_size=49152, tokenizer_from=default_model_dir, dtype=torch.float64)
+    write_eagle3_head(head, target_config(target))
+    spec = SpecConfig(method="eagle3", draft_head=str(head), num_draft_tokens=4)
+    runs = []
+    for on in (True, False):
+        llm = LLM(str(target), spec=spec, prefix_caching=on, **OPTIONS)
+        drafts = recorded(llm.engine.drafter)
+        prompt, cached = [], []
+        for turn in TURNS[0]:
+            prompt += turn
+            out = llm.generate(prompt, PARAMS)[0]
+            cached.append(out.num_cached_tokens)
+            prompt += out.token_ids
+        runs.append((prompt, drafts, cached))
+    (prompt, drafts, cached), (fresh_prompt, fresh_drafts, _) = runs
+    assert prompt == fresh_prompt and drafts == fresh_drafts and any(map(any, drafts))
+    assert cached[0] == 0 and min(cached[1:]) > 0
 
 
 def test_exact_mode_reuses_the_keys_a_fresh_prefill_writes(folders):

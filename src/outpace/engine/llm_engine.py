@@ -103,7 +103,8 @@ class LLMEngine:
                                           draft_cost=self.drafter.cost_per_token, tree_width=spec.tree_width,
                                           tree_depth=getattr(getattr(self.runner, "extension", None), "tree_depth",
                                                              None))
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_prefill_tokens, low_slots_first=self.uses_graphs)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_prefill_tokens, low_slots_first=self.uses_graphs,
+                                   reuse_bound=self._reuse_bound)
         parts = (self.drafter, self.controller, config.max_model_len, num_draft_tokens)
         # under tensor parallelism graph steps neither draft in the graph nor overlap (yet): EagerStep
         self.steps = (GraphStep(self.runner, *parts, scheduler=self.scheduler, overlap=config.overlap)
@@ -198,11 +199,13 @@ class LLMEngine:
 
     def _reuses_prefix(self, seq: Sequence) -> bool:
         """Whether seq may start from a freed slot's kept prefix (scheduler.py): with prefix
-        caching on, not for a recurrent model (its state holds the whole sequence, not a prefix),
-        nor where the sequence's drafter reads the target's hidden states (a head caches features
-        of every prompt position, which a reused prefix does not recompute)."""
-        return (self.config.prefix_caching and not self.model.is_recurrent
-                and not (seq.speculate and self.drafter.hidden_layers))
+        caching on, not for a recurrent model (its state holds the whole sequence, not a prefix)."""
+        return self.config.prefix_caching and not self.model.is_recurrent
+
+    def _reuse_bound(self, seq: Sequence, slot: int) -> int | None:
+        """A speculating sequence reuses no more of a slot's kept prefix than its drafter's own
+        cache there holds for it (Drafter.reusable_prefix)."""
+        return self.drafter.reusable_prefix(seq.seq_id, slot) if seq.speculate else None
 
     def _prefix_key(self, seq_id: int) -> str | None:
         seq = self.sequences[seq_id]

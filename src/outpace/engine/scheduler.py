@@ -61,13 +61,16 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, max_prefill_tokens: int, low_slots_first: bool = False):
+    def __init__(self, num_slots: int, max_prefill_tokens: int, low_slots_first: bool = False,
+                 reuse_bound=lambda seq, slot: None):
         """low_slots_first: a sequence that reuses no kept prefix takes the lowest free slot (a CUDA
         graph runner's batch bucket follows the highest slot in a step); otherwise the slot freed
-        longest ago, so that the prefixes kept in the others last longest."""
+        longest ago, so that the prefixes kept in the others last longest. reuse_bound(seq, slot):
+        the most of a kept prefix seq may reuse in slot (a drafter's own cache there), None: no bound."""
         self.num_slots = num_slots
         self.max_prefill_tokens = max_prefill_tokens
         self.low_slots_first = low_slots_first
+        self.reuse_bound = reuse_bound
         self.free_slots = list(range(num_slots))
         self.kept: dict[int, KeptPrefix] = {}          # free slot -> what its cache holds
         self._freed = itertools.count()
@@ -111,7 +114,9 @@ class Scheduler:
             kept = self.kept.get(slot)
             if kept is None or not seq.reuse_prefix or kept.cache_salt != seq.cache_salt:
                 return 0
-            return min(common_prefix(kept.token_ids, seq.token_ids), len(seq.token_ids) - 1)
+            bound = self.reuse_bound(seq, slot)
+            limit = len(seq.token_ids) - 1 if bound is None else min(bound, len(seq.token_ids) - 1)
+            return min(common_prefix(kept.token_ids, seq.token_ids), limit)
 
         def freed(slot: int) -> int:        # never-used slots first
             kept = self.kept.get(slot)

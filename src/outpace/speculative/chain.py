@@ -98,6 +98,10 @@ class DrafterChain(Drafter):
         for d in self.members:
             d.end(seq_id)
 
+    def reusable_prefix(self, seq_id, slot):
+        bounds = [b for b in (d.reusable_prefix(seq_id, slot) for d in self.members) if b is not None]
+        return min(bounds, default=None)
+
     def setup_seconds(self, seq_ids):
         """What the drafters that have a setup charge together (a row the lookup drafts for pays
         none this step, but would pay it the first time the model drafts for it)."""

@@ -139,8 +139,8 @@ class Prefilled:
     pay, DraftController.pays_setup), so a drafter with a cache of its own may leave the chunk to
     its catch-up; None: no chunk is deferred.
     A sequence's first chunk starts past 0 where the target reused a prefix its slot kept (prefix
-    caching, engine/scheduler.py; never for a drafter that asks for hidden states): a drafter with
-    a cache of its own keeps its slots' keys likewise or catches up (draft_model.py)."""
+    caching, engine/scheduler.py): a drafter with a cache of its own keeps its slots' keys likewise
+    and catches up (draft_model.py), or bounds the reuse (Drafter.reusable_prefix, head_drafter.py)."""
 
     seq_ids: list[int]
     slots: list[int]
@@ -234,6 +234,13 @@ class Drafter:
 
     def end(self, seq_id: int) -> None:
         """The sequence finished or was cancelled: drop its state."""
+
+    def reusable_prefix(self, seq_id: int, slot: int) -> int | None:
+        """Prefix caching: how many of the sequence's first positions this drafter's own cache in
+        `slot` holds for it, which bounds the prefix the target reuses there (a drafter that reads
+        the target's hidden states cannot catch up on positions the target does not recompute).
+        None: no bound (no cache of its own, or one that catches up by itself)."""
+        return None
 
     def setup_seconds(self, seq_ids: Sequence[int]) -> list[float] | None:
         """Per sequence, the seconds drafting for it costs before its first drafted token (a draft

@@ -48,6 +48,7 @@ from typing import Callable, Sequence
 import torch
 
 from outpace.config import MAX_NUM_DRAFT_TOKENS
+from outpace.engine.scheduler import common_prefix
 from outpace.kernels import cpu_kernels
 from outpace.kernels.fused import linear, rope_store
 from outpace.kernels.cpu_linear import QuantizedLinear, QuantizedParts, pack_linears, quantize_linears
@@ -76,7 +77,9 @@ class HeadDrafter(Drafter):
     def __init__(self, load: HeadLoader, tree_width: int = 1):
         self.load = load
         self.tree_width = tree_width
-        self.prompts: dict[int, list[int]] = {}
+        self.tokens: dict[int, list[int]] = {}      # seq_id -> its tokens: the prompt, then those accepted
+        self.slot_of: dict[int, tuple[int, str | None]] = {}   # seq_id -> (its slot, prefix key) once cached there
+        self.kept: dict[int, tuple[str, list[int]]] = {}        # slot -> (salt, tokens of the pairs held, and one)
         self.ready: dict[int, bool] = {}            # seq_id -> its prompt is caught up
         self.caught: dict[int, int] = {}            # seq_id -> pairs before this position are in the head's cache
         self.drafted: set[int] = set()              # sequences that drafted since their pairs were last caught up
@@ -97,6 +100,7 @@ class HeadDrafter(Drafter):
         self.kernel_attention = cpu_kernels.attention_fits(head.cfg, context.dtype, context.device)
         cfg = head.cfg
         self.hidden_layers = cfg.target_layers
+        self.prefix_key = context.prefix_key
         self.embed = head.embed if head.embed is not None else context.target.embed
         # and, where the kernels compute the whole head, each forward or chain in one call
         self.pair = head.cpu_pair_head(self.embed, context.dtype) if self.kernel_attention else None
@@ -235,12 +239,36 @@ class HeadDrafter(Drafter):
 
     # ---- sequences ------------------------------------------------------------------------------
     def begin(self, seq_id: int, token_ids: Sequence[int]) -> None:
-        self.prompts[seq_id] = list(token_ids)
+        self.tokens[seq_id] = list(token_ids)
         self.ready[seq_id] = False
         self.caught[seq_id] = 0
 
+    def accept(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        self.tokens[seq_id] += token_ids
+
+    def reusable_prefix(self, seq_id: int, slot: int) -> int:
+        """The pairs the slot kept that begin the sequence (pair p needs tokens p and p + 1 alike),
+        short of its prompt's last pair, which a chunk computes so that the slot's stored output is
+        the prompt's. Where graphs catch up, `caught` is not kept: nothing."""
+        key, kept = self.prefix_key(seq_id), self.kept.get(slot)
+        if self.graphs is not None or key is None or kept is None or kept[0] != key:
+            return 0
+        tokens = self.tokens[seq_id]
+        return max(0, min(len(kept[1]) - 1, common_prefix(kept[1], tokens) - 1, len(tokens) - 2))
+
+    def _adopt(self, seq_id: int, slot: int) -> None:
+        """Before the head first writes the sequence's slot: what the slot kept is the sequence's
+        now (the target reused no more of it than reusable_prefix allowed)."""
+        if seq_id not in self.slot_of:
+            self.slot_of[seq_id] = slot, self.prefix_key(seq_id)
+            self.kept.pop(slot, None)
+
     def end(self, seq_id: int) -> None:
-        self.prompts.pop(seq_id, None)
+        """The slot keeps the pairs before `caught` (the pending path's), for a later sequence."""
+        slot, key = self.slot_of.pop(seq_id, (None, None))
+        if key is not None and self.graphs is None and self.caught[seq_id] > 0:
+            self.kept[slot] = key, self.tokens[seq_id][:self.caught[seq_id] + 1]
+        self.tokens.pop(seq_id, None)
         self.ready.pop(seq_id, None)
         self.caught.pop(seq_id, None)
         self.drafted.discard(seq_id)
@@ -250,12 +278,13 @@ class HeadDrafter(Drafter):
     def prefilled(self, chunks: Prefilled) -> None:
         """Pairs of the cached prompt positions; the tokens after them come from the prompt."""
         S = max(chunks.lengths)
-        tokens = [self.prompts[s][start + 1:start + 1 + n] + [0] * (S - n)
+        tokens = [self.tokens[s][start + 1:start + 1 + n] + [0] * (S - n)
                   for s, start, n in zip(chunks.seq_ids, chunks.starts, chunks.lengths)]
         self._catch_up(chunks.hidden[:, :S], torch.tensor(tokens, device=self.device), chunks.slots, chunks.starts,
                        torch.tensor([n - 1 for n in chunks.lengths], device=self.device))
-        for seq_id, start, n in zip(chunks.seq_ids, chunks.starts, chunks.lengths):
-            self.ready[seq_id] = start + n == len(self.prompts[seq_id]) - 1
+        for seq_id, slot, start, n in zip(chunks.seq_ids, chunks.slots, chunks.starts, chunks.lengths):
+            self._adopt(seq_id, slot)
+            self.ready[seq_id] = start + n == len(self.tokens[seq_id]) - 1
             self.caught[seq_id] = start + n
 
     @torch.inference_mode()
@@ -265,6 +294,8 @@ class HeadDrafter(Drafter):
         module docstring)."""
         batch = result.batch
         S = result.out_tokens.shape[1]
+        for seq_id, slot in zip(batch.seq_ids, batch.slots):
+            self._adopt(seq_id, slot)
         if self.graphs is not None:
             if not self.graphs.catch_up(result):
                 self._catch_up(result.hidden[:, :S], result.out_tokens, batch.slots, batch.positions,
