@@ -15,7 +15,8 @@ A step's shape is static, so is everything in it:
     length is rounded up to a multiple of 64: attention kernels run markedly slower on unaligned keys.
     Exact mode keeps L = the cache length, so no forward's arithmetic depends on the context either;
   - rows: graph row r is KV slot r for r < b, so the cache is read as a view. b is the smallest
-    bucket above the highest slot in the step (the scheduler hands out the lowest free slot first).
+    bucket above the highest slot in the step (the scheduler hands out the lowest free slot first,
+    unless a higher one keeps a prefix of the prompt).
     A slot in the bucket with no row this step gets a dummy row whose writes land at positions
     >= max_len, the spare region no real query attends.
 An extension (the drafter's graph_step, e.g. ngram_device.GraphDrafting) adds its own work before and after the model inside
