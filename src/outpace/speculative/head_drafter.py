@@ -19,8 +19,8 @@ were last caught up is given up: the head drafts no more for its sequence and ke
 (a chain's lookup, or plain decoding, goes on alone), since its pairs would cost a head forward
 each for no draft. Drafting writes entries at n and past it, which the next catch-up
 overwrites: rollback is by length, as in the target's cache. Where the target replays CUDA graphs
-the catch-up runs at every verify step instead, in graphs of its own (head_graphs.py), and
-the pending buffer is not allocated and `caught` is not read.
+the catch-up runs at every verify step instead, in graphs of its own (head_graphs.py), the
+pending buffer is not allocated, and `caught` follows the accepted tokens.
 
 Drafting (propose) is one forward per depth over all drafting rows. The first depth's candidates
 are the top `tree_width` tokens of the stored output's logits; each further depth feeds the
@@ -245,13 +245,15 @@ class HeadDrafter(Drafter):
 
     def accept(self, seq_id: int, token_ids: Sequence[int]) -> None:
         self.tokens[seq_id] += token_ids
+        if self.graphs is not None:     # every verified pair was caught up in its step
+            self.caught[seq_id] = len(self.tokens[seq_id]) - 1
 
     def reusable_prefix(self, seq_id: int, slot: int) -> int:
         """The pairs the slot kept that begin the sequence (pair p needs tokens p and p + 1 alike),
         short of its prompt's last pair, which a chunk computes so that the slot's stored output is
-        the prompt's. Where graphs catch up, `caught` is not kept: nothing."""
+        the prompt's."""
         key, kept = self.prefix_key(seq_id), self.kept.get(slot)
-        if self.graphs is not None or key is None or kept is None or kept[0] != key:
+        if key is None or kept is None or kept[0] != key:
             return 0
         tokens = self.tokens[seq_id]
         return max(0, min(len(kept[1]) - 1, common_prefix(kept[1], tokens) - 1, len(tokens) - 2))
@@ -264,9 +266,9 @@ class HeadDrafter(Drafter):
             self.kept.pop(slot, None)
 
     def end(self, seq_id: int) -> None:
-        """The slot keeps the pairs before `caught` (the pending path's), for a later sequence."""
+        """The slot keeps the pairs before `caught`, for a later sequence."""
         slot, key = self.slot_of.pop(seq_id, (None, None))
-        if key is not None and self.graphs is None and self.caught[seq_id] > 0:
+        if key is not None and self.caught[seq_id] > 0:
             self.kept[slot] = key, self.tokens[seq_id][:self.caught[seq_id] + 1]
         self.tokens.pop(seq_id, None)
         self.ready.pop(seq_id, None)
