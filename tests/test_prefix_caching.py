@@ -155,10 +155,13 @@ def expected_cached(answers: list) -> list:
     return cached
 
 
-@pytest.mark.parametrize("drafter", ["plain", "ngram", "random"])
+@pytest.mark.parametrize("drafter", ["plain", "ngram", "ngram trees", "random"])
 def test_conversations_equal_their_uncached_answers(folders, uncached, drafter):
-    """Rejected drafts write keys past a sequence's length; a kept prefix must stop before them."""
+    """Rejected drafts write keys past a sequence's length, and a tree's accepted path is moved into
+    place: a kept prefix must hold the accepted tokens' keys and stop before the rest."""
     options = dict(spec="none") if drafter == "plain" else dict(spec=SpecConfig(num_draft_tokens=4))
+    if drafter == "ngram trees":
+        options = dict(spec=SpecConfig(num_draft_tokens=6, tree_width=3))
     if drafter == "random":
         options = dict(drafter=RandomDrafter(49152), spec=SpecConfig(num_draft_tokens=4))
     llm = LLM(str(folders[0]), **options, **OPTIONS)
@@ -167,6 +170,20 @@ def test_conversations_equal_their_uncached_answers(folders, uncached, drafter):
     assert cached == expected_cached(uncached)
     if drafter == "random":
         assert llm.engine.stats.num_draft_tokens > llm.engine.stats.num_accepted_tokens
+
+
+def test_a_request_cancelled_while_its_prompt_is_cached_leaves_what_it_cached(folders, uncached):
+    llm = LLM(str(folders[0]), spec=SpecConfig(num_draft_tokens=4), **dict(OPTIONS, max_num_seqs=1))
+    engine, prompt = llm.engine, TURNS[0][0] + TURNS[0][0]          # 22 tokens: chunks of 8
+    seq = engine.add_request(prompt, PARAMS)
+    engine.step()
+    engine.step()
+    assert seq.num_cached == 16
+    engine.abort(seq.seq_id)
+    again = llm.generate(prompt, PARAMS)[0]
+    assert again.num_cached_tokens == 16
+    fresh = LLM(str(folders[0]), spec="none", prefix_caching=False, **OPTIONS)
+    assert again.token_ids == fresh.generate(prompt, PARAMS)[0].token_ids
 
 
 def test_the_target_as_its_own_draft_model_reuses_its_kept_keys(folders, uncached):
