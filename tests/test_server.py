@@ -94,9 +94,10 @@ def test_content_parts_format_like_a_string(client):
     assert as_parts.choices[0].message.content == as_text.choices[0].message.content
 
 
-def test_a_conversations_next_turn_reports_its_cached_prompt(client):
-    """The second turn starts from the keys the first left in its slot: usage says how many; another
-    cache_salt finds none of them."""
+def test_a_conversations_next_turn_reports_its_cached_prompt(server, client):
+    """The second turn starts from the keys the first left in its slot: usage says how many, and
+    /metrics counts them; another cache_salt finds none of them."""
+    before = server.metric("prompt_tokens_cached_total")
     messages = [{"role": "user", "content": "Count from one to five."}]
     first = client.chat.completions.create(messages=messages, max_tokens=8, extra_body={"cache_salt": "t"}, **greedy())
     messages += [{"role": "assistant", "content": first.choices[0].message.content},
@@ -105,6 +106,10 @@ def test_a_conversations_next_turn_reports_its_cached_prompt(client):
                                                    **greedy()).usage.prompt_tokens_details.cached_tokens
               for salt in ("other", "t")}
     assert cached["other"] == 0 and first.usage.prompt_tokens < cached["t"] < first.usage.prompt_tokens + 8
+    deadline = time.monotonic() + 5          # a request is counted as it leaves the engine, after its reply
+    while server.metric("prompt_tokens_cached_total") - before < cached["t"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.metric("prompt_tokens_cached_total") - before >= cached["t"]
 
 
 def test_stop_string_cuts_the_text(client):
@@ -338,6 +343,7 @@ def test_concurrent_streams_match_solo_greedy(server):
 def test_metrics_names(server):
     text = server.http.get("/metrics").text
     for name in ("num_requests_running", "num_requests_waiting", "requests_total", "prompt_tokens_total",
+                 "prompt_tokens_cached_total",
                  "generation_tokens_total", "time_to_first_token_seconds_bucket",
                  "time_per_output_token_seconds_bucket", "spec_decode_num_drafts_total",
                  "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total"):

@@ -37,6 +37,8 @@ class Metrics:
         self.waiting = make(Gauge, "num_requests_waiting", "Requests queued for a slot.")
         self.requests = make(Counter, "requests", "Requests by final status (rejected: 4xx).", ("status",))
         self.prompt_tokens = make(Counter, "prompt_tokens", "Prompt tokens of accepted requests.")
+        self.cached_tokens = make(Counter, "prompt_tokens_cached",
+                                  "Prompt tokens found cached from an earlier request (prefix caching).")
         self.generation_tokens = make(Counter, "generation_tokens", "Output tokens generated.")
         self.ttft = make(Histogram, "time_to_first_token_seconds", "Time from arrival to the first output token.",
                          buckets=TTFT_BUCKETS)
@@ -51,7 +53,8 @@ class Metrics:
                                      "Draft tokens accepted at each draft position.", ("position",))
         for status in STATUSES:                 # every status reads 0 from the start
             self.requests.labels(model_name, status)
-        for metric in (self.running, self.waiting, self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot,
+        for metric in (self.running, self.waiting, self.prompt_tokens, self.cached_tokens, self.generation_tokens,
+                       self.ttft, self.tpot,
                        self.latency, self.drafts, self.draft_tokens, self.accepted_tokens):
             metric.labels(model_name)
         self._window = self._totals()          # counters at the last summary
@@ -73,6 +76,7 @@ class Metrics:
         n = seq.num_output_tokens
         stats = seq.stats
         model = self.model_name
+        self.cached_tokens.labels(model).inc(seq.num_reused)
         self.drafts.labels(model).inc(stats.num_drafts)
         self.draft_tokens.labels(model).inc(stats.num_draft_tokens)
         self.accepted_tokens.labels(model).inc(stats.num_accepted_tokens)
@@ -86,8 +90,9 @@ class Metrics:
         self.requests.labels(model, status).inc()   # last: a finished request's figures are all in
         ttft = f"{seq.first_token_time - arrival:.3f} s" if seq.first_token_time else "none"
         rate = stats.num_accepted_tokens / stats.num_draft_tokens if stats.num_draft_tokens else 0.0
-        log.info("%s %s: %d prompt + %d output tokens in %.2f s (ttft %s); drafted %d, accepted %d (%.0f%%), "
-                 "mean acceptance length %.2f", request_id, status, seq.num_prompt_tokens, n, end - arrival, ttft,
+        log.info("%s %s: %d prompt (%d cached) + %d output tokens in %.2f s (ttft %s); drafted %d, accepted %d "
+                 "(%.0f%%), mean acceptance length %.2f", request_id, status, seq.num_prompt_tokens, seq.num_reused, n,
+                 end - arrival, ttft,
                  stats.num_draft_tokens, stats.num_accepted_tokens, 100 * rate,
                  stats.as_dict()["mean_acceptance_length"])
 
