@@ -125,13 +125,13 @@ def folders(tmp_path_factory, default_model_dir):
     return target, hybrid
 
 
-def converse(llm: LLM, speculate: bool = True, salt: str = "") -> tuple[list, list]:
+def converse(llm: LLM) -> tuple[list, list]:
     """TURNS' two conversations side by side, each turn of both in one generate call: their
     answers, and the prompt tokens each turn found cached."""
     prompts, answers, cached = [[], []], [], []
     for turn in zip(*TURNS):
         prompts = [p + t for p, t in zip(prompts, turn)]
-        outs = llm.generate(prompts, PARAMS, speculate=speculate, cache_salt=salt)
+        outs = llm.generate(prompts, PARAMS)
         answers.append([o.token_ids for o in outs])
         cached.append([o.num_cached_tokens for o in outs])
         prompts = [p + o.token_ids for p, o in zip(prompts, outs)]
@@ -186,7 +186,7 @@ def test_a_request_cancelled_while_its_prompt_is_cached_leaves_what_it_cached(fo
     assert again.token_ids == fresh.generate(prompt, PARAMS)[0].token_ids
 
 
-def test_the_target_as_its_own_draft_model_reuses_its_kept_keys(folders, uncached):
+def test_the_target_as_its_own_draft_model_reuses_its_kept_keys(folders):
     """A draft cache entry that its kept prefix got wrong would show as a rejected draft."""
     spec = SpecConfig(method="draft", draft_model=str(folders[0]), num_draft_tokens=4, draft_vocab=0)
     llm = LLM(str(folders[0]), spec=spec, **OPTIONS)
@@ -205,7 +205,7 @@ def test_the_target_as_its_own_draft_model_reuses_its_kept_keys(folders, uncache
     assert llm.engine.stats.num_accepted_tokens == llm.engine.stats.num_draft_tokens > 0
     # the third turn reads its new user tokens and drafts, not the conversation so far
     assert reads[2] < sum(len(p) for p in prompts) / 2
-    assert sorted(llm.engine.scheduler.kept) == [0, 1] and sorted(drafter.kept) == [0, 1]
+    assert sorted(llm.engine.scheduler.kept) == [0, 1] and sorted(drafter.kept_keys.kept) == [0, 1]
 
 
 def test_a_draft_model_catches_up_past_its_kept_keys(folders, uncached):
@@ -222,7 +222,7 @@ def test_a_draft_model_catches_up_past_its_kept_keys(folders, uncached):
     assert llm.engine.stats.num_accepted_tokens == llm.engine.stats.num_draft_tokens > 0
 
 
-def test_another_salt_reuses_nothing(folders, uncached):
+def test_another_salt_reuses_nothing(folders):
     llm = LLM(str(folders[0]), spec="none", **OPTIONS)
     prompt = TURNS[0][0]
     first = llm.generate(prompt, PARAMS, cache_salt="a")[0]

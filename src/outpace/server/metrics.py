@@ -54,8 +54,7 @@ class Metrics:
         for status in STATUSES:                 # every status reads 0 from the start
             self.requests.labels(model_name, status)
         for metric in (self.running, self.waiting, self.prompt_tokens, self.cached_tokens, self.generation_tokens,
-                       self.ttft, self.tpot,
-                       self.latency, self.drafts, self.draft_tokens, self.accepted_tokens):
+                       self.ttft, self.tpot, self.latency, self.drafts, self.draft_tokens, self.accepted_tokens):
             metric.labels(model_name)
         self._window = self._totals()          # counters at the last summary
         self._window_start = time.monotonic()
@@ -92,8 +91,7 @@ class Metrics:
         rate = stats.num_accepted_tokens / stats.num_draft_tokens if stats.num_draft_tokens else 0.0
         log.info("%s %s: %d prompt (%d cached) + %d output tokens in %.2f s (ttft %s); drafted %d, accepted %d "
                  "(%.0f%%), mean acceptance length %.2f", request_id, status, seq.num_prompt_tokens, seq.num_reused, n,
-                 end - arrival, ttft,
-                 stats.num_draft_tokens, stats.num_accepted_tokens, 100 * rate,
+                 end - arrival, ttft, stats.num_draft_tokens, stats.num_accepted_tokens, 100 * rate,
                  stats.as_dict()["mean_acceptance_length"])
 
     # ---- reading ----------------------------------------------------------------------------

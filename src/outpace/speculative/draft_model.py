@@ -56,7 +56,7 @@ from outpace.runner.staging import to_device
 from outpace.sampling.sampler import SamplingState, inverse_cdf, logits_to_probs
 from outpace.speculative.compat import check_vocab_compatible
 from outpace.speculative.controller import interpolate
-from outpace.speculative.drafter import DraftBatch, DraftContext, Drafter, Drafts, Prefilled
+from outpace.speculative.drafter import DraftBatch, DraftContext, Drafter, Drafts, KeptKeys, Prefilled
 from outpace.weights.hub import resolve_model
 from outpace.weights.loader import load_model
 from outpace.weights.tokenizer import Tokenizer
@@ -82,8 +82,6 @@ class DraftModelDrafter(Drafter):
         self.offset: dict[int, int] = {}            # seq_id -> the sequence's position of tokens[0]
         self.valid: dict[int, int] = {}             # seq_id -> cached prefix of tokens (the invariant above)
         self.fed: dict[int, list[int]] = {}         # seq_id -> drafted tokens written past valid
-        self.slot_of: dict[int, tuple[int, str | None]] = {}   # seq_id -> (its slot, prefix key) once cached there
-        self.kept: dict[int, tuple[str, list[int]]] = {}        # slot -> (salt, tokens its keys hold) of one ended
         self.per_token: dict[int, float] = {}       # batch bucket -> seconds per drafted token
         self.catch_up: list[tuple[int, float]] = []  # (n, seconds a row of n tokens adds to a forward)
 
@@ -101,7 +99,7 @@ class DraftModelDrafter(Drafter):
         # of a 0.5B draft's bytes read a token
         self.model.logit_rows = min(self.model.cfg.vocab_size, self.vocab)
         self.runner = context.make_runner(self.model)
-        self.prefix_key = context.prefix_key
+        self.kept_keys = KeptKeys(context.prefix_key)        # a slot's keys for the next sequence there
         # whether propose feeds drafted tokens on the device and reads them once (see the top)
         self.drafts_on_device = self.runner.device.type == "cuda"
         self._measure(context.num_slots, context.max_len, context.max_step_tokens)
@@ -196,18 +194,14 @@ class DraftModelDrafter(Drafter):
 
     def _adopt(self, seq_id: int, slot: int) -> None:
         """Before this model first writes seq_id's slot: the keys kept there that begin its tokens
-        are valid, where the sequence may reuse a prefix of that salt (DraftContext.prefix_key)."""
-        if seq_id not in self.slot_of:
-            key = self.prefix_key(seq_id)
-            self.slot_of[seq_id] = slot, key
-            salt, kept = self.kept.pop(slot, (None, []))
-            self.valid[seq_id] = common_prefix(kept, self.tokens[seq_id]) if key is not None and key == salt else 0
+        are valid (KeptKeys)."""
+        kept = self.kept_keys.adopt(seq_id, slot)
+        if kept is not None:
+            self.valid[seq_id] = common_prefix(kept, self.tokens[seq_id])
 
     def end(self, seq_id: int) -> None:
-        slot, key = self.slot_of.pop(seq_id, (None, None))
-        if key is not None:
-            tokens = self.tokens[seq_id]
-            self.kept[slot] = key, tokens[:min(self.valid[seq_id], len(tokens))]
+        if seq_id in self.tokens:
+            self.kept_keys.end(seq_id, self.tokens[seq_id][:self.valid[seq_id]])
         for state in (self.tokens, self.offset, self.valid, self.fed):
             state.pop(seq_id, None)
 

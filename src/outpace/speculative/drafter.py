@@ -179,6 +179,38 @@ class DraftContext:
     prefix_key: object = lambda seq_id: None
 
 
+class KeptKeys:
+    """Prefix caching for a drafter's own cache in the target's slots: when a sequence ends, its
+    slot keeps what the drafter cached there for it, as the tokens those entries belong to; a later
+    sequence of the same salt starts from them when the drafter first writes that slot for it."""
+
+    def __init__(self, prefix_key):
+        self.prefix_key = prefix_key                            # DraftContext.prefix_key
+        self.kept: dict[int, tuple[str, list[int]]] = {}        # slot -> (salt, tokens) of a sequence that ended
+        self.owner: dict[int, tuple[int, str | None]] = {}      # seq_id -> (its slot, prefix key) once written
+
+    def matching(self, seq_id: int, slot: int) -> list[int]:
+        """The tokens the slot kept, where the sequence may reuse them (the same salt); else []."""
+        key, kept = self.prefix_key(seq_id), self.kept.get(slot)
+        return kept[1] if key is not None and kept is not None and kept[0] == key else []
+
+    def adopt(self, seq_id: int, slot: int) -> list[int] | None:
+        """Before the drafter first writes the sequence's slot: the kept tokens it may start from
+        (matching), the slot's record now the sequence's; None where it was adopted already."""
+        if seq_id in self.owner:
+            return None
+        tokens = self.matching(seq_id, slot)
+        self.owner[seq_id] = slot, self.prefix_key(seq_id)
+        self.kept.pop(slot, None)
+        return tokens
+
+    def end(self, seq_id: int, tokens: list[int]) -> None:
+        """The sequence ended holding entries for these tokens in the slot it was adopted in."""
+        slot, key = self.owner.pop(seq_id, (None, None))
+        if key is not None:
+            self.kept[slot] = key, tokens
+
+
 class Drafter:
     """Base class. Subclasses override what they need; the defaults keep no state.
 

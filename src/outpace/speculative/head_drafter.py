@@ -56,7 +56,7 @@ from outpace.model.draft_head import DraftHead, attend
 from outpace.model.eagle3 import load_eagle3_head
 from outpace.model.mtp import load_mtp_head
 from outpace.runner.calibrate import batch_buckets
-from outpace.speculative.drafter import DraftBatch, DraftContext, Drafter, Drafts, Prefilled, Verified
+from outpace.speculative.drafter import DraftBatch, DraftContext, Drafter, Drafts, KeptKeys, Prefilled, Verified
 from outpace.speculative.head_graphs import (HeadGraphs, HeadGraphStep, HeadTreeGraphStep, frontier_depth,
                                              frontier_mask, grow_frontier)
 
@@ -78,8 +78,6 @@ class HeadDrafter(Drafter):
         self.load = load
         self.tree_width = tree_width
         self.tokens: dict[int, list[int]] = {}      # seq_id -> its tokens: the prompt, then those accepted
-        self.slot_of: dict[int, tuple[int, str | None]] = {}   # seq_id -> (its slot, prefix key) once cached there
-        self.kept: dict[int, tuple[str, list[int]]] = {}        # slot -> (salt, tokens of the pairs held, and one)
         self.ready: dict[int, bool] = {}            # seq_id -> its prompt is caught up
         self.caught: dict[int, int] = {}            # seq_id -> pairs before this position are in the head's cache
         self.drafted: set[int] = set()              # sequences that drafted since their pairs were last caught up
@@ -100,7 +98,7 @@ class HeadDrafter(Drafter):
         self.kernel_attention = cpu_kernels.attention_fits(head.cfg, context.dtype, context.device)
         cfg = head.cfg
         self.hidden_layers = cfg.target_layers
-        self.prefix_key = context.prefix_key
+        self.kept_keys = KeptKeys(context.prefix_key)        # a slot's pairs: the tokens of those held, and one
         self.embed = head.embed if head.embed is not None else context.target.embed
         # and, where the kernels compute the whole head, each forward or chain in one call
         self.pair = head.cpu_pair_head(self.embed, context.dtype) if self.kernel_attention else None
@@ -252,24 +250,13 @@ class HeadDrafter(Drafter):
         """The pairs the slot kept that begin the sequence (pair p needs tokens p and p + 1 alike),
         short of its prompt's last pair, which a chunk computes so that the slot's stored output is
         the prompt's."""
-        key, kept = self.prefix_key(seq_id), self.kept.get(slot)
-        if key is None or kept is None or kept[0] != key:
-            return 0
-        tokens = self.tokens[seq_id]
-        return max(0, min(len(kept[1]) - 1, common_prefix(kept[1], tokens) - 1, len(tokens) - 2))
-
-    def _adopt(self, seq_id: int, slot: int) -> None:
-        """Before the head first writes the sequence's slot: what the slot kept is the sequence's
-        now (the target reused no more of it than reusable_prefix allowed)."""
-        if seq_id not in self.slot_of:
-            self.slot_of[seq_id] = slot, self.prefix_key(seq_id)
-            self.kept.pop(slot, None)
+        kept, tokens = self.kept_keys.matching(seq_id, slot), self.tokens[seq_id]
+        return max(0, min(len(kept) - 1, common_prefix(kept, tokens) - 1, len(tokens) - 2))
 
     def end(self, seq_id: int) -> None:
         """The slot keeps the pairs before `caught`, for a later sequence."""
-        slot, key = self.slot_of.pop(seq_id, (None, None))
-        if key is not None and self.caught[seq_id] > 0:
-            self.kept[slot] = key, self.tokens[seq_id][:self.caught[seq_id] + 1]
+        if seq_id in self.tokens:
+            self.kept_keys.end(seq_id, self.tokens[seq_id][:self.caught[seq_id] + 1])
         self.tokens.pop(seq_id, None)
         self.ready.pop(seq_id, None)
         self.caught.pop(seq_id, None)
@@ -285,7 +272,7 @@ class HeadDrafter(Drafter):
         self._catch_up(chunks.hidden[:, :S], torch.tensor(tokens, device=self.device), chunks.slots, chunks.starts,
                        torch.tensor([n - 1 for n in chunks.lengths], device=self.device))
         for seq_id, slot, start, n in zip(chunks.seq_ids, chunks.slots, chunks.starts, chunks.lengths):
-            self._adopt(seq_id, slot)
+            self.kept_keys.adopt(seq_id, slot)     # the target reused no more than reusable_prefix
             self.ready[seq_id] = start + n == len(self.tokens[seq_id]) - 1
             self.caught[seq_id] = start + n
 
@@ -296,8 +283,8 @@ class HeadDrafter(Drafter):
         module docstring)."""
         batch = result.batch
         S = result.out_tokens.shape[1]
-        for seq_id, slot in zip(batch.seq_ids, batch.slots):
-            self._adopt(seq_id, slot)
+        for seq_id, slot in zip(batch.seq_ids, batch.slots):     # a prompt of one token has no chunk
+            self.kept_keys.adopt(seq_id, slot)
         if self.graphs is not None:
             if not self.graphs.catch_up(result):
                 self._catch_up(result.hidden[:, :S], result.out_tokens, batch.slots, batch.positions,
