@@ -368,6 +368,25 @@ def test_a_drafters_priced_forwards_are_charged_once_and_not_to_free_rows():
     assert abs(paid(8 + 10) - (1.1 + 0.1 + 0.5)) < 0.01
 
 
+def test_a_drafters_step_cost_is_charged_once_a_drafting_step():
+    """A drafter whose steps cost 0.2 s once whenever they draft (a head's catch-up) beside 0.05 s
+    a drafted token: a paid step of 10 drafted tokens costs both prices once, a plain step neither,
+    a free lookup's step neither, and the fit, with both taken out, holds the steps' own
+    overhead alone. With the step's cost folded into one price a token, a draft of 1 and one of
+    4 tokens would cost the same a token."""
+    c = DraftController(8, {8: [[0, 1.0], [64, 1.64]]}, packed=True, draft_cost=lambda batch_size: 0.05,
+                        draft_step_cost=lambda batch_size: 0.2)
+    for i in range(300):
+        drafted = (4, 8, 12)[i % 3]
+        paid = drafted if i % 2 else 0
+        c.observe_step(8, 8 + drafted, 1.0 + 0.01 * drafted + 0.1 + (0.05 * paid + 0.2 if paid else 0.0), paid)
+    free, paid = c._costs(8, paid=False), c._costs(8)
+    assert abs(paid(8) - 1.1) < 0.01
+    assert abs(free(8 + 10) - (1.1 + 0.1)) < 0.01
+    assert abs(paid(8 + 1) - (1.01 + 0.1 + 0.05 + 0.2)) < 0.01
+    assert abs(paid(8 + 10) - (1.1 + 0.1 + 0.5 + 0.2)) < 0.01
+
+
 def test_drafting_measured_above_its_price_stays_out_of_the_fit():
     """Every step drafts 4 paid tokens whose drafting the host measured at 0.4 s, where the
     drafter's price (a lagging mean) says 0.05 a token. The measure is taken out, not the price:

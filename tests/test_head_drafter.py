@@ -859,3 +859,41 @@ def test_on_the_cpu_drafting_is_priced_at_what_it_takes(folders, plain):
         if slow:        # some bucket's price now holds the sleeps
             assert max(drafter.per_token[b] / measured[b] for b in measured) > 4
     assert drafted[True] < drafted[False] / 3
+
+
+@pytest.mark.parametrize("every", [1, 12])
+def test_on_the_cpu_a_catch_up_prices_the_step_and_a_long_one_is_left_out(folders, plain, every):
+    """Each catch-up of pending pairs sleeps five of the target's calibrated plain steps where
+    the head drafts at every step (every 1), and only where it catches up more pairs than a verify
+    step gives where the controller lets it draft one step in twelve (every 12). A step's usual
+    catch-up is priced once a drafting step (step_cost) and never per drafted token; a long one
+    prices neither, so one row's return after steps without drafts cannot price the head out.
+    Regression: the catch-up was in the price of each drafted token, so a second token looked to
+    cost a catch-up too."""
+    import time
+    llm = LLM(str(folders[0]), spec=SpecConfig(method="eagle3", draft_head=str(folders[1]), num_draft_tokens=2),
+              **dict(OPTIONS, calibrate=True))
+    controller, drafter = llm.engine.controller, llm.engine.drafter
+    controller._gains = lambda seq_ids, available=None, matches=None: [
+        [0.9, 0.81][:2 if available is None else available[i]] for i in range(len(seq_ids))]
+    steps, row_lengths = itertools.count(), controller.row_lengths
+    controller.row_lengths = lambda seq_ids, *args, **kwargs: (
+        row_lengths(seq_ids, *args, **kwargs) if next(steps) % every == 0 else [0] * len(seq_ids))
+    per_token, per_step = dict(drafter.per_token), dict(drafter.per_step)
+    pause = 5 * controller.step_cost(len(PROMPTS), len(PROMPTS))
+    catch_up = drafter._catch_up
+
+    def slow_catch_up(hidden, tokens, *args):
+        if every == 1 or tokens.shape[1] > 3:
+            time.sleep(pause)
+        catch_up(hidden, tokens, *args)
+
+    drafter._catch_up = slow_catch_up
+    out = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in out] == plain
+    assert sum(o.spec["num_draft_tokens"] for o in out) > 0
+    # a price moves a tenth of the way to each measure (PRICE_DECAY): one slept catch-up in it
+    # moves it by pause / 10, and a few dozen drafting steps are spread over three batch buckets
+    assert max(drafter.per_token[b] - per_token[b] for b in per_token) < pause / 20
+    rise = max(drafter.per_step[b] - per_step[b] for b in per_step)
+    assert rise > pause / 8 if every == 1 else rise < pause / 20

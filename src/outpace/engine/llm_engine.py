@@ -100,7 +100,8 @@ class LLMEngine:
             cost = measure_verify_cost(self.runner, config.max_num_seqs, num_draft_tokens)
         # a head's trees draft inside the graphs and its chains would not: trees every step, sized by depth
         self.controller = DraftController(num_draft_tokens, cost, packed=self.runner.packs_rows,
-                                          draft_cost=self.drafter.cost_per_token, tree_width=spec.tree_width,
+                                          draft_cost=self.drafter.cost_per_token,
+                                          draft_step_cost=self.drafter.step_cost, tree_width=spec.tree_width,
                                           tree_depth=getattr(getattr(self.runner, "extension", None), "tree_depth",
                                                              None))
         self.scheduler = Scheduler(config.max_num_seqs, config.max_prefill_tokens, low_slots_first=self.uses_graphs,

@@ -111,6 +111,9 @@ class DrafterChain(Drafter):
     def cost_per_token(self, batch_size):
         return max(d.cost_per_token(batch_size) for d in self.drafters)
 
+    def step_cost(self, batch_size):
+        return max(d.step_cost(batch_size) for d in self.drafters)
+
     def graph_step(self, max_rows, max_tokens):
         """The lookup's device twin's part of the runner's graph step, where there is one, with
         the paying drafter's where it has one (ChainGraphStep)."""

@@ -182,12 +182,15 @@ class ShapeChoice:
 
 class DraftController:
     def __init__(self, num_draft_tokens: int, cost: dict[int, list] | None = None, packed: bool = False,
-                 draft_cost=None, tree_width: int = 1, tree_depth: Callable[[int], int] | None = None):
+                 draft_cost=None, tree_width: int = 1, tree_depth: Callable[[int], int] | None = None,
+                 draft_step_cost=None):
         """cost: forward seconds by batch-size bucket b, as calibrate.measure_verify_cost gives them:
         cost[b][s-1] for b rows of s tokens (packed False: rows padded to the longest), or
         cost[b] = [[e, seconds], ...] for b rows holding e drafted tokens (packed True). None =
         flat, no timing. draft_cost(batch_size): the drafter's own seconds per drafted token in a
-        step of that many rows (Drafter.cost_per_token), charged on top of the verify forward.
+        step of that many rows (Drafter.cost_per_token), charged on top of the verify forward;
+        draft_step_cost(batch_size): seconds a step that drafts such tokens pays once beside them
+        (Drafter.step_cost: a head's catch-up of the pairs the last step accepted).
         tree_width: the drafter's token trees' width (1: it drafts chains only). tree_depth: where
         every step drafts trees of tree_width (a head's inside the CUDA graphs, whose chains would
         draft outside them: HeadTreeGraphStep), the depth a tree of k nodes reaches; no chains are
@@ -195,6 +198,7 @@ class DraftController:
         self.num_draft_tokens = num_draft_tokens
         self.packed = packed
         self.draft_cost = draft_cost
+        self.draft_step_cost = draft_step_cost
         # curves[b]: (x, seconds) points, x a step's tokens per row (padded) or drafted tokens (packed)
         self.curves = {b: [tuple(p) for p in curve] if packed else [(s + 1, t) for s, t in enumerate(curve)]
                        for b, curve in (cost or {}).items()}
@@ -279,8 +283,12 @@ class DraftController:
         b = self._bucket(batch_size)
         alpha, beta = self.fit.get(b, (0.0, 0.0))
         per_draft = self.draft_cost(batch_size) if self.draft_cost is not None and paid else 0.0
+        per_step = self._draft_step_cost(batch_size) if paid else 0.0
         return lambda tokens: (self._forward(b, batch_size, tokens) + alpha + beta * self._drafting(batch_size, tokens)
-                               + per_draft * (tokens - batch_size))
+                               + per_draft * (tokens - batch_size) + (per_step if tokens > batch_size else 0.0))
+
+    def _draft_step_cost(self, batch_size: int) -> float:
+        return self.draft_step_cost(batch_size) if self.draft_step_cost is not None else 0.0
 
     def _forward(self, bucket: int, batch_size: int, tokens: int) -> float:
         if not self.packed:
@@ -572,9 +580,10 @@ class DraftController:
                      draft_seconds: float = 0.0) -> None:
         """A decode step of batch_size rows holding `tokens` tokens in all took `seconds` (propose
         through the host sync), paid_tokens of its drafted tokens drafted by a drafter that prices
-        its own forwards (draft_cost). What it took beyond the calibrated forward and that price
-        (launches, the host's work, lookups, acceptance math, contexts longer than the
-        calibration's, whose attention grows with each drafted token where rows are packed) is
+        its own forwards (draft_cost, and draft_step_cost once). What it took beyond the calibrated
+        forward and that price (launches, the host's work, lookups, acceptance math, contexts
+        longer than the calibration's, whose attention grows with each drafted token where rows
+        are packed) is
         fitted per bucket as alpha + beta * x over the recent steps, plain and drafting alike (a
         decayed least-squares line, its slope shrunk toward none by SLOPE_PRIOR). The drafter's
         price is taken out first because _costs charges it on top of the fit: left in, a draft
@@ -596,7 +605,8 @@ class DraftController:
         forward = self._forward(b, batch_size, tokens)
         extra = seconds - forward
         if paid_tokens and self.draft_cost is not None:
-            extra = max(extra - max(self.draft_cost(batch_size) * paid_tokens, draft_seconds), 0.0)
+            price = self.draft_cost(batch_size) * paid_tokens + self._draft_step_cost(batch_size)
+            extra = max(extra - max(price, draft_seconds), 0.0)
         x, y = self._drafting(batch_size, tokens), min(extra, OUTLIER_FORWARDS * forward)
         sums = self.sums.setdefault(b, LineFit())
         sums.add(x, y, FIT_DECAY)

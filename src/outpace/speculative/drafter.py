@@ -286,6 +286,12 @@ class Drafter:
         next to the target (lookups)."""
         return 0.0
 
+    def step_cost(self, batch_size: int) -> float:
+        """Seconds a step of batch_size rows that drafts costs the drafter once, beside each
+        drafted token's cost_per_token (a head's catch-up of the pairs the last step accepted, one
+        forward for every row whatever the draft's length): the controller charges it."""
+        return 0.0
+
     def graph_step(self, max_rows: int, max_tokens: int):
         """A part of the runner's captured CUDA graph step that drafts into each row's input
         tokens and verifies greedy rows itself (speculative/ngram_device.py's GraphStep), or None."""

@@ -62,7 +62,7 @@ from outpace.speculative.head_graphs import (HeadGraphs, HeadGraphStep, HeadTree
 
 # verify steps' pairs a row may hold pending beyond one step's before it catches up undrafted
 PENDING_STEPS = 32
-PRICE_DECAY = 0.9           # per drafting step, on the CPU's measured seconds per drafted token
+PRICE_DECAY = 0.9           # per drafting step, on the CPU's measured seconds of a catch-up and a drafted token
 # (context, cache length) -> the head, loaded and checked against the target
 HeadLoader = Callable[[DraftContext, int], DraftHead]
 
@@ -83,6 +83,8 @@ class HeadDrafter(Drafter):
         self.drafted: set[int] = set()              # sequences that drafted since their pairs were last caught up
         self.given_up: set[int] = set()             # sequences the head drafts no more for (pending path)
         self.per_token: dict[int, float] = {}       # batch bucket -> seconds per drafted token
+        self.per_step: dict[int, float] = {}        # batch bucket -> seconds of a step's catch-up
+        self.caught_up = (0.0, 0)                   # the last propose's catch-up: seconds, most pairs of a row
         self.step: HeadGraphStep | None = None      # the head's part of the target's graph step, if any
 
     def bind(self, context: DraftContext) -> None:
@@ -129,27 +131,49 @@ class HeadDrafter(Drafter):
             self._measure(context.num_slots)
 
     def _measure(self, num_slots: int) -> None:
-        """Seconds per drafted token by batch bucket: a forward of b rows of one pair and its
-        logits, over b. Writes entries at position 0 of the slots it uses; prefills overwrite them."""
-        H = self.head.cfg.hidden_size
+        """By batch bucket, seconds per drafted token (a forward of b rows of one pair and its
+        logits, over b) and of a step's catch-up (b rows of two pairs: an accepted draft and the
+        target's own token). Writes entries at positions 0 and 1 of the slots it uses and their
+        stored outputs; prefills overwrite them."""
+        cfg = self.head.cfg
         for b in batch_buckets(num_slots):
             slots = torch.arange(b, device=self.device)
             zeros = torch.zeros(b, 1, dtype=torch.long, device=self.device)
-            best = float("inf")
-            for _ in range(3):
-                t0 = time.perf_counter()
-                out = self._causal_forward(self.last_out.new_zeros(b, 1, H), zeros, slots, zeros, 1)
-                self.head.logits(out)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                best = min(best, time.perf_counter() - t0)
-            self.per_token[b] = best / b
+            hidden = self.last_out.new_zeros(b, 2, len(self.hidden_layers), cfg.target_hidden_size)
+
+            def draft():
+                self.head.logits(self._causal_forward(self.last_out.new_zeros(b, 1, cfg.hidden_size), zeros,
+                                                      slots, zeros, 1))
+
+            def catch_up():
+                self._catch_up(hidden, torch.zeros(b, 2, dtype=torch.long, device=self.device), list(range(b)),
+                               [0] * b, zeros[:, 0])
+
+            self.per_token[b] = self._best_seconds(draft) / b
+            self.per_step[b] = self._best_seconds(catch_up)
+
+    def _best_seconds(self, run: Callable[[], None], repeats: int = 3) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            best = min(best, time.perf_counter() - t0)
+        return best
 
     def cost_per_token(self, batch_size: int) -> float:
         # drafting inside the target's graphs is part of the verify forward the engine calibrates
         if self.step is not None:
             return 0.0
         return self.per_token[self._bucket(batch_size)]
+
+    def step_cost(self, batch_size: int) -> float:
+        """A drafting step's catch-up of the pairs its rows' last steps accepted: one forward of
+        every drafting row, whatever their drafts' lengths (under graphs, the verify forward's)."""
+        if self.step is not None or not self.per_step:
+            return 0.0
+        return self.per_step[self._bucket(batch_size)]
 
     def graph_step(self, max_rows: int, max_tokens: int) -> HeadGraphStep | None:
         """Where the head's catch-up replays graphs, its part of the target's graph step: greedy
@@ -327,6 +351,7 @@ class HeadDrafter(Drafter):
         rows = batch.subset([i for i, (s, n) in enumerate(zip(batch.seq_ids, batch.positions)) if n > self.caught[s]])
         if not len(rows):
             return
+        t0 = time.perf_counter()
         starts = [self.caught[s] for s in rows.seq_ids]
         counts = [n - start for n, start in zip(rows.positions, starts)]
         S = max(counts)
@@ -335,21 +360,31 @@ class HeadDrafter(Drafter):
                        torch.tensor(counts, device=self.device) - 1)
         for s, n in zip(rows.seq_ids, rows.positions):
             self.caught[s] = n
+        self.caught_up = (time.perf_counter() - t0, S)
 
     # ---- drafting -------------------------------------------------------------------------------
     def propose(self, batch: DraftBatch) -> Drafts:
         """Drafts of the rows with a budget. On the CPU, where a call's time is its work, the
-        seconds drafting took (the rows' catch-up with it) price the next drafted tokens of its
-        batch bucket (a decayed mean), not the load-time measure alone: between the target's
-        steps the head's weights are no longer in the caches that measure found them in."""
+        seconds drafting took price the next steps of its batch bucket (decayed means), not the
+        load-time measures alone: between the target's steps the head's weights are no longer in
+        the caches that measure found them in. The catch-up prices a step and the rest each drafted
+        token: one price for both charged a step its catch-up once per drafted token, so a second
+        token looked to cost what the first did, catch-up and all. A catch-up of more pairs than a
+        verify step at this step's budget gives a row (its first draft after steps without) is
+        left out of the step's price: priced in, it could keep the head from drafting, and so
+        from measuring the price again."""
         t0 = time.perf_counter()
+        self.caught_up = (0.0, 0)
         drafts = self._propose(batch)
         if self.device.type == "cpu" and drafts.num_draft_host:
             tokens = sum(drafts.num_draft_host)
             if tokens:
                 b = self._bucket(len(batch))
-                seconds = (time.perf_counter() - t0) / tokens
+                catch_up, pairs = self.caught_up
+                seconds = (time.perf_counter() - t0 - catch_up) / tokens
                 self.per_token[b] = PRICE_DECAY * self.per_token[b] + (1 - PRICE_DECAY) * seconds
+                if 0 < pairs <= 1 + max(batch.budget):
+                    self.per_step[b] = PRICE_DECAY * self.per_step[b] + (1 - PRICE_DECAY) * catch_up
         return drafts
 
     @torch.inference_mode()
