@@ -127,6 +127,7 @@ def propose_table(drafter, buckets: list[int], ks: list[int], device: str, conte
     print("| rows | draft forward ms | " + " | ".join(f"propose({k}) ms a position" for k in ks) + " |")
     print("|---" * (2 + len(ks)) + "|")
     prompt = list(range(100, 100 + context))
+    drafter.kept_keys.prefix_key = lambda seq_id: None     # its sequences are not the engine's: none reuses a prefix
     for b in buckets:
         seq_ids = list(range(10_000, 10_000 + b))
         for seq_id in seq_ids:

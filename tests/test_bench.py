@@ -266,6 +266,31 @@ def test_head_acceptance_counts_every_category(tmp_path, dataset, default_model_
     assert "| overall |" in printed and "| all |" in printed and "static token trees" in printed
 
 
+def test_draft_costs_prints_both_tables(tmp_path, default_model_dir, monkeypatch, capsys):
+    """benchmarks/draft_costs.py on a tiny target drafted by itself: the calibrated costs by batch
+    size and the timed proposes, a row for each calibrated bucket in each table. Regression: its
+    proposes' sequences are not the engine's, and since prefix caching the draft model's first
+    write asked the engine for theirs (KeyError)."""
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import draft_costs
+
+    target = tmp_path / "target"
+    make_tiny("llama", target, vocab_size=49152, tokenizer_from=default_model_dir, dtype=torch.float32)
+    monkeypatch.setattr(sys, "argv", ["draft_costs.py", "--model", str(target), "--draft-model", str(target),
+                                      "--draft-vocab", "0", "--num-draft-tokens", "2", "--max-num-seqs", "2",
+                                      "--ks", "1", "2"])
+    draft_costs.main()
+    tables = capsys.readouterr().out.split("| rows |")[1:]     # each table: its header's rest, its rule, its rows
+    assert len(tables) == 2
+    for table in tables:
+        rows = [row.strip("|").split("|") for row in table.strip().splitlines()[2:]]
+        assert [int(row[0]) for row in rows] == [1, 2]
+        assert all(float(cell.strip().rstrip("x")) > 0 for row in rows for cell in row[1:])
+
+
 @pytest.mark.parametrize("tree_width", [1, 3])
 def test_head_costs_times_every_drafting_step(tmp_path, dataset, default_model_dir, monkeypatch, capsys, tree_width):
     """benchmarks/head_costs.py on a tiny target and a random head: the uncalibrated controller
