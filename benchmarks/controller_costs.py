@@ -62,7 +62,7 @@ def run(cls, rows: int, steps: int, seed: int = 0) -> tuple[float, str]:
             s = ids[int(u[0] * len(ids))]
             c.end(s, 10 + outputs[0])
             ids[ids.index(s)] = max(ids) + 1
-        digest.update(repr((paid, free, c.pays_setup(0.01, 100, rows))).encode())
+        digest.update(repr((paid, free, c.pays_setup(0.01, 100, rows, ids[0]))).encode())
     return spent / steps, digest.hexdigest()[:16]
 
 

@@ -266,6 +266,27 @@ def test_head_acceptance_counts_every_category(tmp_path, dataset, default_model_
     assert "| overall |" in printed and "| all |" in printed and "static token trees" in printed
 
 
+def test_controller_costs_times_the_same_decisions_alike(monkeypatch, capsys):
+    """benchmarks/controller_costs.py with this checkout's controller as its own baseline: both
+    take the same decisions (one digest) and each step's time is measured. Regression: the script
+    called pays_setup without the sequence it asks for (a TypeError since 7186494)."""
+    import re
+    import sys
+    from pathlib import Path
+
+    benchmarks = Path(__file__).parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))
+    import controller_costs
+
+    monkeypatch.setattr(sys, "argv", ["controller_costs.py", "--rows", "4", "--steps", "40", "--repeats", "1",
+                                      "--baseline", str(benchmarks.parent / "src")])
+    controller_costs.main()
+    line = capsys.readouterr().out.strip()
+    times = re.findall(r"(\S+) us a step \(decisions (\w+)\)", line)
+    assert line.startswith("4 rows: this ") and len(times) == 2
+    assert times[0][1] == times[1][1] and all(float(t) > 0 for t, _ in times)
+
+
 def test_draft_costs_prints_both_tables(tmp_path, default_model_dir, monkeypatch, capsys):
     """benchmarks/draft_costs.py on a tiny target drafted by itself: the calibrated costs by batch
     size and the timed proposes, a row for each calibrated bucket in each table. Regression: its
