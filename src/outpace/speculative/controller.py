@@ -583,12 +583,11 @@ class DraftController:
         its own forwards (draft_cost, and draft_step_cost once). What it took beyond the calibrated
         forward and that price (launches, the host's work, lookups, acceptance math, contexts
         longer than the calibration's, whose attention grows with each drafted token where rows
-        are packed) is
-        fitted per bucket as alpha + beta * x over the recent steps, plain and drafting alike (a
-        decayed least-squares line, its slope shrunk toward none by SLOPE_PRIOR). The drafter's
-        price is taken out first because _costs charges it on top of the fit: left in, a draft
-        model's forwards were counted twice, and a chain's free lookup rows paid for them through
-        the slope. It is taken out down to nothing left, not below: a price above what the steps
+        are packed) is fitted per bucket as alpha + beta * x over the recent steps, plain and
+        drafting alike (a decayed least-squares line, its slope shrunk toward none by
+        SLOPE_PRIOR). The drafter's price is taken out first because _costs charges it on top of
+        the fit: left in, a draft model's forwards were counted twice, and a chain's free lookup
+        rows paid for them through the slope. It is taken out down to nothing left, not below: a price above what the steps
         took is kept, not refunded through the fit (free rows would then look cheaper than
         nothing). Where the host measured the drafting take more than its price (draft_seconds: on
         the CPU a propose's time is its work, and a price that is a decayed mean of it lags a
