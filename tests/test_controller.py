@@ -231,6 +231,44 @@ def test_calibration_times_every_shape_once_a_round(tmp_path, monkeypatch):
     assert cost[1] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]
 
 
+@pytest.mark.parametrize("packs", [False, True])
+def test_a_calibrated_point_above_a_later_one_is_read_at_the_later(tmp_path, monkeypatch, packs):
+    """A forward of 5 tokens a row that reads slower than those of 6 to 9 in every round (a slow
+    spell each round met) is read at the least of them: the curve the controller gets never falls.
+    Regression: a cached Qwen2.5-1.5B curve whose 5 and 6 drafts read above 8 kept the controller
+    from drafting that deep on that machine for good. The measure kept on disk is the raw one."""
+    import dataclasses
+    import json
+    import time as clock
+    from types import SimpleNamespace
+
+    import torch
+
+    from outpace.runner.calibrate import measure_verify_cost
+
+    @dataclasses.dataclass
+    class Shape:
+        hidden: int = 8
+
+    monkeypatch.setenv("OUTPACE_HOME", str(tmp_path))
+    now = [0.0]
+    monkeypatch.setattr(clock, "perf_counter", lambda: now[0])
+
+    def forward(rows):
+        tokens = sum(len(r.token_ids) for r in rows)
+        now[0] += 8.0 if tokens == 5 else float(tokens)
+
+    runner = SimpleNamespace(model=SimpleNamespace(cfg=Shape(), modules=lambda: []), dtype=torch.float32,
+                             device=torch.device("cpu"), packs_rows=packs, forward=forward,
+                             cache=SimpleNamespace(commit=lambda slots, num_accepted: None))
+    for _ in range(2):          # measured, then read from the kept file
+        cost = measure_verify_cost(runner, max_seqs=1, num_draft_tokens=8, reps=2)
+        seconds = [t for _, t in cost[1]] if packs else cost[1]
+        assert seconds == [1.0, 2.0, 3.0, 4.0, 6.0, 6.0, 7.0, 8.0, 9.0]
+    kept = json.loads(next((tmp_path / "calibration").iterdir()).read_text())["1"]
+    assert ([t for _, t in kept] if packs else kept)[4] == 8.0
+
+
 def test_each_graph_steps_drafter_part_is_calibrated_apart(tmp_path, monkeypatch):
     """The calibration cache keeps one measure per drafter part of a graph step (its cost_key) and
     hidden layers: every measured forward runs that work, so an engine with a head's chains in its
