@@ -235,8 +235,8 @@ def test_calibration_times_every_shape_once_a_round(tmp_path, monkeypatch):
 def test_a_calibrated_point_above_a_later_one_is_read_at_the_later(tmp_path, monkeypatch, packs):
     """A forward of 5 tokens a row that reads slower than those of 6 to 9 in every round (a slow
     spell each round met) is read at the least of them: the curve the controller gets never falls.
-    Regression: a cached Qwen2.5-1.5B curve whose 5 and 6 drafts read above 8 kept the controller
-    from drafting that deep on that machine for good. The measure kept on disk is the raw one."""
+    Regression: a kept Qwen2.5-1.5B curve whose 5 and 6 drafts read above 8 priced drafting that
+    deep on that machine for good. The measure kept on disk is the raw one."""
     import dataclasses
     import json
     import time as clock
