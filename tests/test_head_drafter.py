@@ -866,11 +866,10 @@ def test_on_the_cpu_a_catch_up_prices_the_step_and_a_long_one_is_left_out(folder
     """The head's catch-ups (prompt chunks' too, which price nothing) sleep five of the target's
     calibrated plain steps where the head drafts at every step (every 1), and only those of more
     pairs than a verify step gives where the controller lets it draft one step in twelve (every
-    12). A step's usual
-    catch-up is priced once a drafting step (step_cost) and never per drafted token; a long one
-    prices neither, so one row's return after steps without drafts cannot price the head out.
-    Regression: the catch-up was in the price of each drafted token, so a second token looked to
-    cost a catch-up too."""
+    12). A step's usual catch-up is priced once a drafting step (step_cost) and never per drafted
+    token; a long one prices neither, so one row's return after steps without drafts cannot
+    price the head out. Regression: the catch-up was in the price of each drafted token, so a
+    second token looked to cost a catch-up too."""
     import time
     llm = LLM(str(folders[0]), spec=SpecConfig(method="eagle3", draft_head=str(folders[1]), num_draft_tokens=2),
               **dict(OPTIONS, calibrate=True))
