@@ -248,7 +248,7 @@ def llama3_shape(args, tokenizer_from, prompt_ids):
     built = {}
     original = llm_engine.load_model
 
-    def load_random(folder_, dtype, device_, max_len):
+    def load_random(folder_, dtype, device_, max_len, *_, **__):
         built["model"] = random_model(folder_, max_len, device_)
         return built["model"]
 
