@@ -198,7 +198,7 @@ class DraftController:
         self.num_draft_tokens = num_draft_tokens
         self.packed = packed
         self.draft_cost = draft_cost
-        self.draft_step_cost = draft_step_cost
+        self.draft_step_cost = draft_step_cost or (lambda batch_size: 0.0)
         # curves[b]: (x, seconds) points, x a step's tokens per row (padded) or drafted tokens (packed)
         self.curves = {b: [tuple(p) for p in curve] if packed else [(s + 1, t) for s, t in enumerate(curve)]
                        for b, curve in (cost or {}).items()}
@@ -283,12 +283,9 @@ class DraftController:
         b = self._bucket(batch_size)
         alpha, beta = self.fit.get(b, (0.0, 0.0))
         per_draft = self.draft_cost(batch_size) if self.draft_cost is not None and paid else 0.0
-        per_step = self._draft_step_cost(batch_size) if paid else 0.0
+        per_step = self.draft_step_cost(batch_size) if paid else 0.0
         return lambda tokens: (self._forward(b, batch_size, tokens) + alpha + beta * self._drafting(batch_size, tokens)
                                + per_draft * (tokens - batch_size) + (per_step if tokens > batch_size else 0.0))
-
-    def _draft_step_cost(self, batch_size: int) -> float:
-        return self.draft_step_cost(batch_size) if self.draft_step_cost is not None else 0.0
 
     def _forward(self, bucket: int, batch_size: int, tokens: int) -> float:
         if not self.packed:
@@ -581,30 +578,30 @@ class DraftController:
         """A decode step of batch_size rows holding `tokens` tokens in all took `seconds` (propose
         through the host sync), paid_tokens of its drafted tokens drafted by a drafter that prices
         its own forwards (draft_cost, and draft_step_cost once). What it took beyond the calibrated
-        forward and that price (launches, the host's work, lookups, acceptance math, contexts
-        longer than the calibration's, whose attention grows with each drafted token where rows
-        are packed) is fitted per bucket as alpha + beta * x over the recent steps, plain and
-        drafting alike (a decayed least-squares line, its slope shrunk toward none by
-        SLOPE_PRIOR). The drafter's price is taken out first because _costs charges it on top of
-        the fit: left in, a draft model's forwards were counted twice, and a chain's free lookup
-        rows paid for them through the slope. It is taken out down to nothing left, not below: a price above what the steps
-        took is kept, not refunded through the fit (free rows would then look cheaper than
-        nothing). Where the host measured the drafting take more than its price (draft_seconds: on
-        the CPU a propose's time is its work, and a price that is a decayed mean of it lags a
-        change), the measure is taken out instead: left in, the lag went into the intercept, which
-        plain steps are charged too, and drafting looked cheaper against them. One fit rather
-        than separate means of plain and drafting steps: where nearly every step drafts, a plain
-        steps' mean goes stale and the drafting one absorbs its error, so drafted tokens look
-        cheaper than they are; its intercept is the plain steps' mean only while recent plain
-        steps weigh enough (LineFit.line). One slow step (a first call, a collection pause) counts
-        as at most a few forwards."""
+        forward and that price (launches, the host's work, lookups, acceptance math, contexts longer
+        than the calibration's, whose attention grows with each drafted token where rows are packed)
+        is fitted per bucket as alpha + beta * x over the recent steps, plain and drafting alike (a
+        decayed least-squares line, its slope shrunk toward none by SLOPE_PRIOR). The drafter's
+        price is taken out first because _costs charges it on top of the fit: left in, a draft
+        model's forwards were counted twice, and a chain's free lookup rows paid for them through
+        the slope. It is taken out down to nothing left, not below: a price above what the steps
+        took is kept, not refunded through the fit (free rows would then look cheaper than nothing).
+        Where the host measured the drafting take more than its price (draft_seconds: on the CPU a
+        propose's time is its work, and a price that is a decayed mean of it lags a change), the
+        measure is taken out instead: left in, the lag went into the intercept, which plain steps
+        are charged too, and drafting looked cheaper against them. One fit rather than separate
+        means of plain and drafting steps: where nearly every step drafts, a plain steps' mean goes
+        stale and the drafting one absorbs its error, so drafted tokens look cheaper than they are;
+        its intercept is the plain steps' mean only while recent plain steps weigh enough
+        (LineFit.line). One slow step (a first call, a collection pause) counts as at most a few
+        forwards."""
         if not self.buckets:
             return
         b = self._bucket(batch_size)
         forward = self._forward(b, batch_size, tokens)
         extra = seconds - forward
         if paid_tokens and self.draft_cost is not None:
-            price = self.draft_cost(batch_size) * paid_tokens + self._draft_step_cost(batch_size)
+            price = self.draft_cost(batch_size) * paid_tokens + self.draft_step_cost(batch_size)
             extra = max(extra - max(price, draft_seconds), 0.0)
         x, y = self._drafting(batch_size, tokens), min(extra, OUTLIER_FORWARDS * forward)
         sums = self.sums.setdefault(b, LineFit())

@@ -84,7 +84,7 @@ class HeadDrafter(Drafter):
         self.given_up: set[int] = set()             # sequences the head drafts no more for (pending path)
         self.per_token: dict[int, float] = {}       # batch bucket -> seconds per drafted token
         self.per_step: dict[int, float] = {}        # batch bucket -> seconds of a step's catch-up
-        self.caught_up = (0.0, 0)                   # the last propose's catch-up: seconds, most pairs of a row
+        self.caught_up = (0.0, 0)                   # the last propose's catch-up (_catch_up_pending's return)
         self.step: HeadGraphStep | None = None      # the head's part of the target's graph step, if any
 
     def bind(self, context: DraftContext) -> None:
@@ -345,12 +345,13 @@ class HeadDrafter(Drafter):
         for seq_id in batch.seq_ids:        # a prompt of one token has no chunk to catch up
             self.ready[seq_id] = True
 
-    def _catch_up_pending(self, batch: DraftBatch) -> None:
+    def _catch_up_pending(self, batch: DraftBatch) -> tuple[float, int]:
         """The pending pairs of the batch's rows (whose last tokens sit at batch.positions n: pairs
-        caught .. n - 1, complete) in one forward: each slot's stored output becomes pair n - 1's."""
+        caught .. n - 1, complete) in one forward: each slot's stored output becomes pair n - 1's.
+        Returns the seconds it took and the most pairs a row caught up (0, 0 where none had any)."""
         rows = batch.subset([i for i, (s, n) in enumerate(zip(batch.seq_ids, batch.positions)) if n > self.caught[s]])
         if not len(rows):
-            return
+            return 0.0, 0
         t0 = time.perf_counter()
         starts = [self.caught[s] for s in rows.seq_ids]
         counts = [n - start for n, start in zip(rows.positions, starts)]
@@ -360,7 +361,7 @@ class HeadDrafter(Drafter):
                        torch.tensor(counts, device=self.device) - 1)
         for s, n in zip(rows.seq_ids, rows.positions):
             self.caught[s] = n
-        self.caught_up = (time.perf_counter() - t0, S)
+        return time.perf_counter() - t0, S
 
     # ---- drafting -------------------------------------------------------------------------------
     def propose(self, batch: DraftBatch) -> Drafts:
@@ -395,7 +396,7 @@ class HeadDrafter(Drafter):
         if self.graphs is not None and self.graphs.draft_shapes:
             return self.graphs.propose(batch, rows)
         if self.graphs is None:
-            self._catch_up_pending(batch.subset(rows))
+            self.caught_up = self._catch_up_pending(batch.subset(rows))
             self.drafted.update(batch.seq_ids[i] for i in rows)
         budget = [batch.budget[i] for i in rows]
         slots = torch.tensor([batch.slots[i] for i in rows], device=self.device)
