@@ -55,9 +55,9 @@ def measure_verify_cost(runner: ModelRunner, max_seqs: int, num_draft_tokens: in
 def never_falling(curve: list, packed: bool) -> list:
     """A bucket's curve with each point at most any later point's seconds: a step of fewer tokens
     never has to cost more than one of more (it could be padded to it), so a point above a later
-    one was measured in a slow spell that every round met (on a 2-core machine a Qwen2.5-1.5B
-    verify of 5 and 6 drafts read 135 and 147 ms where 8 read 126, kept as that machine's price of
-    drafting so deep). Applied as a kept measure is read, so curves kept before benefit too."""
+    one was measured in a slow spell that every round met, and would be kept as the machine's
+    price of drafting that deep. Applied as a kept measure is read, so curves kept before benefit
+    too."""
     seconds = [point[1] for point in curve] if packed else list(curve)
     for i in range(len(seconds) - 2, -1, -1):
         seconds[i] = min(seconds[i], seconds[i + 1])

@@ -369,11 +369,11 @@ class HeadDrafter(Drafter):
         seconds drafting took price the next steps of its batch bucket (decayed means), not the
         load-time measures alone: between the target's steps the head's weights are no longer in
         the caches that measure found them in. The catch-up prices a step and the rest each drafted
-        token: one price for both charged a step its catch-up once per drafted token, so a second
-        token looked to cost what the first did, catch-up and all. A catch-up of more pairs than a
-        verify step at this step's budget gives a row (its first draft after steps without) is
-        left out of the step's price: priced in, it could keep the head from drafting, and so
-        from measuring the price again."""
+        token: a step pays its catch-up once whatever its draft's length, so one price for both
+        would make a second token look as dear as the first, catch-up and all. A catch-up of more
+        pairs than a verify step at this step's budget gives a row (its first draft after steps
+        without) is left out of the step's price: priced in, it could keep the head from drafting,
+        and so from measuring the price again."""
         t0 = time.perf_counter()
         self.caught_up = (0.0, 0)
         drafts = self._propose(batch)
