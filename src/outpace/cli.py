@@ -11,8 +11,8 @@ from outpace.errors import OutpaceError
 
 # the names in outpace.weights.hub.REGISTRY (tests/test_release.py keeps them in step)
 KNOWN_MODELS = "smollm2-135m (the default), qwen2.5-coder-1.5b-instruct, qwen2.5-coder-0.5b-instruct"
-DTYPE_HELP = ("float32, bfloat16 or auto (default): bfloat16 on CUDA and on CPUs with native bf16 "
-              "(AVX-512 bf16 / AMX), float32 on other CPUs")
+DTYPE_HELP = ("float32, bfloat16 or auto (default): bfloat16 on CUDA and on CPUs whose outpace kernels "
+              "vectorise it (AVX2, AVX-512, NEON), float32 on other CPUs")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
