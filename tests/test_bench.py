@@ -377,3 +377,30 @@ def test_llamacpp_model_draft_drafts_its_tokens_from_the_whole_sequence():
     drafted = LlamaCppModelDraft(fake, 3)(np.array([5, 6, 7], dtype=np.intc))
     assert drafted.tolist() == [100, 101, 102] and drafted.dtype == np.intc
     assert fake.seen == ([5, 6, 7], 0.0, 1, True)
+
+
+def test_gpu_run_shape_section_runs_on_the_cpu(tmp_path, default_model_dir, monkeypatch, capsys):
+    """benchmarks/gpu_run.py's section on a random model of a given shape (Llama-3-8B's on a GPU), in
+    a tiny shape on the CPU: the engine loads the random model through the script's loader, and
+    decode, verification and transformers' rates are measured. Regression: the script's loader
+    took four of the six arguments the engine passes load_model (a TypeError since 2026-11-28,
+    found on a GPU a week later)."""
+    import argparse
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import gpu_run
+
+    tiny = dict(gpu_run.SMOKE_SHAPE, vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2)
+    monkeypatch.setattr(gpu_run, "SMOKE_SHAPE", tiny)
+    monkeypatch.setattr(gpu_run, "VERIFY_K", list(range(9)))     # the 8B target reads k = 8
+    monkeypatch.setattr(gpu_run, "VERIFY_BATCHES", [1, 2])
+    monkeypatch.setattr(gpu_run, "results", {"checks": {}, "targets": {}, "copy_bandwidth_Bps": 1e10})
+    args = argparse.Namespace(device="cpu", smoke=True, quick=True, scratch=str(tmp_path))
+    gpu_run.llama3_shape(args, default_model_dir, list(range(20, 40)))
+    out = gpu_run.results["llama3_8b_shape"]
+    assert out["outpace_graphs_tokens_per_s"] > 0 and out["outpace_eager_tokens_per_s"] > 0
+    assert out["transformers_tokens_per_s"] > 0 and out["verify"]["ratio"]["1"][0] == 1.0
+    assert len(gpu_run.results["targets"]) == 3
+    assert "Plain decode, batch 1, bf16, random Llama-3-8B shape" in capsys.readouterr().out
