@@ -4,6 +4,7 @@ A tiny random model keeps the end-to-end run to seconds; a fake LLM checks the c
 logic (alternation, each run's own earlier answers, divergence only where contexts match).
 """
 import copy
+import os
 import json
 
 import pytest
@@ -404,3 +405,60 @@ def test_gpu_run_shape_section_runs_on_the_cpu(tmp_path, default_model_dir, monk
     assert out["transformers_tokens_per_s"] > 0 and out["verify"]["ratio"]["1"][0] == 1.0
     assert len(gpu_run.results["targets"]) == 3
     assert "Plain decode, batch 1, bf16, random Llama-3-8B shape" in capsys.readouterr().out
+
+
+def test_exact_cost_times_each_mode(dataset, default_model_dir, monkeypatch, capsys):
+    """benchmarks/exact_cost.py in a small form: a decode rate for plain and n-gram decoding, each
+    with and without exact mode, on the dataset's summarization questions."""
+    import re
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import exact_cost
+
+    monkeypatch.setattr(sys, "argv", ["exact_cost.py", "--dataset", str(dataset), "--num-prompts", "1",
+                                      "--max-tokens", "8"])
+    exact_cost.main()
+    rates = re.findall(r"^(.+): (\S+) decode tokens/s$", capsys.readouterr().out, re.M)
+    assert [name for name, _ in rates] == ["plain", "plain --exact", "ngram", "ngram --exact"]
+    assert all(float(rate) > 0 for _, rate in rates)
+
+
+def test_weights_ab_runs_every_mode_and_compares_outputs(dataset, default_model_dir, monkeypatch, capsys):
+    """benchmarks/weights_ab.py in a small form: the default model's quantized and bf16 engines,
+    each plain and with n-gram drafting, and every speculative output equal to its engine's plain
+    one (greedy)."""
+    import re
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import weights_ab
+
+    monkeypatch.setattr(sys, "argv", ["weights_ab.py", "--dataset", str(dataset), "--per-category", "1",
+                                      "--max-tokens", "8"])
+    weights_ab.main()
+    out = capsys.readouterr().out
+    assert len(re.findall(r"^(quantized|bf16) (plain|n-gram): \S+ tok/s$", out, re.M)) == 4
+    assert len(re.findall(r"^(quantized|bf16): n-gram / plain \S+x, 3 of 3 speculative outputs equal plain$",
+                          out, re.M)) == 2
+    assert re.search(r"^quantized / bf16: plain \S+x, n-gram \S+x$", out, re.M)
+
+
+def test_tp_bench_smoke_measures_both_sizes(tmp_path):
+    """benchmarks/tp_bench.py --smoke: a tiny random shape over one and two CPU processes (gloo),
+    each size's decode rate and verification costs written, T(1) / T(1) = 1."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "tp_bench.py"), "--smoke", "--out", str(tmp_path),
+                           "--steps", "4", "--reps", "2", "--scratch", str(tmp_path / "models")],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root / "src")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    sizes = json.loads((tmp_path / "tp_bench.json").read_text())["shapes"]["tiny shape"]["by_size"]
+    assert sorted(sizes) == ["1", "2"]
+    for size in sizes.values():
+        assert size["decode_tokens_per_s"] > 0 and size["verify_ratio"][0] == 1.0
