@@ -446,19 +446,57 @@ def test_weights_ab_runs_every_mode_and_compares_outputs(dataset, default_model_
     assert re.search(r"^quantized / bf16: plain \S+x, n-gram \S+x$", out, re.M)
 
 
-def test_tp_bench_smoke_measures_both_sizes(tmp_path):
-    """benchmarks/tp_bench.py --smoke: a tiny random shape over one and two CPU processes (gloo),
-    each size's decode rate and verification costs written, T(1) / T(1) = 1."""
+def _run_script(name: str, *args: str, timeout: float = 300) -> str:
+    """A benchmark script run in a process of its own (it may set the kernels' level or serve a port):
+    its standard output; the test fails with its error output's end where it fails."""
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).parents[1]
-    done = subprocess.run([sys.executable, str(root / "benchmarks" / "tp_bench.py"), "--smoke", "--out", str(tmp_path),
-                           "--steps", "4", "--reps", "2", "--scratch", str(tmp_path / "models")],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root / "src")})
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / name), *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(root / "src")})
     assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_tp_bench_smoke_measures_both_sizes(tmp_path):
+    """benchmarks/tp_bench.py --smoke: a tiny random shape over one and two CPU processes (gloo),
+    each size's decode rate and verification costs written, T(1) / T(1) = 1."""
+    _run_script("tp_bench.py", "--smoke", "--out", str(tmp_path), "--steps", "4", "--reps", "2", "--scratch",
+                str(tmp_path / "models"))
     sizes = json.loads((tmp_path / "tp_bench.json").read_text())["shapes"]["tiny shape"]["by_size"]
     assert sorted(sizes) == ["1", "2"]
     for size in sizes.values():
         assert size["decode_tokens_per_s"] > 0 and size["verify_ratio"][0] == 1.0
+
+
+def test_cpu_decode_levels_times_both_dtypes_at_each_level(default_model_dir):
+    """benchmarks/cpu_decode_levels.py in a small form: a float32 and a bfloat16 step time at each
+    level asked for."""
+    import re
+
+    from outpace.kernels import cpu_isa
+
+    levels = list(cpu_isa.testable())
+    out = _run_script("cpu_decode_levels.py", "--levels", ",".join(levels), "--rounds", "1", "--steps", "2")
+    found = re.findall(r"^(\S+) +float32 +(\S+) ms/step  bfloat16 +(\S+) ms/step", out, re.M)
+    assert [level for level, _, _ in found] == levels
+    assert all(float(a) > 0 and float(b) > 0 for _, a, b in found)
+
+
+def test_serve_bench_measures_each_level_over_http(dataset, default_model_dir, tmp_path):
+    """benchmarks/serve_bench.py in a small form: a server on a free port, two concurrency levels,
+    both modes measured at each, and greedy speculative outputs equal plain ones."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _run_script("serve_bench.py", "--dataset", str(dataset), "--concurrency", "1", "2", "--requests", "2",
+                "--max-tokens", "8", "--rounds", "1", "--port", str(port), "--out", str(tmp_path))
+    levels = json.loads((tmp_path / "results.json").read_text())["levels"]
+    assert [level["concurrency"] for level in levels] == [1, 2]
+    for level in levels:
+        assert level["plain"]["tokens_per_s"] > 0 and level["spec"]["tokens_per_s"] > 0
+        assert level["differing_outputs"] == 0
