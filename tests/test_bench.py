@@ -500,3 +500,14 @@ def test_serve_bench_measures_each_level_over_http(dataset, default_model_dir, t
     for level in levels:
         assert level["plain"]["tokens_per_s"] > 0 and level["spec"]["tokens_per_s"] > 0
         assert level["differing_outputs"] == 0
+
+
+def test_decode_speed_compares_outpace_with_transformers(tiny_folder, dataset, tmp_path):
+    """benchmarks/decode_speed.py in a small form, on a tiny model both engines load: each engine's
+    decode and end-to-end rates, and their greedy tokens the same (float32)."""
+    out = tmp_path / "decode_speed.json"
+    _run_script("decode_speed.py", "--model", str(tiny_folder), "--num-prompts", "1", "--max-tokens", "8",
+                "--dtypes", "float32", "--dataset", str(dataset), "--out", str(out))
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["identical_share"] == 1.0 and result["decode_ratio"] > 0
+    assert all(result["engines"][name]["decode_tokens_per_s"] > 0 for name in ("outpace", "transformers"))
