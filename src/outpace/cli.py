@@ -109,10 +109,22 @@ def sampling_params(args):
                           seed=args.seed, max_tokens=args.max_tokens)
 
 
+def settle_heap() -> None:
+    """Takes what loading made (modules, the weights' Python objects, the tokenizer) out of the
+    garbage collector's sweeps: it lives as long as the process, and sweeping it again and again
+    took about 1.4% of the engine's thread in n-gram decoding of the default model on an AVX2 CPU
+    (perf samples; none after). The commands call it once their engine is built; a program that
+    imports the library decides this for its own heap."""
+    import gc
+    gc.collect()
+    gc.freeze()
+
+
 def cmd_generate(args) -> None:
     from outpace.llm import LLM
     params = sampling_params(args)
     llm = LLM(args.model, spec=spec_config(args), max_num_seqs=1, **model_options(args))
+    settle_heap()
     printed = 0
 
     def stream(seq):
@@ -159,6 +171,7 @@ def cmd_serve(args) -> None:
     config = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
                           spec=spec_config(args), calibrate=not args.no_calibrate, **model_options(args))
     engine = LLMEngine(config)
+    settle_heap()
     app = build_app(engine, args.model, server_config, engine_thread=False)
     # the engine loop stays in this thread, the one that loaded the model (AsyncEngine.run says
     # why); the HTTP server runs beside it, and its shutdown (or a failed start) ends the loop

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from outpace.bench.dataset import Record, load_spec_bench
 from outpace.bench.margin import divergence
 from outpace.bench.summary import DEFINITIONS, markdown_table, summarize
-from outpace.cli import model_options
+from outpace.cli import model_options, settle_heap
 from outpace.config import SamplingParams, SpecConfig
 from outpace.errors import OutpaceError, PromptTooLongError
 from outpace.llm import LLM, RequestOutput
@@ -145,6 +145,7 @@ def bench_command(args, spec: SpecConfig, params: SamplingParams) -> None:
     # one request at a time, in two slots: each run's conversation keeps its own slot's prefix for its
     # next turn (with one, the run that goes second in a turn would evict the other's)
     llm = LLM(args.model, spec=spec, max_num_seqs=2, **model_options(args))
+    settle_heap()
     config = {"command": " ".join(["outpace"] + sys.argv[1:]), "model": args.model, "dataset": str(args.dataset),
               "categories": args.category, "limit_per_category": args.limit_per_category,
               "spec": dataclasses.asdict(spec)}
