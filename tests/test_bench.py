@@ -1,11 +1,18 @@
-"""`outpace bench` bookkeeping: what results.json holds is computed from the runs it made.
+"""`outpace bench` bookkeeping: what results.json holds is computed from the runs it made; and
+the scripts in benchmarks/ run in small forms, their figures measured.
 
 A tiny random model keeps the end-to-end run to seconds; a fake LLM checks the conversation
 logic (alternation, each run's own earlier answers, divergence only where contexts match).
 """
 import copy
-import os
+import gc
+import importlib
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,6 +47,21 @@ def dataset(tmp_path):
     return path
 
 
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+
+
+@pytest.fixture
+def script(monkeypatch):
+    """script(name, *argv): benchmarks/<name>.py imported as a module, sys.argv set as its command
+    line would set it (its main() then parses them)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+
+    def load(name: str, *argv: str):
+        monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
+        return importlib.import_module(name)
+    return load
+
+
 def test_dataset_filters_and_limits(dataset):
     assert [r.question_id for r in load_spec_bench(dataset)] == [1, 2, 3]
     assert [r.question_id for r in load_spec_bench(dataset, ["summarization"], 1)] == [2]
@@ -48,8 +70,6 @@ def test_dataset_filters_and_limits(dataset):
 
 
 def test_bench_results_are_computed_from_the_runs(tiny_folder, dataset, tmp_path, capsys):
-    import gc
-
     out = tmp_path / "out"
     gc.unfreeze()
     main(["bench", "--dataset", str(dataset), "--limit-per-category", "1", "--max-tokens", "8",
@@ -181,38 +201,24 @@ def test_divergence_margin_is_the_targets_view(tiny_folder):
     assert llm.engine.scheduler.free_slots == [0], "the margin's forward must not take a slot"
 
 
-def test_engine_ab_runs_speculation_against_plain(tiny_folder, dataset, monkeypatch, capsys):
+def test_engine_ab_runs_speculation_against_plain(tiny_folder, dataset, script, capsys):
     """benchmarks/engine_ab.py: speculation's speedup over the plain run of the same rounds, with
     the same greedy outputs in both modes."""
-    import sys
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
-    import engine_ab
-
-    monkeypatch.setattr(sys, "argv", ["engine_ab.py", "--dataset", str(dataset), "--model", str(tiny_folder),
-                                      "--concurrency", "2", "--rounds", "2", "--max-tokens", "8"])
-    engine_ab.main()
+    script("engine_ab", "--dataset", str(dataset), "--model", str(tiny_folder), "--concurrency", "2", "--rounds", "2",
+           "--max-tokens", "8").main()
     out = capsys.readouterr().out
     assert "differ" not in out
     assert out.count("round 0 ") == out.count("round 1 ") == 2
     assert "spec / plain:" in out
 
 
-def test_ab_revisions_runs_a_command_in_both_revisions(monkeypatch, capsys):
+def test_ab_revisions_runs_a_command_in_both_revisions(script, monkeypatch, capsys):
     """benchmarks/ab_revisions.py: the command runs in a worktree of each revision, alternately,
     and the metric comes from each run's own stdout."""
-    import sys
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
-    import ab_revisions
-
     # the metric: 1 when the run imported the outpace of its own folder (its revision's src/)
     probe = [sys.executable, "-c",
              "import outpace, os; print('own', int(os.path.realpath(outpace.__file__).startswith(os.getcwd())))"]
-    monkeypatch.setattr(sys, "argv", ["ab_revisions.py", "--base", "HEAD", "--rounds", "2", "--metric",
-                                      "own ([0-9]+)", "--", *probe])
+    ab_revisions = script("ab_revisions", "--base", "HEAD", "--rounds", "2", "--metric", "own ([0-9]+)", "--", *probe)
     ab_revisions.main()
     out = capsys.readouterr().out
     assert out.count("base 1, head 1,") == 2 and "head / base: 1.000x" in out
@@ -222,7 +228,7 @@ def test_ab_revisions_runs_a_command_in_both_revisions(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("turns", ["first", "all"])
-def test_head_acceptance_counts_every_category(tmp_path, dataset, default_model_dir, monkeypatch, capsys, turns):
+def test_head_acceptance_counts_every_category(tmp_path, dataset, default_model_dir, script, capsys, turns):
     """benchmarks/head_acceptance.py on a tiny target and a random head: a row per category and
     overall (and with --turns all per turn), the overall's positions those of the categories and
     of the turns, a first draft right at no more positions than drafts accepted in a row (each
@@ -230,22 +236,14 @@ def test_head_acceptance_counts_every_category(tmp_path, dataset, default_model_
     and the same bound for each drafter. With --tree-nodes, the chain of --steps (7) accepts what
     the overall's drafts accepted in a row, a chain of 1 what its first drafts got right, and the
     best static tree of N nodes never less than the chain of N nor than a smaller tree."""
-    import sys
-    from pathlib import Path
-
     from heads import target_config, write_eagle3_head
-
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
-    import head_acceptance
 
     target, head = tmp_path / "target", tmp_path / "head"
     make_tiny("llama-4-layers", target, vocab_size=49152, tokenizer_from=default_model_dir, dtype=torch.float32)
     write_eagle3_head(head, target_config(target), layer_ids=(1, 2, 4), dtype=torch.float32)
     out = tmp_path / "acceptance.json"
-    monkeypatch.setattr(sys, "argv", ["head_acceptance.py", "--dataset", str(dataset), "--model", str(target),
-                                      "--draft-head", str(head), "--max-tokens", "12", "--out", str(out),
-                                      "--turns", turns, "--tree-nodes", "1", "2", "7", "9"])
-    head_acceptance.main()
+    script("head_acceptance", "--dataset", str(dataset), "--model", str(target), "--draft-head", str(head),
+           "--max-tokens", "12", "--out", str(out), "--turns", turns, "--tree-nodes", "1", "2", "7", "9").main()
     results = json.loads(out.read_text())[str(head)]
     figures, by_match = results["by_category"], results["by_match"]
     by_turn = {"turn 1", "turn 2"} if turns == "all" else set()
@@ -271,44 +269,27 @@ def test_head_acceptance_counts_every_category(tmp_path, dataset, default_model_
     assert "| overall |" in printed and "| all |" in printed and "static token trees" in printed
 
 
-def test_controller_costs_times_the_same_decisions_alike(monkeypatch, capsys):
+def test_controller_costs_times_the_same_decisions_alike(script, capsys):
     """benchmarks/controller_costs.py with this checkout's controller as its own baseline: both
     take the same decisions (one digest) and each step's time is measured. Regression: the script
     called pays_setup without the sequence it asks for (a TypeError since 7186494)."""
-    import re
-    import sys
-    from pathlib import Path
-
-    benchmarks = Path(__file__).parents[1] / "benchmarks"
-    monkeypatch.syspath_prepend(str(benchmarks))
-    import controller_costs
-
-    monkeypatch.setattr(sys, "argv", ["controller_costs.py", "--rows", "4", "--steps", "40", "--repeats", "1",
-                                      "--baseline", str(benchmarks.parent / "src")])
-    controller_costs.main()
+    script("controller_costs", "--rows", "4", "--steps", "40", "--repeats", "1", "--baseline",
+           str(BENCHMARKS.parent / "src")).main()
     line = capsys.readouterr().out.strip()
     times = re.findall(r"(\S+) us a step \(decisions (\w+)\)", line)
     assert line.startswith("4 rows: this ") and len(times) == 2
     assert times[0][1] == times[1][1] and all(float(t) > 0 for t, _ in times)
 
 
-def test_draft_costs_prints_both_tables(tmp_path, default_model_dir, monkeypatch, capsys):
+def test_draft_costs_prints_both_tables(tmp_path, default_model_dir, script, capsys):
     """benchmarks/draft_costs.py on a tiny target drafted by itself: the calibrated costs by batch
     size and the timed proposes, a row for each calibrated bucket in each table. Regression: its
     proposes' sequences are not the engine's, and since prefix caching the draft model's first
     write asked the engine for theirs (KeyError)."""
-    import sys
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
-    import draft_costs
-
     target = tmp_path / "target"
     make_tiny("llama", target, vocab_size=49152, tokenizer_from=default_model_dir, dtype=torch.float32)
-    monkeypatch.setattr(sys, "argv", ["draft_costs.py", "--model", str(target), "--draft-model", str(target),
-                                      "--draft-vocab", "0", "--num-draft-tokens", "2", "--max-num-seqs", "2",
-                                      "--ks", "1", "2"])
-    draft_costs.main()
+    script("draft_costs", "--model", str(target), "--draft-model", str(target), "--draft-vocab", "0",
+           "--num-draft-tokens", "2", "--max-num-seqs", "2", "--ks", "1", "2").main()
     tables = capsys.readouterr().out.split("| rows |")[1:]     # each table: its header's rest, its rule, its rows
     assert len(tables) == 2
     for table in tables:
@@ -318,26 +299,18 @@ def test_draft_costs_prints_both_tables(tmp_path, default_model_dir, monkeypatch
 
 
 @pytest.mark.parametrize("tree_width", [1, 3])
-def test_head_costs_times_every_drafting_step(tmp_path, dataset, default_model_dir, monkeypatch, capsys, tree_width):
+def test_head_costs_times_every_drafting_step(tmp_path, dataset, default_model_dir, script, capsys, tree_width):
     """benchmarks/head_costs.py on a tiny target and a random head: the uncalibrated controller
     drafts the asked tokens (chains, or trees of that many nodes) at every step (a random head's
     drafts are rarely right, so a controller that priced them would stop), every output equals
     plain, and each figure it prints was measured."""
-    import sys
-    from pathlib import Path
-
     from heads import target_config, write_eagle3_head
-
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
-    import head_costs
 
     target, head = tmp_path / "target", tmp_path / "head"
     make_tiny("llama-4-layers", target, vocab_size=49152, tokenizer_from=default_model_dir, dtype=torch.float32)
     write_eagle3_head(head, target_config(target), layer_ids=(1, 2, 4), dtype=torch.float32)
-    monkeypatch.setattr(sys, "argv", ["head_costs.py", "--dataset", str(dataset), "--model", str(target),
-                                      "--draft-head", str(head), "--max-tokens", "10", "--num-draft-tokens", "3",
-                                      "--tree-width", str(tree_width), "--weights", "fp32"])
-    head_costs.main()
+    script("head_costs", "--dataset", str(dataset), "--model", str(target), "--draft-head", str(head), "--max-tokens",
+           "10", "--num-draft-tokens", "3", "--tree-width", str(tree_width), "--weights", "fp32").main()
     out = capsys.readouterr().out
     assert ("trees of width 3" if tree_width == 3 else "(chains)") in out
     prompts = int(out.split(" prompts")[0])
@@ -384,18 +357,15 @@ def test_llamacpp_model_draft_drafts_its_tokens_from_the_whole_sequence():
     assert fake.seen == ([5, 6, 7], 0.0, 1, True)
 
 
-def test_gpu_run_shape_section_runs_on_the_cpu(tmp_path, default_model_dir, monkeypatch, capsys):
+def test_gpu_run_shape_section_runs_on_the_cpu(tmp_path, default_model_dir, script, monkeypatch, capsys):
     """benchmarks/gpu_run.py's section on a random model of a given shape (Llama-3-8B's on a GPU), in
     a tiny shape on the CPU: the engine loads the random model through the script's loader, and
     decode, verification and transformers' rates are measured. Regression: the script's loader
     took four of the six arguments the engine passes load_model (a TypeError since 2026-11-28,
     found on a GPU a week later)."""
     import argparse
-    from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
-    import gpu_run
-
+    gpu_run = script("gpu_run")
     tiny = dict(gpu_run.SMOKE_SHAPE, vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                 num_attention_heads=4, num_key_value_heads=2)
     monkeypatch.setattr(gpu_run, "SMOKE_SHAPE", tiny)
@@ -411,38 +381,20 @@ def test_gpu_run_shape_section_runs_on_the_cpu(tmp_path, default_model_dir, monk
     assert "Plain decode, batch 1, bf16, random Llama-3-8B shape" in capsys.readouterr().out
 
 
-def test_exact_cost_times_each_mode(dataset, default_model_dir, monkeypatch, capsys):
+def test_exact_cost_times_each_mode(dataset, default_model_dir, script, capsys):
     """benchmarks/exact_cost.py in a small form: a decode rate for plain and n-gram decoding, each
     with and without exact mode, on the dataset's summarization questions."""
-    import re
-    import sys
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
-    import exact_cost
-
-    monkeypatch.setattr(sys, "argv", ["exact_cost.py", "--dataset", str(dataset), "--num-prompts", "1",
-                                      "--max-tokens", "8"])
-    exact_cost.main()
+    script("exact_cost", "--dataset", str(dataset), "--num-prompts", "1", "--max-tokens", "8").main()
     rates = re.findall(r"^(.+): (\S+) decode tokens/s$", capsys.readouterr().out, re.M)
     assert [name for name, _ in rates] == ["plain", "plain --exact", "ngram", "ngram --exact"]
     assert all(float(rate) > 0 for _, rate in rates)
 
 
-def test_weights_ab_runs_every_mode_and_compares_outputs(dataset, default_model_dir, monkeypatch, capsys):
+def test_weights_ab_runs_every_mode_and_compares_outputs(dataset, default_model_dir, script, capsys):
     """benchmarks/weights_ab.py in a small form: the default model's quantized and bf16 engines,
     each plain and with n-gram drafting, and every speculative output equal to its engine's plain
     one (greedy)."""
-    import re
-    import sys
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
-    import weights_ab
-
-    monkeypatch.setattr(sys, "argv", ["weights_ab.py", "--dataset", str(dataset), "--per-category", "1",
-                                      "--max-tokens", "8"])
-    weights_ab.main()
+    script("weights_ab", "--dataset", str(dataset), "--per-category", "1", "--max-tokens", "8").main()
     out = capsys.readouterr().out
     assert len(re.findall(r"^(quantized|bf16) (plain|n-gram): \S+ tok/s$", out, re.M)) == 4
     assert len(re.findall(r"^(quantized|bf16): n-gram / plain \S+x, 3 of 3 speculative outputs equal plain$",
@@ -453,13 +405,8 @@ def test_weights_ab_runs_every_mode_and_compares_outputs(dataset, default_model_
 def _run_script(name: str, *args: str, timeout: float = 300) -> str:
     """A benchmark script run in a process of its own (it may set the kernels' level or serve a port):
     its standard output; the test fails with its error output's end where it fails."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).parents[1]
-    done = subprocess.run([sys.executable, str(root / "benchmarks" / name), *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(root / "src")})
+    done = subprocess.run([sys.executable, str(BENCHMARKS / name), *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(BENCHMARKS.parent / "src")})
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
@@ -478,8 +425,6 @@ def test_tp_bench_smoke_measures_both_sizes(tmp_path):
 def test_cpu_decode_levels_times_both_dtypes_at_each_level(default_model_dir):
     """benchmarks/cpu_decode_levels.py in a small form: a float32 and a bfloat16 step time at each
     level asked for."""
-    import re
-
     from outpace.kernels import cpu_isa
 
     levels = list(cpu_isa.testable())
