@@ -120,6 +120,25 @@ def test_bench_results_are_computed_from_the_runs(tiny_folder, dataset, tmp_path
     assert again["identical_share"] == pytest.approx((sum(same) - same[0]) / 2)
 
 
+def test_bench_repeat_times_requests_that_repeat_earlier_ones(tiny_folder, dataset, tmp_path, capsys):
+    """--repeat 2 times a second run of the questions, whose speculative requests repeat the
+    first run's: n-gram lookup's memory drafts their answers, so nearly every step accepts its
+    whole draft, where a single run's steps do not."""
+    rates = {}
+    for repeat in (1, 2):
+        out = tmp_path / f"out{repeat}"
+        main(["bench", "--dataset", str(dataset), "--max-tokens", "24", "--model", str(tiny_folder),
+              "--dtype", "float32", "--device", "cpu", "--max-model-len", "256", "--num-draft-tokens", "4",
+              "--repeat", str(repeat), "--out", str(out), "--quiet"])
+        results = json.loads((out / "results.json").read_text())
+        assert results["config"]["repeat"] == repeat and results["overall"]["num_prompts"] == 4
+        rates[repeat] = results["overall"]["acceptance_rate"]
+    assert rates[2] > 0.9 > rates[1]
+    with pytest.raises(SystemExit):
+        main(["bench", "--dataset", str(dataset), "--model", str(tiny_folder), "--repeat", "0"])
+    assert "--repeat must be at least 1" in capsys.readouterr().err
+
+
 def test_acceptance_by_position_counts_the_drafts_that_reached_it():
     from outpace.engine.sequence import SpecStats
     a, b = SpecStats(), SpecStats()

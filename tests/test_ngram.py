@@ -225,3 +225,69 @@ def test_cuda_graph_capture_matches_cpu(match):
     torch.cuda.synchronize()
     assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
     assert int(want[1].gt(0).sum()) > 12  # matches happened (6-token vocabulary)
+
+
+class Salts:
+    """A DraftContext's salt: the cache salt each sequence was given."""
+
+    def __init__(self, salts):
+        self.salt = salts.get
+
+
+def test_memory_drafts_a_finished_requests_continuation():
+    """A later request whose tail an ended one held drafts what followed there, and says how many
+    tail tokens agree; none where lookup_memory is 0 or no request has ended."""
+    answer = list(range(100, 140))
+    for memory, want in ((65536, (answer[12:20], 12)), (0, ([], 0))):
+        drafter = NgramDrafter(SpecConfig(lookup_memory=memory))
+        drafter.begin(1, answer[:10])
+        drafter.begin(2, [7, 8] + answer[:12])
+        assert drafter.propose(batch([2], [8])).host_rows() == [[]]     # 1 has not ended
+        drafter.accept(1, answer[10:])
+        drafter.end(1)
+        drafts = drafter.propose(batch([2], [8]))
+        assert (drafts.host_rows()[0], drafts.match_len[0]) == want
+
+
+def test_memory_serves_only_its_salt():
+    drafter = NgramDrafter(SpecConfig())
+    drafter.bind(Salts({1: "alice", 2: "bob", 3: "alice"}))
+    drafter.begin(1, [5, 6, 7, 8, 9, 10])
+    drafter.end(1)
+    drafter.begin(2, [1, 5, 6, 7])
+    drafter.begin(3, [1, 5, 6, 7])
+    assert drafter.propose(batch([2, 3], [4, 4])).host_rows() == [[], [8, 9, 10]]
+
+
+def test_own_match_wins_where_it_agrees_as_far_back():
+    """The memory drafts only where its match agrees with the tail further back than the
+    sequence's own: here its own agrees on 3 tokens, the memory's on 2, then on 4."""
+    drafter = NgramDrafter(SpecConfig())
+    drafter.begin(1, [1, 2, 3, 40, 41])
+    drafter.end(1)
+    drafter.begin(2, [9, 2, 3, 50, 51, 9, 2, 3])
+    assert drafter.propose(batch([2], [2])).host_rows() == [[50, 51]]
+    drafter.begin(3, [7, 0, 1, 2, 3, 60, 61])
+    drafter.end(3)
+    drafter.begin(4, [5, 1, 2, 3, 80, 0, 1, 2, 3])
+    drafts = drafter.propose(batch([4], [2]))
+    assert drafts.host_rows() == [[60, 61]] and drafts.match_len == [4]
+
+
+def test_memory_forgets_the_oldest_beyond_its_tokens():
+    drafter = NgramDrafter(SpecConfig(lookup_memory=25))
+    for seq_id in range(3):         # 10 tokens each: the first goes when the third arrives
+        drafter.begin(seq_id, [1000 * seq_id + i for i in range(10)])
+        drafter.end(seq_id)
+    memory = drafter.memory
+    assert memory.size == 20 and list(memory.docs) == [1, 2]
+    # no table entry points at the first document any more
+    assert all(value >> 32 != 0 for table in memory.tables for value in table.values())
+    for seq_id, want in ((10, []), (11, [1005, 1006])):
+        drafter.begin(seq_id, [1000 * (seq_id - 10) + i for i in (2, 3, 4)])
+        assert drafter.propose(batch([seq_id], [2])).host_rows() == [want]
+
+
+def test_memory_rejects_a_negative_size():
+    with pytest.raises(InvalidParameterError, match="lookup_memory"):
+        SpecConfig(lookup_memory=-1)

@@ -130,3 +130,22 @@ def test_abort_frees_the_slot_at_once(tiny_folder):
         engine.step()
     assert sorted(engine.scheduler.free_slots) == [0, 1, 2]
     assert all(s.num_output_tokens == PARAMS.max_tokens for s in seqs[1:])
+
+
+def test_lookup_memory_repeats_and_decoys(tiny_folder, plain_outputs):
+    """n-gram lookup's memory of ended requests: decoys (each prompt followed by other tokens, as
+    ended requests) make it draft wrong continuations that agree far back, and the output is still
+    plain's; the same prompts again draft their first run's answers, in fewer target steps than
+    the first run took."""
+    llm = LLM(str(tiny_folder), spec=SpecConfig(num_draft_tokens=5), **engine_options(calibrate=False))
+    rng = random.Random(3)
+    decoys = [p + [rng.randrange(49152) for _ in range(12)] for p in PROMPTS]
+    llm.generate(decoys, SamplingParams(temperature=0, max_tokens=1))
+    runs = [llm.generate(PROMPTS, PARAMS) for _ in range(2)]
+    for outputs in runs:
+        for prompt, out in zip(PROMPTS, outputs):
+            assert out.token_ids == plain_outputs[tuple(prompt)]
+    steps = [sum(o.spec["num_verify_steps"] for o in outputs) for outputs in runs]
+    assert steps[1] < steps[0]
+    memory = llm.engine.drafter.memory
+    assert len(memory.docs) == 3 * len(PROMPTS)

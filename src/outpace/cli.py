@@ -82,6 +82,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-ngram", type=int, default=None,
                    help="shortest suffix matched (default 1; 3 with --spec draft --ngram-first)")
     p.add_argument("--max-ngram", type=int, default=4, help="longest suffix matched, tried first (default 4)")
+    p.add_argument("--lookup-memory", type=int, default=65536,
+                   help="tokens of finished requests n-gram lookup keeps and drafts from, for later requests of "
+                        "the same cache salt, on the CPU (default 65536; 0: none)")
     p.add_argument("--exact", action="store_true",
                    help="numerically exact mode: speculative greedy output bit-identical to plain greedy")
 
@@ -89,7 +92,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
 def spec_config(args):
     from outpace.config import SpecConfig
     return SpecConfig(method=args.spec, num_draft_tokens=args.num_draft_tokens, min_ngram=args.min_ngram,
-                      max_ngram=args.max_ngram, exact=args.exact, draft_model=args.draft_model, p_min=args.p_min,
+                      max_ngram=args.max_ngram, lookup_memory=args.lookup_memory, exact=args.exact, draft_model=args.draft_model, p_min=args.p_min,
                       draft_vocab=args.draft_vocab, draft_window=args.draft_window, draft_weights=args.draft_weights,
                       ngram_first=args.ngram_first, draft_head=args.draft_head, tree_width=args.tree_width)
 
@@ -279,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dataset", required=True, help="Spec-Bench JSONL file (question_id, category, turns)")
     b.add_argument("--category", nargs="+", default=None, help="run only these categories (default: all)")
     b.add_argument("--limit-per-category", type=int, default=None, help="first N questions of each category")
+    b.add_argument("--repeat", type=int, default=1,
+                   help="run the questions N times and time the last: its requests repeat earlier ones, as "
+                        "retries or a workload's fixed calls do (default 1)")
     b.add_argument("--out", default="bench-out", help="folder for results.json, results.md, speedup.png")
     b.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")

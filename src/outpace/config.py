@@ -99,6 +99,9 @@ class SpecConfig:
         from a shorter match than the head's threshold gives way to the head's where it drafts
         (Drafter.lookup_yields_below).
     match: which earlier occurrence of the suffix drafts: 'recent' (the last one) or 'first'.
+    lookup_memory: tokens of finished requests that n-gram lookup keeps and drafts from, for the
+        later requests of the same cache salt (a retry, the same template again), on the host
+        (0: none; the device lookup of a GPU reads each sequence's own tokens alone).
     exact: every forward is numerically independent of how many tokens it holds, so speculative
         greedy output is bit-identical to plain greedy output in the same mode.
     """
@@ -108,6 +111,7 @@ class SpecConfig:
     min_ngram: int | None = None
     max_ngram: int = 4
     match: str = "recent"
+    lookup_memory: int = 65536
     exact: bool = False
     draft_model: str | None = None
     p_min: float = 0.0
@@ -128,6 +132,7 @@ class SpecConfig:
         _check(self.max_ngram >= self.min_ngram,
                f"max_ngram ({self.max_ngram}) must be >= min_ngram ({self.min_ngram})")
         _check(self.match in ("recent", "first"), f"match must be 'recent' or 'first', got {self.match!r}")
+        _check(self.lookup_memory >= 0, f"lookup_memory must be >= 0 tokens (0: none), got {self.lookup_memory}")
         _check(self.method != "draft" or bool(self.draft_model),
                "method 'draft' needs draft_model: a known model name, a Hugging Face folder or a .gguf file")
         _check(0.0 <= self.p_min < 1.0, f"p_min must be in [0, 1), got {self.p_min}")

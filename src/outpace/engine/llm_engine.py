@@ -91,7 +91,8 @@ class LLMEngine:
         self.drafter.bind(DraftContext(config.max_num_seqs, config.max_model_len, num_draft_tokens + 1,
                                        next(self.model.parameters()).device, self.dtype, self.model,
                                        self.tokenizer, self._draft_runner, config.weights,
-                                       graphs=self.uses_graphs and config.cuda_graphs, prefix_key=self._prefix_key))
+                                       graphs=self.uses_graphs and config.cuda_graphs, prefix_key=self._prefix_key,
+                                       salt=lambda seq_id: self.sequences[seq_id].cache_salt))
         self.snapshots = self._snapshots(config, max(num_draft_tokens + 1, exact_width or 1))
         self.runner = self._make_runner(config, num_draft_tokens, exact_width)
         cost = None

@@ -177,6 +177,9 @@ class DraftContext:
     # (seq_id) -> the request's cache_salt where it may start from a kept prefix (prefix caching,
     # engine/scheduler.py), else None: a drafter's own kept keys serve only requests of the same salt
     prefix_key: object = lambda seq_id: None
+    # (seq_id) -> the request's cache_salt: n-gram lookup's memory of finished requests serves only
+    # requests of the same salt
+    salt: object = lambda seq_id: ""
 
 
 class KeptKeys:

@@ -16,6 +16,10 @@ from outpace.weights.hub import shipped_head
 def make_drafter(spec: SpecConfig, model: str, device: str, max_seqs: int, max_len: int, cuda_graphs: bool) -> Drafter:
     """The drafter for `spec` on the target `model` (its name or path: an EAGLE-3 head without
     draft_head is the one that ships for a known model)."""
+    if device.startswith("cuda"):
+        # lookups draft inside the CUDA graphs from each sequence's own tokens; a memory of ended
+        # requests would cost the host's loop, which bounds a GPU step, for drafts it seldom makes
+        spec = replace(spec, lookup_memory=0)
     if spec.method == "ngram" and device.startswith("cuda") and spec.tree_width == 1:
         # prompt lookup over a device token buffer: no host round trip per step (trees: on the host)
         return DeviceNgramDrafter(spec, max_seqs, max_len, device, use_graph=cuda_graphs)

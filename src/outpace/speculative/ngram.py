@@ -18,12 +18,25 @@ most recent) from the children of the nodes taken, at most tree_width children a
 always before its children. With one
 occurrence the tree is the chain above; where a suffix went several ways, the tree holds them
 all, and one verify forward keeps whichever the target took (SGLang's n-gram trie does the same).
+
+Across requests (SpecConfig.lookup_memory > 0; on the CPU, factory.py): a finished sequence's
+tokens join a memory shared by the requests of its cache salt (LookupMemory), the most recent
+`lookup_memory` tokens kept. The memory matches tails of MEMORY_NGRAMS tokens, longest first (the
+longer ones tell one document's answer from another's where they share a chat template's
+tokens); where its match agrees with the tail further back than the sequence's own match does,
+the draft is the memory's continuation, as a chain, and its match length the tokens it agrees
+on. A request that repeats or resembles an earlier one (a retry, an agent's next call of the
+same template) then drafts the earlier answer. Drafts stay drafts: the target verifies them, so
+output is unchanged. The device twin (ngram_gpu.py) looks up the sequence's own tokens alone.
 """
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from dataclasses import replace
 from typing import Sequence
+
+import numpy as np
 
 from outpace.config import SpecConfig
 from outpace.speculative.drafter import DraftBatch, Drafter, Drafts
@@ -32,17 +45,104 @@ MAX_CONTINUATIONS = 16      # a tree merges the matched suffix's most recent con
 # a node's score is the continuations through it times this per depth: a deeper node is reached
 # only where every node above it was accepted (n-gram drafts are accepted about half the time)
 DEPTH_DECAY = 0.5
+# the tail lengths the memory matches (from min_ngram): not 1, since one token of another request's
+# text says too little; up to 16, past the sequence's own max_ngram, since a shared chat template's
+# last tokens precede every answer
+MEMORY_NGRAMS = (2, 4, 8, 16)
+# how far back a memory match and the sequence's own are compared
+EXTEND_LIMIT = 32
+
+
+def _agree(a: list[int], a_end: int, b: list[int], b_end: int) -> int:
+    """How many tokens a[:a_end] and b[:b_end] end with alike, EXTEND_LIMIT at most."""
+    k, top = 0, min(a_end, b_end, EXTEND_LIMIT)
+    while k < top and a[a_end - 1 - k] == b[b_end - 1 - k]:
+        k += 1
+    return k
+
+
+# the n-gram keys of LookupMemory: a multiplicative hash over 64-bit words, seeded by the salt
+_MASK = (1 << 64) - 1
+_MULT = 0x9E3779B97F4A7C15
+
+
+class LookupMemory:
+    """Finished sequences' tokens (documents), for lookups across requests of one cache salt.
+
+    Per n, a table key(salt, n-gram) -> document << 32 | c of the latest document holding the
+    n-gram with a token after it (c: that token's position); a hit is checked against the document's
+    tokens, so a key collision drafts nothing. Beyond `capacity` tokens the oldest documents go,
+    with the table entries that still point at them. A document's keys are computed for all its
+    positions at once (numpy): a request of 1,000 tokens joins in about a millisecond."""
+
+    def __init__(self, ns: Sequence[int], capacity: int):
+        self.ns, self.capacity = ns, capacity
+        self.tables: list[dict[int, int]] = [{} for _ in ns]
+        self.docs: OrderedDict[int, tuple[str, list[int]]] = OrderedDict()
+        self.size = 0
+        self._next = 0
+
+    def add(self, salt: str, tokens: list[int]) -> None:
+        tokens = tokens[-self.capacity:]
+        doc, self._next = self._next, self._next + 1
+        self.docs[doc] = salt, tokens
+        self.size += len(tokens)
+        for table, keys, values in self._entries(doc, salt, tokens):
+            table.update(zip(keys, values))       # c increasing: the latest occurrence wins
+        while self.size > self.capacity:
+            old, (old_salt, old_tokens) = self.docs.popitem(last=False)
+            self.size -= len(old_tokens)
+            for table, keys, values in self._entries(old, old_salt, old_tokens):
+                for key, value, now in zip(keys, values, map(table.get, keys)):
+                    if now == value:
+                        del table[key]
+
+    def _entries(self, doc: int, salt: str, tokens: list[int]):
+        """Per n: (its table, the keys of tokens[c - n:c], doc << 32 | c) for c = n .. len - 1."""
+        words = np.asarray(tokens, dtype=np.uint64) + np.uint64(1)
+        seed = np.uint64(hash(salt) & _MASK)
+        for n, table in zip(self.ns, self.tables):
+            count = len(tokens) - n
+            if count <= 0:
+                continue
+            keys = np.full(count, seed, dtype=np.uint64)
+            for j in range(n):                     # wraps modulo 2^64, as _key does
+                keys = keys * np.uint64(_MULT) + words[j:j + count]
+            yield table, keys.tolist(), range(doc << 32 | n, doc << 32 | len(tokens))
+
+    @staticmethod
+    def _key(salt: str, tail: list[int]) -> int:
+        key = hash(salt) & _MASK
+        for token in tail:
+            key = (key * _MULT + token + 1) & _MASK
+        return key
+
+    def find(self, salt: str, tokens: list[int]) -> tuple[list[int], int] | None:
+        """(document tokens, c) of the longest n whose tail n-gram the memory holds (for salt), c
+        the position after it in the document; None where none."""
+        for n, table in zip(reversed(self.ns), reversed(self.tables)):
+            if n > len(tokens):
+                continue
+            tail = tokens[-n:]
+            found = table.get(self._key(salt, tail))
+            if found is not None:
+                doc_tokens = self.docs[found >> 32][1]
+                c = found & 0xFFFFFFFF
+                if doc_tokens[c - n:c] == tail:
+                    return doc_tokens, c
+        return None
 
 
 class _SeqIndex:
     """One sequence: its tokens and, for each n, a table n-gram -> continuation start c (trees:
     every continuation start, in increasing order)."""
 
-    __slots__ = ("tokens", "tables")
+    __slots__ = ("tokens", "tables", "salt")
 
-    def __init__(self, num_tables: int):
+    def __init__(self, num_tables: int, salt: str = ""):
         self.tokens: list[int] = []
         self.tables: list[dict[tuple[int, ...], int]] = [{} for _ in range(num_tables)]
+        self.salt = salt            # the request's cache salt: the memory it reads and joins
 
 
 class NgramDrafter(Drafter):
@@ -69,9 +169,15 @@ class NgramDrafter(Drafter):
         self.tree_width = config.tree_width
         self._ns = range(self.min_ngram, self.max_ngram + 1)  # tables[i] is for n = min_ngram + i
         self._seqs: dict[int, _SeqIndex] = {}
+        memory_ns = [n for n in MEMORY_NGRAMS if n >= self.min_ngram]
+        self.memory = LookupMemory(memory_ns, config.lookup_memory) if config.lookup_memory and memory_ns else None
+        self._salt = lambda seq_id: ""
+
+    def bind(self, context) -> None:
+        self._salt = context.salt
 
     def begin(self, seq_id: int, token_ids: Sequence[int]) -> None:
-        self._seqs[seq_id] = _SeqIndex(len(self._ns))
+        self._seqs[seq_id] = _SeqIndex(len(self._ns), self._salt(seq_id))
         self.accept(seq_id, token_ids)
 
     def accept(self, seq_id: int, token_ids: Sequence[int]) -> None:
@@ -118,6 +224,11 @@ class NgramDrafter(Drafter):
         if max_nodes <= 0:
             return [], [], 0
         starts, n = self._match(seq)
+        recalled = self._recall(seq, starts[-1] if starts else None)
+        if recalled is not None:          # the memory's continuation, as a chain
+            doc, at, n = recalled
+            draft = doc[at:at + max_nodes]
+            return draft, list(range(-1, len(draft) - 1)), n
         if starts is None:
             return [], [], 0
         tokens = seq.tokens
@@ -154,7 +265,29 @@ class NgramDrafter(Drafter):
         c, n = self._match(seq)
         if isinstance(c, list):         # a tree drafter's table (every start) asked for a chain
             c = c[0] if self.match == "first" else c[-1]
+        recalled = self._recall(seq, c)
+        if recalled is not None:
+            doc, at, agreed = recalled
+            return doc[at:at + max_tokens], agreed
         return ([], 0) if c is None else (seq.tokens[c:c + max_tokens], n)
 
+    def _recall(self, seq: _SeqIndex, c: int | None) -> tuple[list[int], int, int] | None:
+        """(a document, the position its continuation starts at, the tail tokens it agrees on)
+        where the memory's match agrees with the tail further back than the sequence's own match
+        (continuation start c; None: none) does, else None."""
+        if self.memory is None:
+            return None
+        found = self.memory.find(seq.salt, seq.tokens)
+        if found is None:
+            return None
+        doc, at = found
+        tokens = seq.tokens
+        agreed = _agree(doc, at, tokens, len(tokens))
+        if c is not None and agreed <= _agree(tokens, c, tokens, len(tokens)):
+            return None
+        return doc, at, agreed
+
     def end(self, seq_id: int) -> None:
-        self._seqs.pop(seq_id, None)
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None and self.memory is not None:
+            self.memory.add(seq.salt, seq.tokens)
