@@ -122,14 +122,14 @@ def test_bench_results_are_computed_from_the_runs(tiny_folder, dataset, tmp_path
 
 def test_bench_repeat_times_requests_that_repeat_earlier_ones(tiny_folder, dataset, tmp_path, capsys):
     """--repeat 2 times a second run of the questions, whose speculative requests repeat the
-    first run's: n-gram lookup's memory drafts their answers, so nearly every step accepts its
-    whole draft, where a single run's steps do not."""
+    first run's: n-gram lookup's memory (--lookup-memory) drafts their answers, so nearly every
+    step accepts its whole draft, where a single run's steps do not."""
     rates = {}
     for repeat in (1, 2):
         out = tmp_path / f"out{repeat}"
         main(["bench", "--dataset", str(dataset), "--max-tokens", "24", "--model", str(tiny_folder),
               "--dtype", "float32", "--device", "cpu", "--max-model-len", "256", "--num-draft-tokens", "4",
-              "--repeat", str(repeat), "--out", str(out), "--quiet"])
+              "--lookup-memory", "65536", "--repeat", str(repeat), "--out", str(out), "--quiet"])
         results = json.loads((out / "results.json").read_text())
         assert results["config"]["repeat"] == repeat and results["overall"]["num_prompts"] == 4
         rates[repeat] = results["overall"]["acceptance_rate"]

@@ -230,10 +230,9 @@ def test_exact_mode_has_one_tier(tiny_folder):
 
 @pytest.mark.parametrize("match", ["recent", "first"])
 def test_device_drafter_equals_cpu_drafter(match):
-    """Random sequences over a small vocabulary (many repeats), ragged room and acceptance (the
-    host's lookup without its memory of ended requests, which the device lookup does not keep)."""
+    """Random sequences over a small vocabulary (many repeats), ragged room and acceptance."""
     rng = random.Random(0)
-    spec = SpecConfig(num_draft_tokens=6, min_ngram=1, max_ngram=3, match=match, lookup_memory=0)
+    spec = SpecConfig(num_draft_tokens=6, min_ngram=1, max_ngram=3, match=match)
     cpu, device = NgramDrafter(spec), DeviceNgramDrafter(spec, max_seqs=4, max_len=200, device="cpu")
     seqs = {i: [rng.randrange(6) for _ in range(rng.randrange(1, 12))] for i in range(5)}
     for seq_id, tokens in seqs.items():

@@ -238,7 +238,7 @@ def test_memory_drafts_a_finished_requests_continuation():
     """A later request whose tail an ended one held drafts what followed there, and says how many
     tail tokens agree; none where lookup_memory is 0 or no request has ended."""
     answer = list(range(100, 140))
-    for memory, want in ((65536, (answer[12:20], 12)), (0, ([], 0))):
+    for memory, want in ((65536, (answer[12:20], 12)), (0, ([], 0))):     # 0: the default
         drafter = NgramDrafter(SpecConfig(lookup_memory=memory))
         drafter.begin(1, answer[:10])
         drafter.begin(2, [7, 8] + answer[:12])
@@ -249,8 +249,11 @@ def test_memory_drafts_a_finished_requests_continuation():
         assert (drafts.host_rows()[0], drafts.match_len[0]) == want
 
 
+MEMORY = SpecConfig(lookup_memory=65536)
+
+
 def test_memory_serves_only_its_salt():
-    drafter = NgramDrafter(SpecConfig())
+    drafter = NgramDrafter(MEMORY)
     drafter.bind(Salts({1: "alice", 2: "bob", 3: "alice"}))
     drafter.begin(1, [5, 6, 7, 8, 9, 10])
     drafter.end(1)
@@ -262,7 +265,7 @@ def test_memory_serves_only_its_salt():
 def test_own_match_wins_where_it_agrees_as_far_back():
     """The memory drafts only where its match agrees with the tail further back than the
     sequence's own: here its own agrees on 3 tokens, the memory's on 2, then on 4."""
-    drafter = NgramDrafter(SpecConfig())
+    drafter = NgramDrafter(MEMORY)
     drafter.begin(1, [1, 2, 3, 40, 41])
     drafter.end(1)
     drafter.begin(2, [9, 2, 3, 50, 51, 9, 2, 3])

@@ -137,7 +137,8 @@ def test_lookup_memory_repeats_and_decoys(tiny_folder, plain_outputs):
     ended requests) make it draft wrong continuations that agree far back, and the output is still
     plain's; the same prompts again draft their first run's answers, in fewer target steps than
     the first run took."""
-    llm = LLM(str(tiny_folder), spec=SpecConfig(num_draft_tokens=5), **engine_options(calibrate=False))
+    llm = LLM(str(tiny_folder), spec=SpecConfig(num_draft_tokens=5, lookup_memory=65536),
+              **engine_options(calibrate=False))
     rng = random.Random(3)
     decoys = [p + [rng.randrange(49152) for _ in range(12)] for p in PROMPTS]
     llm.generate(decoys, SamplingParams(temperature=0, max_tokens=1))

@@ -82,9 +82,10 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-ngram", type=int, default=None,
                    help="shortest suffix matched (default 1; 3 with --spec draft --ngram-first)")
     p.add_argument("--max-ngram", type=int, default=4, help="longest suffix matched, tried first (default 4)")
-    p.add_argument("--lookup-memory", type=int, default=65536,
+    p.add_argument("--lookup-memory", type=int, default=0,
                    help="tokens of finished requests n-gram lookup keeps and drafts from, for later requests of "
-                        "the same cache salt, on the CPU (default 65536; 0: none)")
+                        "the same cache salt, on the CPU: a retry or a workload's repeated calls draft the "
+                        "earlier answer (default 0: none; 65536 takes about 38 MB)")
     p.add_argument("--exact", action="store_true",
                    help="numerically exact mode: speculative greedy output bit-identical to plain greedy")
 

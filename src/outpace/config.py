@@ -100,8 +100,8 @@ class SpecConfig:
         (Drafter.lookup_yields_below).
     match: which earlier occurrence of the suffix drafts: 'recent' (the last one) or 'first'.
     lookup_memory: tokens of finished requests that n-gram lookup keeps and drafts from, for the
-        later requests of the same cache salt (a retry, the same template again), on the host
-        (0: none; the device lookup of a GPU reads each sequence's own tokens alone).
+        later requests of the same cache salt (a retry, the same template again), on the CPU
+        (0, the default: none; the device lookup of a GPU reads each sequence's own tokens alone).
     exact: every forward is numerically independent of how many tokens it holds, so speculative
         greedy output is bit-identical to plain greedy output in the same mode.
     """
@@ -111,7 +111,7 @@ class SpecConfig:
     min_ngram: int | None = None
     max_ngram: int = 4
     match: str = "recent"
-    lookup_memory: int = 65536
+    lookup_memory: int = 0
     exact: bool = False
     draft_model: str | None = None
     p_min: float = 0.0
