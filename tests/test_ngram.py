@@ -264,9 +264,9 @@ def test_memory_serves_only_its_salt():
 
 def test_own_match_wins_where_it_agrees_as_far_back():
     """The memory drafts only where its match agrees with the tail further back than the
-    sequence's own: here its own agrees on 3 tokens, the memory's on 2, then on 4."""
+    sequence's own: here both agree on 3 tokens (a tie: its own), then the memory on 4."""
     drafter = NgramDrafter(MEMORY)
-    drafter.begin(1, [1, 2, 3, 40, 41])
+    drafter.begin(1, [1, 9, 2, 3, 40, 41])
     drafter.end(1)
     drafter.begin(2, [9, 2, 3, 50, 51, 9, 2, 3])
     assert drafter.propose(batch([2], [2])).host_rows() == [[50, 51]]
