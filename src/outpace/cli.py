@@ -93,9 +93,10 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
 def spec_config(args):
     from outpace.config import SpecConfig
     return SpecConfig(method=args.spec, num_draft_tokens=args.num_draft_tokens, min_ngram=args.min_ngram,
-                      max_ngram=args.max_ngram, lookup_memory=args.lookup_memory, exact=args.exact, draft_model=args.draft_model, p_min=args.p_min,
-                      draft_vocab=args.draft_vocab, draft_window=args.draft_window, draft_weights=args.draft_weights,
-                      ngram_first=args.ngram_first, draft_head=args.draft_head, tree_width=args.tree_width)
+                      max_ngram=args.max_ngram, lookup_memory=args.lookup_memory, exact=args.exact,
+                      draft_model=args.draft_model, p_min=args.p_min, draft_vocab=args.draft_vocab,
+                      draft_window=args.draft_window, draft_weights=args.draft_weights, ngram_first=args.ngram_first,
+                      draft_head=args.draft_head, tree_width=args.tree_width)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
