@@ -294,3 +294,12 @@ def test_memory_forgets_the_oldest_beyond_its_tokens():
 def test_memory_rejects_a_negative_size():
     with pytest.raises(InvalidParameterError, match="lookup_memory"):
         SpecConfig(lookup_memory=-1)
+
+
+def test_memory_stays_off_on_a_gpu():
+    """A GPU engine's lookups draft inside its CUDA graphs (or, for trees, on a host whose loop
+    bounds the step): the factory keeps no memory there, whatever is asked."""
+    from outpace.speculative.factory import make_drafter
+    spec = SpecConfig(tree_width=2, lookup_memory=65536)
+    assert make_drafter(spec, "smollm2-135m", "cpu", 2, 256, False).memory is not None
+    assert make_drafter(spec, "smollm2-135m", "cuda", 2, 256, False).memory is None
