@@ -1,6 +1,7 @@
 """LLM: the Python API, in the style of vLLM's offline `LLM` class."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
@@ -11,6 +12,7 @@ from outpace.config import EngineConfig, SamplingParams, SpecConfig
 from outpace.engine.llm_engine import LLMEngine
 from outpace.engine.sequence import Sequence
 from outpace.errors import InvalidParameterError
+from outpace.sampling.logprobs import Logprob
 from outpace.speculative.drafter import Drafter
 
 
@@ -24,6 +26,8 @@ class RequestOutput:
     timing: dict = field(default_factory=dict)
     spec: dict = field(default_factory=dict)
     num_cached_tokens: int = 0      # prompt tokens found cached from an earlier request (prefix caching)
+    # where SamplingParams.logprobs asks: per output token {token id: Logprob}, the token first
+    logprobs: list[dict[int, Logprob]] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -115,5 +119,12 @@ class LLM:
                 engine.abort(seq.seq_id)     # frees slots if interrupted; no-op when finished
         return [RequestOutput(p if isinstance(p, str) else None, s.prompt_ids, s.text, s.output_ids,
                               s.finish_reason, _timing(s, engine.load_s, started),
-                              s.stats.as_dict(s.finish_time - started), s.num_reused)
+                              s.stats.as_dict(s.finish_time - started), s.num_reused, self._decoded(s.logprobs))
                 for p, s in zip(prompts, seqs)]
+
+    def _decoded(self, logprobs: list[dict[int, Logprob]] | None) -> list[dict[int, Logprob]] | None:
+        """The logprobs with each token's text (Tokenizer.token_text)."""
+        if logprobs is None:
+            return None
+        text = self.tokenizer.token_text
+        return [{t: dataclasses.replace(lp, decoded_token=text(t)) for t, lp in entry.items()} for entry in logprobs]

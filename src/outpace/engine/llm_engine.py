@@ -305,8 +305,9 @@ class LLMEngine:
     def accept(self, seqs: list[Sequence], proposal: Proposal, result: StepResult) -> None:
         """Append each row's verified tokens (up to a stop) and tell the controller and drafter."""
         now = time.perf_counter()
-        for seq, budget, num_draft, new, match_len in zip(seqs, proposal.budget, result.num_draft, result.tokens,
-                                                         proposal.match_len):
+        logprobs = result.logprobs or [None] * len(seqs)
+        for seq, budget, num_draft, new, match_len, scores in zip(seqs, proposal.budget, result.num_draft,
+                                                                  result.tokens, proposal.match_len, logprobs):
             seq.stats.record(num_draft, len(new) - 1)
             if seq.speculate:       # the controller never drafts for (nor reads) a plain sequence
                 self.controller.observe(seq.seq_id, budget, num_draft, len(new) - 1, match_len)
@@ -314,7 +315,10 @@ class LLMEngine:
             seq.num_cached = len(seq.token_ids) + len(new) - 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            self.drafter.accept(seq.seq_id, seq.stopper.append(seq, new))
+            appended = seq.stopper.append(seq, new)
+            if seq.logprobs is not None:
+                seq.logprobs += scores[:len(appended)]
+            self.drafter.accept(seq.seq_id, appended)
 
     def postprocess(self, seqs: list[Sequence]) -> list[Sequence]:
         for seq in seqs:

@@ -98,6 +98,8 @@ class Sequence:
         self.finish_time: float | None = None
         self.prefill_s = 0.0
         self.text = ""                      # detokenized output, stop strings applied
+        # one {token: Logprob} per output token where params.logprobs asks (sampling/logprobs.py)
+        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from outpace.engine.scheduler import PrefillChunk, StepPlan
 from outpace.engine.sequence import Sequence
 from outpace.runner.model_runner import ModelRunner, Row
+from outpace.sampling.logprobs import Logprob, StepLogprobs
 from outpace.sampling.rejection import greedy_tokens, verify_greedy, verify_sampling
 from outpace.sampling.sampler import SamplingState, inverse_cdf, logits_to_probs
 from outpace.sampling.tree import tree_depths, verify_tree
@@ -66,13 +67,16 @@ class StepResult:
     """A step's outcome on the host: tokens[i] to append to row i (accepted drafts then the
     target's own), num_draft[i] drafted tokens verified. step_rows, step_tokens: the step's size
     as the runner laid it out (the controller fits costs by it). period: for a step launched
-    ahead, its cost, the time between two reads (None: the engine times the step itself)."""
+    ahead, its cost, the time between two reads (None: the engine times the step itself).
+    logprobs[i]: one {token: Logprob} per token of tokens[i] where row i's request asks for them
+    (SamplingParams.logprobs), else None; None where no row asks."""
 
     tokens: list[list[int]]
     num_draft: list[int]
     step_rows: int
     step_tokens: int
     period: float | None = None
+    logprobs: list[list[dict[int, Logprob]] | None] | None = None
 
     @property
     def counts(self) -> list[int]:
@@ -190,6 +194,8 @@ class EagerStep:
         if drafts is not None and drafts.parents is not None:
             return self._verify_tree(seqs, proposal, chunks, t0)
         greedy = all(s.params.is_greedy for s in seqs)
+        # greedy rows' argmax alone, unless a row asks for its tokens' log-probabilities
+        picks = greedy and not wants_logprobs(seqs)
         hidden_layers = self.drafter.hidden_layers
         if drafts is not None and drafts.num_draft_host is None:
             # drafts on the device never visit the host: the runner appends them to each row's last token
@@ -202,10 +208,10 @@ class EagerStep:
                 proposal.drafts = drafts
             rows = [Row(s.slot, s.token_ids[-1:] + d, len(s.token_ids) - 1) for s, d in zip(seqs, host)]
             # [B, S, V], or for greedy rows on the CPU their argmax [B, S]
-            logits, hidden = self.runner.forward(rows, self.runner.greedy_logits if greedy else "all",
+            logits, hidden = self.runner.forward(rows, self.runner.greedy_logits if picks else "all",
                                                  hidden_layers, chunks=chunk_rows(chunks))
         K = logits.shape[1] - 1
-        if K == 0 and greedy:
+        if K == 0 and picks:
             return self._plain_greedy(seqs, logits, hidden, t0)
         if drafts is None:
             draft_tokens = logits.new_zeros((len(seqs), K), dtype=torch.long)
@@ -219,12 +225,13 @@ class EagerStep:
             state = SamplingState.from_params([s.params for s in seqs], [s.seed for s in seqs],
                                               [s.num_output_tokens for s in seqs], logits.device)
             out, num_out = verify_sampling(logits, draft_tokens, num_draft, state)
+        scores = step_logprobs(seqs, logits, out)
         # a recurrent model's state becomes the one after each row's last accepted token
         self.runner.cache.commit([s.slot for s in seqs], num_out - 1)
         self._tell_verified(seqs, proposal.budget, out, num_out, hidden)
         # the one host synchronisation of the step: accepted tokens return to the scheduler
         host = torch.cat([num_out[:, None], num_draft[:, None], out], dim=1).tolist()
-        return self._result(seqs, host, proposal.budget, t0)
+        return self._result(seqs, host, proposal.budget, t0, scores=scores)
 
     def _verify_tree(self, seqs: list[Sequence], proposal: Proposal, chunks: list[PrefillChunk],
                      t0: float) -> StepResult:
@@ -240,11 +247,15 @@ class EagerStep:
             self.runner.forward(chunk_rows(chunks), logits="none")
         rows = [Row(s.slot, s.token_ids[-1:] + d, len(s.token_ids) - 1) for s, d in zip(seqs, nodes)]
         greedy = all(s.params.is_greedy for s in seqs)
-        logits, hidden = self.runner.forward_tree(rows, parents, "tokens" if greedy else "all",
+        picks = greedy and not wants_logprobs(seqs)
+        logits, hidden = self.runner.forward_tree(rows, parents, "tokens" if picks else "all",
                                                   self.drafter.hidden_layers)             # [B, S] or [B, S, V]
         K = logits.shape[1] - 1
         device = logits.device
-        if not greedy:
+        full = None if picks else logits
+        if greedy and not picks:
+            logits = greedy_tokens(logits)
+        elif not greedy:
             # every node of one depth shares that output position's u: the sample plain sampling
             # would draw there after the node's path
             state = SamplingState.from_params([s.params for s in seqs], [s.seed for s in seqs],
@@ -262,12 +273,13 @@ class EagerStep:
         moved = depth < num_out[:, None]
         self.runner.cache.compact(slots.flatten(), (starts + torch.where(moved, path, depth)).flatten(),
                                   (starts + depth).flatten())
-        if hidden is not None:      # the accepted positions' hidden states in path order
-            order = torch.cat([torch.zeros_like(path[:, :1]), path], dim=1)
+        order = torch.cat([torch.zeros_like(path[:, :1]), path], dim=1)     # the accepted positions in path order
+        if hidden is not None:
             hidden = hidden.gather(1, order.view(*order.shape, *[1] * (hidden.dim() - 2)).expand_as(hidden))
+        scores = None if full is None else step_logprobs(seqs, full.gather(1, order[..., None].expand_as(full)), out)
         self._tell_verified(seqs, proposal.budget, out, num_out, hidden)
         host = torch.cat([num_out[:, None], num_draft[:, None], out], dim=1).tolist()   # the step's one sync
-        return self._result(seqs, host, proposal.budget, t0)
+        return self._result(seqs, host, proposal.budget, t0, scores=scores)
 
     # A drafter's malformed draft may cost its tokens, never the output: each row is cut before
     # its first bad token, and the first of each kind is said on stderr.
@@ -324,14 +336,16 @@ class EagerStep:
         self.drafter.verified(Verified(self._draft_batch(seqs, budget), out, num_out, hidden))
 
     def _result(self, seqs: list[Sequence], host: list[list[int]], budget: list[int], t0: float,
-                period: float | None = None) -> StepResult:
-        """A StepResult from host rows [tokens out, tokens drafted, tokens...]; the step's time is
-        charged to its rows. A packing runner's step holds its rows' tokens, a padding one's rows
-        of the longest."""
+                period: float | None = None, scores: StepLogprobs | None = None) -> StepResult:
+        """A StepResult from host rows [tokens out, tokens drafted, tokens...] (and the logprobs of
+        the rows that ask, read after them); the step's time is charged to its rows. A packing
+        runner's step holds its rows' tokens, a padding one's rows of the longest."""
+        tokens = [h[2:2 + h[0]] for h in host]
+        logprobs = None if scores is None else scores.host(tokens)
         self._charge(seqs, "verify_s", time.perf_counter() - t0)
         rows = len(seqs)
         step_tokens = rows + (sum(budget) if self.runner.packs_rows else rows * max(budget, default=0))
-        return StepResult([h[2:2 + h[0]] for h in host], [h[1] for h in host], rows, step_tokens, period)
+        return StepResult(tokens, [h[1] for h in host], rows, step_tokens, period, logprobs)
 
     @staticmethod
     def _charge(seqs: list[Sequence], what: str, seconds: float) -> None:
@@ -349,6 +363,18 @@ class EagerStep:
 
     def drop_launched(self) -> None:
         """Nobody will read the launched step (all its sequences ended)."""
+
+
+def wants_logprobs(seqs: list[Sequence]) -> bool:
+    """Whether a row asks for its tokens' log-probabilities: its step then needs the logits."""
+    return any(s.params.logprobs is not None for s in seqs)
+
+
+def step_logprobs(seqs: list[Sequence], logits: torch.Tensor, out: torch.Tensor) -> StepLogprobs | None:
+    """The logprobs of the rows that ask (logits [B, S, V] at the positions of out [B, S], the
+    tokens the rows emit), on the device; None where no row asks."""
+    rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    return StepLogprobs(rows, [seqs[i].params.logprobs for i in rows], logits, out) if rows else None
 
 
 def speculating_rows(seqs: list[Sequence]) -> list[int]:

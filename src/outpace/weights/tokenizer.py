@@ -219,6 +219,42 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level token may hold part of a character, which
+        decode alone shows as U+FFFD): an added token's text, a byte-level entry's bytes, a
+        sentencepiece byte token (<0xNN>) its byte, another sentencepiece piece its text with
+        U+2581 as a space."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_ids:
+            return piece.encode("utf-8")
+        if self._byte_values is not None:
+            return bytes(self._byte_values.get(c, 0) for c in piece) if all(
+                c in self._byte_values for c in piece) else piece.encode("utf-8")
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text, as OpenAI's logprobs spell it: its bytes as UTF-8, any byte that
+        does not complete a character escaped as \\xNN."""
+        return self.token_bytes(token_id).decode("utf-8", errors="backslashreplace")
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self.backend.get_added_tokens_decoder())
+
+    @functools.cached_property
+    def _byte_values(self) -> dict[str, int] | None:
+        """A byte-level vocabulary's characters -> the bytes they spell (GPT-2's table: printable
+        bytes as themselves, the others as the characters from U+0100 on), or None."""
+        if not isinstance(self.backend.decoder, decoders.ByteLevel):
+            return None
+        printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+        others = [b for b in range(256) if b not in printable]
+        return {**{chr(b): b for b in printable}, **{chr(0x100 + i): b for i, b in enumerate(others)}}
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **context: Any) -> str:
         """The model's own Jinja template rendered with the variables Hugging Face templates expect."""
         if self._template is None:
