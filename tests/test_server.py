@@ -138,6 +138,55 @@ def test_tiny_temperature_is_greedy(client):
         assert client.completions.create(temperature=temperature, **prompt).choices[0].text == expected
 
 
+def test_completion_logprobs(server, client):
+    """Each token's logprob and its alternatives in the legacy layout, streamed as unstreamed, a
+    speculative request's as a plain one's (the same forwards but for the rows beside them)."""
+    prompt = "The capital of France is"
+    runs = {}
+    for name, extra in (("spec", {}), ("plain", {"speculate": False})):
+        whole = client.completions.create(prompt=prompt, max_tokens=12, logprobs=3, extra_body=extra, **greedy())
+        runs[name] = whole.choices[0].logprobs
+    logprobs, text = runs["spec"], whole.choices[0].text
+    assert len(logprobs.tokens) == whole.usage.completion_tokens == len(logprobs.token_logprobs)
+    assert "".join(logprobs.tokens) == text
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert value <= 0 and top[token] == value and 1 <= len(top) <= 4
+        assert value == max(top.values()), "greedy: the emitted token is the likeliest"
+    assert runs["plain"].tokens == logprobs.tokens
+    assert runs["plain"].token_logprobs == pytest.approx(logprobs.token_logprobs, abs=1e-4)
+
+    chunks = list(client.completions.create(prompt=prompt, max_tokens=12, logprobs=3, stream=True, **greedy()))
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == logprobs.tokens
+    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == logprobs.text_offset
+
+
+def test_chat_logprobs(client):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    whole = client.chat.completions.create(messages=messages, max_tokens=12, logprobs=True, top_logprobs=2,
+                                           **greedy())
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    assert bytes(b for t in content for b in t.bytes).decode() == whole.choices[0].message.content
+    for token in content:
+        assert len(token.top_logprobs) == 2 and token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob
+        assert token.top_logprobs[0].token == token.token and token.top_logprobs[0].logprob == token.logprob
+    chunks = list(client.chat.completions.create(messages=messages, max_tokens=12, logprobs=True, stream=True,
+                                                 **greedy()))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert all(t.top_logprobs == [] for t in streamed)
+    plain = client.chat.completions.create(messages=messages, max_tokens=12, **greedy())
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == whole.choices[0].message.content
+
+
+def test_a_request_without_model_means_the_served_one(server):
+    reply = server.http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    assert reply.status_code == 200 and reply.json()["model"] == MODEL
+
+
 def test_same_seed_same_sample(client):
     def sample(seed):
         return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=1.0,
@@ -153,7 +202,6 @@ LONG_PROMPT = "word " * (2 * MAX_MODEL_LEN)
 BAD_COMPLETIONS = [
     ("malformed JSON", b'{"model": "smollm2-135m", "prompt": ', 400, None),
     ("not an object", [1, 2], 400, None),
-    ("missing model", {"prompt": "hi"}, 400, "model"),
     ("missing prompt", {"model": MODEL}, 400, "prompt"),
     ("prompt wrong type", {"model": MODEL, "prompt": 12}, 400, "prompt"),
     ("empty prompt", {"model": MODEL, "prompt": ""}, 400, "prompt"),
@@ -174,7 +222,10 @@ BAD_COMPLETIONS = [
     ("stop empty", {"model": MODEL, "prompt": "hi", "stop": [""]}, 400, "stop"),
     ("stream wrong type", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("n above one", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
-    ("logprobs", {"model": MODEL, "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ("logprobs above 20", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("logprobs negative", {"model": MODEL, "prompt": "hi", "logprobs": -1}, 400, "logprobs"),
+    ("logprobs wrong type", {"model": MODEL, "prompt": "hi", "logprobs": "3"}, 400, "logprobs"),
+    ("echo", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
     ("penalty", {"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("cache_salt wrong type", {"model": MODEL, "prompt": "hi", "cache_salt": 7}, 400, "cache_salt"),
     ("unknown model", {"model": "gpt-5", "prompt": "hi"}, 404, "model"),
@@ -191,8 +242,12 @@ BAD_CHATS = [
                                     "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("conversation beyond context", {"model": MODEL, "messages": [{"role": "user", "content": LONG_PROMPT}]}, 400,
      "messages"),
-    ("logprobs", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400,
+    ("logprobs wrong type", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": 3}, 400,
      "logprobs"),
+    ("top_logprobs without logprobs", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                       "top_logprobs": 2}, 400, "top_logprobs"),
+    ("top_logprobs above 20", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                               "top_logprobs": 21}, 400, "top_logprobs"),
     ("unknown model", {"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
 ]
 

@@ -6,6 +6,11 @@
   GET  /health                200 while the engine loop runs, with running/waiting counts; else 503
   GET  /metrics               Prometheus text
 
+A request may leave out `model` (the one served is meant). Where it asks for logprobs (completions:
+`logprobs` N; chat: `logprobs` true, `top_logprobs` N) each token comes with the target's
+log-probability of it and of its N likeliest alternatives (sampling/logprobs.py), in the layout of
+each route, streamed with the chunk that follows the token.
+
 Every response carries usage, with the prompt tokens found cached from an earlier request in
 usage.prompt_tokens_details.cached_tokens (prefix caching; the extension field `cache_salt` keeps a
 request to prefixes of its own salt) and the request's speculation figures in usage.speculation (a
@@ -53,9 +58,10 @@ def build_app(engine: LLMEngine, model_name: str, config: ServerConfig | None = 
     config = config or ServerConfig()
     metrics = Metrics(model_name)
     runner = AsyncEngine(engine, metrics, config.log_interval_s)
+    tokenizer = engine.tokenizer
     max_model_len = engine.config.max_model_len
     max_body_bytes = config.body_limit(max_model_len)
-    prompts = PromptBuilder(engine.tokenizer, model_name, max_model_len, config.special_tokens_in_content)
+    prompts = PromptBuilder(tokenizer, model_name, max_model_len, config.special_tokens_in_content)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -108,11 +114,11 @@ def build_app(engine: LLMEngine, model_name: str, config: ServerConfig | None = 
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await generate(request, CompletionShape(model_name))
+        return await generate(request, CompletionShape(model_name, tokenizer))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await generate(request, ChatShape(model_name))
+        return await generate(request, ChatShape(model_name, tokenizer))
 
     async def generate(request: Request, shape: CompletionShape):
         try:
@@ -124,6 +130,7 @@ def build_app(engine: LLMEngine, model_name: str, config: ServerConfig | None = 
             raise ApiError(408, f"the request body did not arrive within {config.read_timeout_s:g} s") from None
         prompt = await prompts.build(raw, is_chat=isinstance(shape, ChatShape))
         parsed = prompt.request
+        shape.num_top = prompt.params.logprobs
         try:
             stream = await runner.add(shape.id, prompt.token_ids, prompt.params, parsed.speculate, parsed.cache_salt)
         except OutpaceError as error:

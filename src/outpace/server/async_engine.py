@@ -43,6 +43,13 @@ class Update:
     finish_reason: str | None
     spec: dict | None = None        # speculation figures, on the last update only
     num_cached_tokens: int = 0      # prompt tokens found cached from an earlier request
+    # where the request asks for logprobs: its sequence's list of them, which only grows (the
+    # engine thread appends to it): token_logprobs is this update's share
+    logprobs: list | None = None
+
+    @property
+    def token_logprobs(self) -> list | None:
+        return None if self.logprobs is None else self.logprobs[:self.num_output_tokens]
 
     @property
     def usage(self) -> dict:
@@ -248,7 +255,7 @@ class AsyncEngine:
             stream.num_tokens_counted = seq.num_output_tokens
             finished = seq.finish_reason is not None
             stream.push(Update(seq.text, seq.num_prompt_tokens, seq.num_output_tokens, seq.finish_reason,
-                               spec_figures(seq) if finished else None, seq.num_reused))
+                               spec_figures(seq) if finished else None, seq.num_reused, seq.logprobs))
             if finished:
                 self._finish(stream, seq, seq.finish_reason)
 

@@ -47,7 +47,7 @@ class PromptBuilder:
     def _build(self, raw: bytes, is_chat: bool) -> Prompt:
         body = parse_json(raw)
         request = parse_chat(body) if is_chat else parse_completion(body)
-        if request.model != self.model_name:
+        if request.model is not None and request.model != self.model_name:
             raise ApiError(404, f"model {request.model[:100]!r} is not served here; this server serves "
                                 f"{self.model_name!r} (see GET /v1/models)", "model", code="model_not_found")
         self._check_length(request)

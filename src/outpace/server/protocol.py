@@ -3,7 +3,7 @@ object every 4xx/5xx carries: {"error": {"message", "type", "param", "code"}}.
 
 Fields are checked by hand so each message names the field and says what to send instead. Fields
 the server does not know are ignored (as OpenAI-compatible servers do); fields it knows but cannot
-honour (n > 1, logprobs, penalties, tools) are refused with a 400 rather than silently dropped.
+honour (n > 1, echo, penalties, tools) are refused with a 400 rather than silently dropped.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from outpace.config import MAX_NUM_STOP, MAX_STOP_CHARS, SamplingParams
+from outpace.config import MAX_LOGPROBS, MAX_NUM_STOP, MAX_STOP_CHARS, SamplingParams
 from outpace.errors import OutpaceError
 
 MISSING = object()
@@ -34,9 +34,10 @@ def bad_request(error: OutpaceError, param: str | None = None) -> ApiError:
 
 @dataclass
 class GenerateRequest:
-    """One parsed completions or chat request; max_tokens None means 'whatever the context leaves'."""
+    """One parsed completions or chat request; max_tokens None means 'whatever the context leaves';
+    model None: the one the server serves."""
 
-    model: str
+    model: str | None
     prompt: str | list[int] | None = None          # completions
     messages: list[dict] | None = None             # chat: [{role, content: str}]
     max_tokens: int | None = None
@@ -111,8 +112,9 @@ def parse_completion(body: dict) -> GenerateRequest:
     _unsupported(body, "echo", allowed=(None, False))
     _unsupported(body, "suffix", allowed=(None, ""))
     _unsupported(body, "best_of", allowed=(None, 1))
-    _unsupported(body, "logprobs", allowed=(None, 0), hint="leave it out or set it to null")
     request = _common(body, max_tokens=_max_tokens(body, ("max_tokens",), default=16))
+    # legacy completions: logprobs N asks for each token's logprob and its N likeliest alternatives
+    request.sampling["logprobs"] = _integer(body, "logprobs", None, low=0, high=MAX_LOGPROBS)
     request.prompt = prompt
     return request
 
@@ -130,20 +132,24 @@ def parse_chat(body: dict) -> GenerateRequest:
         if not isinstance(role, str) or not role:
             raise ApiError(400, f"{where}.role must be a string such as 'system', 'user' or 'assistant'", f"{where}.role")
         parsed.append({**message, "content": _content(message.get("content"), f"{where}.content")})
-    _unsupported(body, "logprobs", allowed=(None, False), hint="leave it out or set it to false")
-    _unsupported(body, "top_logprobs", allowed=(None, 0))
     _unsupported(body, "tools", allowed=(None, []))
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise ApiError(400, "response_format is not supported beyond {\"type\": \"text\"}; leave it out",
                        "response_format")
     request = _common(body, max_tokens=_max_tokens(body, ("max_completion_tokens", "max_tokens"), default=None))
+    # chat: logprobs true asks for each token's logprob, top_logprobs N for its N likeliest alternatives
+    top = _integer(body, "top_logprobs", None, low=0, high=MAX_LOGPROBS)
+    if _field(body, "logprobs", bool, default=False):
+        request.sampling["logprobs"] = top or 0
+    elif top:
+        raise ApiError(400, "top_logprobs needs logprobs: set logprobs to true as well", "top_logprobs")
     request.messages = parsed
     return request
 
 
 def _common(body: dict, max_tokens: int | None) -> GenerateRequest:
-    model = _field(body, "model", str, required=True)
+    model = _field(body, "model", str, default=None)
     n = _field(body, "n", int, default=1)
     if n != 1:
         raise ApiError(400, f"n is {n}; this server returns one choice per request: send n=1 (or leave it "
