@@ -35,10 +35,10 @@ def reference(model, prompt: list[int], output: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits[len(prompt) - 1:len(prompt) - 1 + len(output)].float(), dim=-1)
 
 
-def check(model, prompt, out, num_top: int):
-    assert len(out.logprobs) == len(out.token_ids) > 0
-    want = reference(model, prompt, out.token_ids)
-    for j, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+def check(model, prompt, token_ids, logprobs, num_top: int):
+    assert len(logprobs) == len(token_ids) > 0
+    want = reference(model, prompt, token_ids)
+    for j, (token, entry) in enumerate(zip(token_ids, logprobs)):
         first, *others = entry.items()
         assert first[0] == token, "the emitted token comes first"
         assert first[1].logprob == pytest.approx(want[j, token].item(), abs=1e-5)
@@ -47,7 +47,6 @@ def check(model, prompt, out, num_top: int):
         assert set(entry) == {token, *top.indices.tolist()}
         for t, value in zip(top.indices.tolist(), top.values.tolist()):
             assert entry[t].logprob == pytest.approx(value, abs=1e-5)
-        assert all(isinstance(lp.decoded_token, str) for lp in entry.values())
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +73,8 @@ def test_greedy_logprobs_are_the_targets(tiny, plain, name):
         if i == 1:
             assert out.logprobs is None
         else:
-            check(model, prompt, out, 3)
+            check(model, prompt, out.token_ids, out.logprobs, 3)
+            assert all(isinstance(lp.decoded_token, str) for e in out.logprobs for lp in e.values())
     if name in ("oracle", "trees"):
         assert sum(o.spec["num_accepted_tokens"] for o in outputs) > 0
 
@@ -90,7 +90,7 @@ def test_sampled_logprobs_are_the_targets_unshaped_distribution(tiny):
     outputs = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in outputs] == want
     for prompt, out in zip(PROMPTS, outputs):
-        check(model, prompt, out, 2)
+        check(model, prompt, out.token_ids, out.logprobs, 2)
 
 
 def test_stops_cut_the_logprobs_with_the_tokens(tiny, plain):
@@ -126,3 +126,31 @@ def test_exact_mode_reports_plains_bits(default_model_dir):
 def test_logprobs_out_of_range_are_refused(value):
     with pytest.raises(InvalidParameterError, match="logprobs"):
         SamplingParams(logprobs=value)
+
+
+def test_the_gpu_paths_steps_verify_asking_rows_outside_the_graph(tiny):
+    """The GPU path (its static-shape runner, device drafter and GraphStep, run eagerly on the
+    CPU): a greedy row alone drafts and verifies inside the graph step and launches steps ahead;
+    a row asking for logprobs, joining while such a step runs, takes the steps outside it, and
+    every row keeps plain output and gets the target's logprobs."""
+    from test_cuda_graphs import count_in_graph, count_launched, device_path_llm
+    folder, model = tiny
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    asking = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=n) for n in (2, 0)]
+    prompts = PROMPTS[:3]
+    plain = LLM(str(folder), spec="none", dtype="float64", device="cpu", max_num_seqs=3, max_model_len=128)
+    want = [plain.generate(p, sp)[0].token_ids for p, sp in zip(prompts, [greedy] + asking)]
+    llm = device_path_llm(folder, SpecConfig(num_draft_tokens=5))
+    engine = llm.engine
+    in_graph, launched = count_in_graph(engine), count_launched(engine)
+    seqs = [engine.add_request(prompts[0], greedy)]
+    for _ in range(4):
+        engine.step()
+    assert in_graph["calls"] > 0 and launched["calls"] > 0
+    seqs += [engine.add_request(p, sp) for p, sp in zip(prompts[1:], asking)]
+    while engine.has_unfinished():
+        engine.step()
+    assert [s.output_ids for s in seqs] == want
+    assert seqs[0].logprobs is None
+    for seq, num_top in zip(seqs[1:], (2, 0)):
+        check(model, seq.prompt_ids, seq.output_ids, seq.logprobs, num_top)
