@@ -68,6 +68,8 @@ def run_cli(*args):
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "2"], "top_p"),
     (["--max-tokens", "0"], "max_tokens"),
+    (["--logprobs", "2"], "--json"),
+    (["--logprobs", "21", "--json"], "logprobs"),
 ])
 def test_cli_prints_one_clear_line(args, words):
     result = run_cli("generate", "--prompt", "hi", "--spec", "none", *args)
@@ -82,6 +84,16 @@ def test_cli_summary_of_one_token_gives_no_rate():
     assert one.returncode == three.returncode == 0
     assert "[1 token, the first after " in one.stderr and "tokens/s" not in one.stderr
     assert "[3 tokens, " in three.stderr and " tokens/s, finish: length]" in three.stderr
+
+
+def test_cli_json_holds_the_logprobs():
+    result = run_cli("generate", "--prompt", "The capital of France is", "--max-tokens", "4", "--logprobs", "2",
+                     "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert [entry[0]["token_id"] for entry in out["logprobs"]] == out["token_ids"]
+    assert "".join(entry[0]["token"] for entry in out["logprobs"]) == out["text"]
+    assert all(2 <= len(entry) <= 3 and entry[0]["logprob"] <= 0 for entry in out["logprobs"])
 
 
 def test_cli_corrupt_gguf(tmp_path):

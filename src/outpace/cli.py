@@ -7,7 +7,7 @@ import os
 import sys
 
 from outpace.config import DRAFT_WEIGHTS, SPEC_METHODS, WEIGHTS
-from outpace.errors import OutpaceError
+from outpace.errors import InvalidParameterError, OutpaceError
 
 # the names in outpace.weights.hub.REGISTRY (tests/test_release.py keeps them in step)
 KNOWN_MODELS = "smollm2-135m (the default), qwen2.5-coder-1.5b-instruct, qwen2.5-coder-0.5b-instruct"
@@ -111,7 +111,7 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 def sampling_params(args):
     from outpace.config import SamplingParams
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          seed=args.seed, max_tokens=args.max_tokens)
+                          seed=args.seed, max_tokens=args.max_tokens, logprobs=getattr(args, "logprobs", None))
 
 
 def settle_heap() -> None:
@@ -127,6 +127,8 @@ def settle_heap() -> None:
 
 def cmd_generate(args) -> None:
     from outpace.llm import LLM
+    if args.logprobs is not None and not args.json:
+        raise InvalidParameterError("--logprobs reports them in --json's output: add --json")
     params = sampling_params(args)
     llm = LLM(args.model, spec=spec_config(args), max_num_seqs=1, **model_options(args))
     settle_heap()
@@ -147,6 +149,9 @@ def cmd_generate(args) -> None:
             "text": out.text, "token_ids": out.token_ids, "num_prompt_tokens": out.num_prompt_tokens,
             "num_generated_tokens": out.num_generated_tokens, "finish_reason": out.finish_reason,
             "timing": out.timing, "spec": out.spec if args.spec != "none" else None,
+            **({"logprobs": [[{"token_id": t, "token": lp.decoded_token, "logprob": lp.logprob, "rank": lp.rank}
+                              for t, lp in entry.items()] for entry in out.logprobs]}
+               if out.logprobs is not None else {}),
         }))
     else:
         sys.stdout.write(out.text[printed:] + "\n")
@@ -241,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="format the prompt with the model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --json: each token's log-probability and its N likeliest alternatives (0-20)")
     add_model_args(g)
     add_sampling_args(g, max_tokens=256)
     add_spec_args(g)
