@@ -182,6 +182,30 @@ def test_chat_logprobs(client):
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == whole.choices[0].message.content
 
 
+def test_n_choices(client):
+    """n choices sample apart, choice i as a request with seed s + i would; streamed, each
+    choice's chunks carry its index, and usage counts the prompt once and every choice's tokens."""
+    ask = dict(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=1.0, seed=50)
+    whole = client.completions.create(n=3, **ask)
+    texts = [c.text for c in sorted(whole.choices, key=lambda c: c.index)]
+    assert [c.index for c in whole.choices] == [0, 1, 2] and len(set(texts)) > 1
+    assert texts == [client.completions.create(**{**ask, "seed": 50 + i}).choices[0].text for i in range(3)]
+    alone = client.completions.create(**ask).usage
+    assert whole.usage.prompt_tokens == alone.prompt_tokens
+    assert whole.usage.completion_tokens == whole.usage.total_tokens - alone.prompt_tokens <= 30
+    spec = whole.usage.model_extra["speculation"]
+    assert spec["num_verify_steps"] >= 1 and 1 <= spec["mean_acceptance_length"]
+
+    chunks = list(client.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **ask))
+    streamed = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)]
+    assert streamed == texts
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], max_tokens=6, n=2,
+                                          logprobs=True, **greedy())
+    assert chat.choices[0].message.content == chat.choices[1].message.content
+    assert all(len(c.logprobs.content) == chat.usage.completion_tokens // 2 for c in chat.choices)
+
+
 def test_a_request_without_model_means_the_served_one(server):
     reply = server.http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
     assert reply.status_code == 200 and reply.json()["model"] == MODEL
@@ -221,7 +245,8 @@ BAD_COMPLETIONS = [
     ("seed wrong type", {"model": MODEL, "prompt": "hi", "seed": 1.5}, 400, "seed"),
     ("stop empty", {"model": MODEL, "prompt": "hi", "stop": [""]}, 400, "stop"),
     ("stream wrong type", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
-    ("n above one", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ("n above 16", {"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),
+    ("n zero", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
     ("logprobs above 20", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("logprobs negative", {"model": MODEL, "prompt": "hi", "logprobs": -1}, 400, "logprobs"),
     ("logprobs wrong type", {"model": MODEL, "prompt": "hi", "logprobs": "3"}, 400, "logprobs"),
@@ -270,8 +295,8 @@ def test_bad_input_gets_openai_error(server, route, case):
 def test_bad_input_through_the_client(client):
     with pytest.raises(openai.NotFoundError, match="not served here"):
         client.completions.create(model="gpt-5", prompt="hi")
-    with pytest.raises(openai.BadRequestError, match="n=1"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3)
+    with pytest.raises(openai.BadRequestError, match="n must be"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=30)
     with pytest.raises(openai.BadRequestError, match="ask for at most"):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=10 * MAX_MODEL_LEN)
 

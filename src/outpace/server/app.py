@@ -6,7 +6,8 @@
   GET  /health                200 while the engine loop runs, with running/waiting counts; else 503
   GET  /metrics               Prometheus text
 
-A request may leave out `model` (the one served is meant). Where it asks for logprobs (completions:
+A request may leave out `model` (the one served is meant). A request for n choices runs as n
+requests in the engine (responses.choices). Where it asks for logprobs (completions:
 `logprobs` N; chat: `logprobs` true, `top_logprobs` N) each token comes with the target's
 log-probability of it and of its N likeliest alternatives (sampling/logprobs.py), in the layout of
 each route, streamed with the chunk that follows the token.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 
@@ -35,6 +37,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
+from outpace.config import SamplingParams
 from outpace.engine.llm_engine import LLMEngine
 from outpace.errors import OutpaceError
 from outpace.server.async_engine import AsyncEngine, EngineFailure, RequestStream, Update
@@ -131,21 +134,37 @@ def build_app(engine: LLMEngine, model_name: str, config: ServerConfig | None = 
         prompt = await prompts.build(raw, is_chat=isinstance(shape, ChatShape))
         parsed = prompt.request
         shape.num_top = prompt.params.logprobs
+        streams = []
         try:
-            stream = await runner.add(shape.id, prompt.token_ids, prompt.params, parsed.speculate, parsed.cache_salt)
-        except OutpaceError as error:
+            for params in choices(prompt.params, parsed.n):
+                streams.append(await runner.add(shape.id, prompt.token_ids, params, parsed.speculate,
+                                                parsed.cache_salt))
+        except (OutpaceError, EngineFailure) as error:
+            for stream in streams:
+                stream.cancel()
+            if isinstance(error, EngineFailure):
+                raise ApiError(503, str(error), type="server_error") from None
             raise bad_request(error, parsed.prompt_param) from None
-        except EngineFailure as error:
-            raise ApiError(503, str(error), type="server_error") from None
         if parsed.stream:
-            return StreamingResponse(sse(stream, shape, parsed.include_usage), media_type="text/event-stream",
+            return StreamingResponse(sse(streams, shape, parsed.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        final = await wait_final(stream, request)
-        if final is None:
+        finals = await asyncio.gather(*(wait_final(stream, request) for stream in streams), return_exceptions=True)
+        for final in finals:
+            if isinstance(final, BaseException):
+                raise final
+        if any(final is None for final in finals):
             return Response(status_code=GONE)
-        return JSONResponse(shape.response(final))
+        return JSONResponse(shape.response(finals))
 
     return app
+
+
+def choices(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The sampling parameters of a request's n choices: each samples apart, a seed s giving choice
+    i the seed s + i (mod 2^63; without one each draws its own)."""
+    if n == 1 or params.seed is None:
+        return [params] * n
+    return [dataclasses.replace(params, seed=(params.seed + i) % 2**63) for i in range(n)]
 
 
 async def read_body(request: Request, limit: int) -> bytes:

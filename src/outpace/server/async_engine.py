@@ -63,7 +63,8 @@ class Update:
 
 def spec_figures(seq: Sequence) -> dict:
     d = seq.stats.as_dict()
-    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate", "mean_acceptance_length")
+    keys = ("num_verify_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate",
+            "mean_acceptance_length")
     return {k: d[k] for k in keys}
 
 

@@ -3,7 +3,7 @@ object every 4xx/5xx carries: {"error": {"message", "type", "param", "code"}}.
 
 Fields are checked by hand so each message names the field and says what to send instead. Fields
 the server does not know are ignored (as OpenAI-compatible servers do); fields it knows but cannot
-honour (n > 1, echo, penalties, tools) are refused with a 400 rather than silently dropped.
+honour (echo, penalties, tools) are refused with a 400 rather than silently dropped.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from outpace.config import MAX_LOGPROBS, MAX_NUM_STOP, MAX_STOP_CHARS, SamplingP
 from outpace.errors import OutpaceError
 
 MISSING = object()
+MAX_CHOICES = 16        # n: the most choices one request asks for (each runs as a request in the engine)
 
 
 class ApiError(Exception):
@@ -42,6 +43,7 @@ class GenerateRequest:
     messages: list[dict] | None = None             # chat: [{role, content: str}]
     max_tokens: int | None = None
     sampling: dict = field(default_factory=dict)   # SamplingParams fields other than max_tokens
+    n: int = 1                                     # choices, each sampled apart (seed s: choice i takes s + i)
     stream: bool = False
     include_usage: bool = False
     speculate: bool = True                         # extension: False decodes plainly (a baseline)
@@ -150,10 +152,7 @@ def parse_chat(body: dict) -> GenerateRequest:
 
 def _common(body: dict, max_tokens: int | None) -> GenerateRequest:
     model = _field(body, "model", str, default=None)
-    n = _field(body, "n", int, default=1)
-    if n != 1:
-        raise ApiError(400, f"n is {n}; this server returns one choice per request: send n=1 (or leave it "
-                            "out) and repeat the request for more", "n")
+    n = _integer(body, "n", 1, low=1, high=MAX_CHOICES)
     for name in ("presence_penalty", "frequency_penalty"):
         _unsupported(body, name, allowed=(None, 0, 0.0), hint="leave it out or set it to 0")
     _unsupported(body, "logit_bias", allowed=(None, {}))
@@ -172,7 +171,7 @@ def _common(body: dict, max_tokens: int | None) -> GenerateRequest:
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise ApiError(400, "stream_options.include_usage must be true or false", "stream_options")
-    return GenerateRequest(model=model, max_tokens=max_tokens, sampling=sampling, stream=stream,
+    return GenerateRequest(model=model, max_tokens=max_tokens, sampling=sampling, n=n, stream=stream,
                            include_usage=include_usage, speculate=_field(body, "speculate", bool, default=True),
                            cache_salt=_field(body, "cache_salt", str, default=""))
 

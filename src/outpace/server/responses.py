@@ -1,9 +1,12 @@
-"""Response bodies in OpenAI's shapes: whole responses and server-sent event streams of chunks."""
+"""Response bodies in OpenAI's shapes: whole responses and server-sent event streams of chunks.
+A request for n choices runs as n requests in the engine, choice i streamed with index i."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
+
 from outpace.sampling.logprobs import Logprob
 from outpace.server.async_engine import EngineFailure, RequestStream, Update
 from outpace.server.protocol import ApiError
@@ -27,27 +30,29 @@ class CompletionShape:
         self.created = int(time.time())
         self.tokenizer = tokenizer
         self.num_top: int | None = None         # set once the request is parsed
-        self.text_offset = 0                    # where the next token's text starts in the output
+        self.text_offsets: dict[int, int] = {}  # per choice, where its next token's text starts
 
     def _head(self, object_name: str) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
 
-    def response(self, final: Update) -> dict:
-        choice = {"index": 0, "text": final.text, "logprobs": self.logprobs(final.token_logprobs),
-                  "finish_reason": final.finish_reason}
-        return {**self._head(self.object), "choices": [choice], "usage": final.usage}
+    def response(self, finals: list[Update]) -> dict:
+        choices = [{"index": i, "text": final.text, "logprobs": self.logprobs(i, final.token_logprobs),
+                    "finish_reason": final.finish_reason} for i, final in enumerate(finals)]
+        return {**self._head(self.object), "choices": choices, "usage": usage_of(finals)}
 
-    def first_chunk(self) -> dict | None:
+    def first_chunk(self, index: int) -> dict | None:
         return None
 
-    def chunk(self, delta: str, finish_reason: str | None, usage: dict | None,
+    def chunk(self, index: int, delta: str, finish_reason: str | None, usage: dict | None,
               logprobs: list[dict[int, Logprob]] | None = None) -> dict:
-        choice = {"index": 0, "text": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
+        choice = {"index": index, "text": delta, "logprobs": self.logprobs(index, logprobs),
+                  "finish_reason": finish_reason}
         return {**self._head(self.object), "choices": [choice], "usage": usage}
 
-    def logprobs(self, entries: list[dict[int, Logprob]] | None) -> dict | None:
-        """The entries of the tokens since the last call in the legacy layout (None: not asked):
-        each token's top_logprobs holds it and its alternatives, as vLLM's server gives them."""
+    def logprobs(self, index: int, entries: list[dict[int, Logprob]] | None) -> dict | None:
+        """Choice `index`'s entries of the tokens since the last call in the legacy layout (None:
+        not asked): each token's top_logprobs holds it and its alternatives, as vLLM's server
+        gives them."""
         if entries is None:
             return None
         text = self.tokenizer.token_text
@@ -57,8 +62,8 @@ class CompletionShape:
             tokens.append(text(token))
             values.append(_finite(entry[token].logprob))
             tops.append({text(t): _finite(lp.logprob) for t, lp in entry.items()})
-            offsets.append(self.text_offset)
-            self.text_offset += len(tokens[-1])
+            offsets.append(self.text_offsets.get(index, 0))
+            self.text_offsets[index] = offsets[-1] + len(tokens[-1])
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
     def usage_chunk(self, usage: dict) -> dict:
@@ -71,24 +76,27 @@ class ChatShape(CompletionShape):
     object = "chat.completion.chunk"
     prefix = "chatcmpl-"
 
-    def response(self, final: Update) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": final.text},
-                  "logprobs": self.logprobs(final.token_logprobs), "finish_reason": final.finish_reason}
-        return {**self._head("chat.completion"), "choices": [choice], "usage": final.usage}
+    def response(self, finals: list[Update]) -> dict:
+        choices = [{"index": i, "message": {"role": "assistant", "content": final.text},
+                    "logprobs": self.logprobs(i, final.token_logprobs), "finish_reason": final.finish_reason}
+                   for i, final in enumerate(finals)]
+        return {**self._head("chat.completion"), "choices": choices, "usage": usage_of(finals)}
 
-    def first_chunk(self) -> dict:
+    def first_chunk(self, index: int) -> dict:
         # OpenAI opens a chat stream with the role; sent at once, it also flushes the headers
-        return self._chat_chunk({"role": "assistant", "content": ""}, None, None, None)
+        return self._chat_chunk(index, {"role": "assistant", "content": ""}, None, None, None)
 
-    def chunk(self, delta: str, finish_reason: str | None, usage: dict | None,
+    def chunk(self, index: int, delta: str, finish_reason: str | None, usage: dict | None,
               logprobs: list[dict[int, Logprob]] | None = None) -> dict:
-        return self._chat_chunk({"content": delta} if delta else {}, finish_reason, usage, self.logprobs(logprobs))
+        return self._chat_chunk(index, {"content": delta} if delta else {}, finish_reason, usage,
+                                self.logprobs(index, logprobs))
 
-    def _chat_chunk(self, delta: dict, finish_reason: str | None, usage: dict | None, logprobs: dict | None) -> dict:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    def _chat_chunk(self, index: int, delta: dict, finish_reason: str | None, usage: dict | None,
+                    logprobs: dict | None) -> dict:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head(self.object), "choices": [choice], "usage": usage}
 
-    def logprobs(self, entries: list[dict[int, Logprob]] | None) -> dict | None:
+    def logprobs(self, index: int, entries: list[dict[int, Logprob]] | None) -> dict | None:
         """Chat's layout: {"content": one {token, logprob, bytes, top_logprobs} a token}."""
         if entries is None:
             return None
@@ -104,6 +112,24 @@ class ChatShape(CompletionShape):
                 "bytes": list(self.tokenizer.token_bytes(token))}
 
 
+def usage_of(finals: list[Update]) -> dict:
+    """A response's usage: its choices' output tokens and speculation summed, the prompt counted
+    once (with the prompt tokens every choice found cached)."""
+    if len(finals) == 1:
+        return finals[0].usage
+    prompt, output = finals[0].num_prompt_tokens, sum(f.num_output_tokens for f in finals)
+    usage = {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output,
+             "prompt_tokens_details": {"cached_tokens": min(f.num_cached_tokens for f in finals)}}
+    specs = [f.spec for f in finals if f.spec is not None]
+    if specs:
+        total = {k: sum(s[k] for s in specs) for k in ("num_verify_steps", "num_drafts", "num_draft_tokens",
+                                                         "num_accepted_tokens")}
+        steps, drafted, accepted = total["num_verify_steps"], total["num_draft_tokens"], total["num_accepted_tokens"]
+        usage["speculation"] = {**total, "acceptance_rate": accepted / drafted if drafted else 0.0,
+                                "mean_acceptance_length": (accepted + steps) / steps if steps else 0.0}
+    return usage
+
+
 def _by_rank(entry: dict[int, Logprob], num_top: int | None) -> list[tuple[int, Logprob]]:
     """An entry's num_top likeliest tokens, likeliest first (the emitted token among them where
     it is one of them)."""
@@ -114,36 +140,61 @@ def _finite(logprob: float) -> float:
     return max(logprob, LOWEST_LOGPROB)
 
 
-async def sse(stream: RequestStream, shape: CompletionShape, include_usage: bool):
-    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. If the client
-    disconnects, Starlette cancels this generator at its await and `finally` aborts the request."""
+async def sse(streams: list[RequestStream], shape: CompletionShape, include_usage: bool):
+    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`: each choice's
+    chunks as its updates come, after all of them its usage where include_usage asks (else each
+    choice's last chunk carries its own). If the client disconnects, Starlette cancels this
+    generator at its await and `finally` aborts the requests."""
+    chunks: asyncio.Queue = asyncio.Queue()
+    pumps = []
     try:
-        first = shape.first_chunk()
-        if first is not None:
-            yield _event(first)
-        sent = sent_tokens = 0
-        while True:
-            try:
-                update = await stream.next()
-            except EngineFailure as error:
-                yield _event(ApiError(500, str(error), type="server_error").body())
-                break
-            delta, sent = update.text[sent:], len(update.text)
-            is_last = update.finish_reason is not None
-            # the logprobs of the tokens since the last chunk (the text of a token may come later:
-            # a stop string's first characters, or part of a character, are held back)
-            logprobs = None if update.logprobs is None else update.token_logprobs[sent_tokens:]
-            if delta or is_last or logprobs:
-                sent_tokens = update.num_output_tokens
-                yield _event(shape.chunk(delta, update.finish_reason,
-                                         update.usage if is_last and not include_usage else None, logprobs))
-            if is_last:
-                if include_usage:
-                    yield _event(shape.usage_chunk(update.usage))
-                break
+        for index in range(len(streams)):
+            first = shape.first_chunk(index)
+            if first is not None:
+                yield _event(first)
+        pumps = [asyncio.create_task(_pump(i, stream, shape, include_usage, chunks)) for i, stream in enumerate(streams)]
+        finals, failed = [], False
+        while len(finals) < len(streams) and not failed:
+            kind, item = await chunks.get()
+            if kind == "final":
+                finals.append(item)
+            else:
+                yield _event(item)
+                failed = kind == "error"
+        if include_usage and not failed:
+            yield _event(shape.usage_chunk(usage_of([f for _, f in sorted(finals, key=lambda item: item[0])])))
         yield "data: [DONE]\n\n"
     finally:
-        stream.cancel()
+        for pump in pumps:
+            pump.cancel()
+        for stream in streams:
+            stream.cancel()
+
+
+async def _pump(index: int, stream: RequestStream, shape: CompletionShape, include_usage: bool,
+                chunks: asyncio.Queue) -> None:
+    """Choice `index`'s chunks onto `chunks` as ("chunk", body), then ("final", (index, its last
+    update)), or ("error", body) where the engine failed it."""
+    sent = sent_tokens = 0
+    while True:
+        try:
+            update = await stream.next()
+        except EngineFailure as error:
+            chunks.put_nowait(("error", ApiError(500, str(error), type="server_error").body()))
+            return
+        delta, sent = update.text[sent:], len(update.text)
+        is_last = update.finish_reason is not None
+        # the logprobs of the tokens since the last chunk (the text of a token may come later: a
+        # stop string's first characters, or part of a character, are held back)
+        logprobs = None if update.logprobs is None else update.token_logprobs[sent_tokens:]
+        if delta or is_last or logprobs:
+            sent_tokens = update.num_output_tokens
+            chunks.put_nowait(("chunk", shape.chunk(index, delta, update.finish_reason,
+                                                    update.usage if is_last and not include_usage else None,
+                                                    logprobs)))
+        if is_last:
+            chunks.put_nowait(("final", (index, update)))
+            return
 
 
 def _event(body: dict) -> str:
