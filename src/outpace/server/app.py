@@ -7,7 +7,7 @@
   GET  /metrics               Prometheus text
 
 A request may leave out `model` (the one served is meant). A request for n choices runs as n
-requests in the engine (responses.choices). Where it asks for logprobs (completions:
+requests in the engine (choices, below). Where it asks for logprobs (completions:
 `logprobs` N; chat: `logprobs` true, `top_logprobs` N) each token comes with the target's
 log-probability of it and of its N likeliest alternatives (sampling/logprobs.py), in the layout of
 each route, streamed with the chunk that follows the token.
