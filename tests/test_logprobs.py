@@ -154,3 +154,34 @@ def test_the_gpu_paths_steps_verify_asking_rows_outside_the_graph(tiny):
     assert seqs[0].logprobs is None
     for seq, num_top in zip(seqs[1:], (2, 0)):
         check(model, seq.prompt_ids, seq.output_ids, seq.logprobs, num_top)
+
+
+def test_prompt_logprobs_are_the_targets(tiny):
+    """Each prompt token after the first, scored by the forwards that cache the prompt in chunks of
+    8 beside other requests' steps; a request that asks reuses no cached prefix, so a repeat gets
+    them all again."""
+    folder, model = tiny
+    llm = LLM(str(folder), spec=SpecConfig(num_draft_tokens=4), **OPTIONS)
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=2, logprobs=1),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
+    for _ in range(2):
+        outputs = llm.generate([PROMPTS[2], PROMPTS[0]], params)
+        out = outputs[0]
+        assert out.num_cached_tokens == 0 and outputs[1].prompt_logprobs is None
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(PROMPTS[2])
+        prompt = PROMPTS[2]
+        check(model, prompt[:1], prompt[1:], out.prompt_logprobs[1:], 2)
+        check(model, prompt, out.token_ids, out.logprobs, 1)
+
+
+def test_prompt_logprobs_on_the_gpu_path(tiny):
+    from test_cuda_graphs import device_path_llm
+    folder, model = tiny
+    llm = device_path_llm(folder, SpecConfig(num_draft_tokens=5))
+    # a prompt past the graphs' widths runs its chunk eagerly; one of 5 tokens fits a step's graph
+    prompts = [PROMPTS[2] * 2, PROMPTS[0], PROMPTS[1]]
+    asking = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=3)
+    outputs = llm.generate(prompts, [asking, SamplingParams(temperature=0, max_tokens=8), asking])
+    for prompt, out in zip(prompts, outputs):
+        if out.prompt_logprobs is not None:
+            check(model, prompt[:1], prompt[1:], out.prompt_logprobs[1:], 3)

@@ -22,7 +22,9 @@ class SamplingParams:
     """How to pick tokens. temperature 0 is greedy; top_k 0 and top_p 1 and min_p 0 disable filters.
     logprobs N (0..MAX_LOGPROBS): each output token comes with the target's log-probability of it
     and of its N most likely alternatives, from the model's own distribution (before temperature
-    and the filters), as vLLM reports them; None: none computed."""
+    and the filters), as vLLM reports them; None: none computed. prompt_logprobs N: the same for
+    each prompt token after the first (the request then reuses no cached prefix: every prompt
+    position is computed)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -35,6 +37,7 @@ class SamplingParams:
     ignore_eos: bool = False
     detokenize: bool = True         # False: outputs hold token ids alone, text "" (no stop strings then)
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,9 +55,11 @@ class SamplingParams:
                f"a stop string is longer than {MAX_STOP_CHARS} characters: shorten it")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers")
-        _check(self.logprobs is None or (type(self.logprobs) is int and 0 <= self.logprobs <= MAX_LOGPROBS),
-               f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (alternatives a token reports) or None, "
-               f"got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (type(value) is int and 0 <= value <= MAX_LOGPROBS),
+                   f"{name} must be an integer in [0, {MAX_LOGPROBS}] (alternatives a token reports) or None, "
+                   f"got {value!r}")
         _check(self.detokenize or not self.stop, "stop strings need the output's text: drop stop, or keep "
                                                  "detokenize on")
 

@@ -28,6 +28,8 @@ class RequestOutput:
     num_cached_tokens: int = 0      # prompt tokens found cached from an earlier request (prefix caching)
     # where SamplingParams.logprobs asks: per output token {token id: Logprob}, the token first
     logprobs: list[dict[int, Logprob]] | None = None
+    # where SamplingParams.prompt_logprobs asks: per prompt token the same, None for the first
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -119,12 +121,14 @@ class LLM:
                 engine.abort(seq.seq_id)     # frees slots if interrupted; no-op when finished
         return [RequestOutput(p if isinstance(p, str) else None, s.prompt_ids, s.text, s.output_ids,
                               s.finish_reason, _timing(s, engine.load_s, started),
-                              s.stats.as_dict(s.finish_time - started), s.num_reused, self._decoded(s.logprobs))
+                              s.stats.as_dict(s.finish_time - started), s.num_reused, self._decoded(s.logprobs),
+                              self._decoded(s.prompt_logprobs))
                 for p, s in zip(prompts, seqs)]
 
-    def _decoded(self, logprobs: list[dict[int, Logprob]] | None) -> list[dict[int, Logprob]] | None:
+    def _decoded(self, logprobs: list[dict[int, Logprob] | None] | None) -> list[dict[int, Logprob] | None] | None:
         """The logprobs with each token's text (Tokenizer.token_text)."""
         if logprobs is None:
             return None
         text = self.tokenizer.token_text
-        return [{t: dataclasses.replace(lp, decoded_token=text(t)) for t, lp in entry.items()} for entry in logprobs]
+        return [None if entry is None else {t: dataclasses.replace(lp, decoded_token=text(t)) for t, lp in entry.items()}
+                for entry in logprobs]

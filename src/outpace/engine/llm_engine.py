@@ -11,7 +11,7 @@ import torch
 
 from outpace.config import EngineConfig, SamplingParams
 from outpace.engine.graph_step import GraphStep
-from outpace.engine.scheduler import Scheduler, StepPlan
+from outpace.engine.scheduler import PrefillChunk, Scheduler, StepPlan
 from outpace.engine.sequence import Sequence, SpecStats
 from outpace.engine.step import EagerStep, Proposal, StepResult, chunk_rows
 from outpace.engine.stopping import StopChecker
@@ -24,6 +24,7 @@ from outpace.runner.model_runner import ModelRunner
 from outpace.runner.parallel import ParallelRunner
 from outpace.runner.state_cache import free_memory, state_bytes
 from outpace.runner.workers import start_workers
+from outpace.sampling.logprobs import StepLogprobs
 from outpace.sampling.sampler import request_seed
 from outpace.speculative.controller import DraftController
 from outpace.speculative.drafter import DraftContext, Drafter, Prefilled
@@ -191,7 +192,8 @@ class LLMEngine:
         seq = Sequence(next(self._ids), prompt_ids, params)
         seq.speculate = speculate and self.num_draft_tokens > 0
         seq.cache_salt = cache_salt
-        seq.reuse_prefix = self._reuses_prefix(seq)
+        # prompt logprobs are read from the prompt's own forwards: none of it may come from the cache
+        seq.reuse_prefix = self._reuses_prefix(seq) and params.prompt_logprobs is None
         seq.seed = request_seed(params)
         seq.stopper = StopChecker(self.tokenizer, params, self.model.cfg.eos_token_ids, limit)
         self.sequences[seq.seq_id] = seq
@@ -228,8 +230,9 @@ class LLMEngine:
         """Run one step; returns the sequences that got new tokens or finished."""
         plan = self.steps.resume() or self.scheduler.schedule()
         # a packing runner caches this step's prompt chunks in the verify forward itself (unless
-        # the drafter asks for their hidden states)
-        joined = plan.prefill if plan.decode and self.runner.packs_rows and not self.drafter.hidden_layers else []
+        # the drafter asks for their hidden states, or a chunk's request for its logprobs)
+        joined = plan.prefill if (plan.decode and self.runner.packs_rows and not self.drafter.hidden_layers
+                                  and not any(c.seq.prompt_logprobs is not None for c in plan.prefill)) else []
         if plan.prefill and not joined:
             self.prefill(plan)
         if not plan.decode:
@@ -247,10 +250,27 @@ class LLMEngine:
         return done
 
     def prefill(self, plan: StepPlan) -> None:
-        """A forward of prompt chunks alone (no sequence decodes, or the runner pads its rows)."""
+        """A forward of prompt chunks alone (no sequence decodes, or the runner pads its rows),
+        with their logits where a chunk's request asks for its prompt's logprobs."""
         t0 = time.perf_counter()
-        _, hidden = self.runner.forward(chunk_rows(plan.prefill), logits="none", hidden_layers=self.drafter.hidden_layers)
+        chunks = plan.prefill
+        scored = [i for i, c in enumerate(chunks) if c.seq.prompt_logprobs is not None]
+        logits, hidden = self.runner.forward(chunk_rows(chunks), logits="all" if scored else "none",
+                                             hidden_layers=self.drafter.hidden_layers)
+        if scored:
+            self._prompt_logprobs([chunks[i] for i in scored], logits[scored])
         self._prefilled(plan, hidden, time.perf_counter() - t0)
+
+    @staticmethod
+    def _prompt_logprobs(chunks: list[PrefillChunk], logits: torch.Tensor) -> None:
+        """Each chunk's prompt logprobs (logits [chunks, S, V]): position j's logits score the
+        prompt token after it, the chunk's end included (a chunk ends before the prompt's last
+        token, whose forward is the first decode step)."""
+        nexts = [c.seq.token_ids[c.start + 1:c.end + 1] for c in chunks]
+        tokens = torch.tensor([t + [0] * (logits.shape[1] - len(t)) for t in nexts], device=logits.device)
+        scores = StepLogprobs(list(range(len(chunks))), [c.seq.params.prompt_logprobs for c in chunks], logits, tokens)
+        for c, entries in zip(chunks, scores.host(nexts)):
+            c.seq.prompt_logprobs += entries
 
     def _prefilled(self, plan: StepPlan, hidden, elapsed: float) -> None:
         chunks = plan.prefill

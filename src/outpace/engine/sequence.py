@@ -100,6 +100,8 @@ class Sequence:
         self.text = ""                      # detokenized output, stop strings applied
         # one {token: Logprob} per output token where params.logprobs asks (sampling/logprobs.py)
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        # where params.prompt_logprobs asks: None for the first prompt token, then one entry a token
+        self.prompt_logprobs: list[dict | None] | None = [None] if params.prompt_logprobs is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:
