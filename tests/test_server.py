@@ -182,6 +182,37 @@ def test_chat_logprobs(client):
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == whole.choices[0].message.content
 
 
+def test_echo_scores_the_prompt(server, client):
+    """echo with logprobs, as lm-evaluation-harness scores a text: the prompt's tokens come first
+    (the first without a logprob), each scored as the model predicts it; a token the model
+    generated after a prompt scores as it does when echoed at the end of that prompt."""
+    tokenizer = server.engine.tokenizer
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    ids = tokenizer.encode(prompt)
+    whole = client.completions.create(prompt=prompt, max_tokens=1, logprobs=1, echo=True, **greedy())
+    choice = whole.choices[0]
+    generated = client.completions.create(prompt=prompt, max_tokens=1, logprobs=1, **greedy()).choices[0]
+    assert choice.text == prompt + generated.text
+    lp = choice.logprobs
+    assert lp.tokens == [tokenizer.token_text(t) for t in ids] + generated.logprobs.tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(1 <= len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert lp.token_logprobs[-1] == pytest.approx(generated.logprobs.token_logprobs[0], abs=1e-4)
+    token = tokenizer.encode(generated.text)
+    assert len(token) == 1, generated.text
+    longer = client.completions.create(prompt=ids + token, max_tokens=1, logprobs=0, echo=True,
+                                       **greedy()).choices[0]
+    assert longer.logprobs.token_logprobs[len(ids)] == pytest.approx(generated.logprobs.token_logprobs[0], abs=1e-3)
+    chunks = list(client.completions.create(prompt=prompt, max_tokens=1, logprobs=1, echo=True, stream=True,
+                                            **greedy()))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs] == \
+        pytest.approx(lp.token_logprobs, abs=1e-4)
+    plain = client.completions.create(prompt=ids, max_tokens=3, echo=True, **greedy()).choices[0]
+    assert plain.text.startswith(tokenizer.decode(ids)) and plain.logprobs is None
+
+
 def test_n_choices(client):
     """n choices sample apart, choice i as a request with seed s + i would; streamed, each
     choice's chunks carry its index, and usage counts the prompt once and every choice's tokens."""
@@ -250,7 +281,7 @@ BAD_COMPLETIONS = [
     ("logprobs above 20", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("logprobs negative", {"model": MODEL, "prompt": "hi", "logprobs": -1}, 400, "logprobs"),
     ("logprobs wrong type", {"model": MODEL, "prompt": "hi", "logprobs": "3"}, 400, "logprobs"),
-    ("echo", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
+    ("echo wrong type", {"model": MODEL, "prompt": "hi", "echo": 1}, 400, "echo"),
     ("penalty", {"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("cache_salt wrong type", {"model": MODEL, "prompt": "hi", "cache_salt": 7}, 400, "cache_salt"),
     ("unknown model", {"model": "gpt-5", "prompt": "hi"}, 404, "model"),

@@ -134,6 +134,9 @@ def build_app(engine: LLMEngine, model_name: str, config: ServerConfig | None = 
         prompt = await prompts.build(raw, is_chat=isinstance(shape, ChatShape))
         parsed = prompt.request
         shape.num_top = prompt.params.logprobs
+        if parsed.echo:
+            shape.echo = parsed.prompt if isinstance(parsed.prompt, str) else tokenizer.decode(prompt.token_ids)
+            shape.prompt_ids = prompt.token_ids
         streams = []
         try:
             for params in choices(prompt.params, parsed.n):

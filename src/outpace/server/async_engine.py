@@ -46,6 +46,7 @@ class Update:
     # where the request asks for logprobs: its sequence's list of them, which only grows (the
     # engine thread appends to it): token_logprobs is this update's share
     logprobs: list | None = None
+    prompt_logprobs: list | None = None     # where it asks for them: whole from the first update on
 
     @property
     def token_logprobs(self) -> list | None:
@@ -256,7 +257,8 @@ class AsyncEngine:
             stream.num_tokens_counted = seq.num_output_tokens
             finished = seq.finish_reason is not None
             stream.push(Update(seq.text, seq.num_prompt_tokens, seq.num_output_tokens, seq.finish_reason,
-                               spec_figures(seq) if finished else None, seq.num_reused, seq.logprobs))
+                               spec_figures(seq) if finished else None, seq.num_reused, seq.logprobs,
+                               seq.prompt_logprobs))
             if finished:
                 self._finish(stream, seq, seq.finish_reason)
 

@@ -3,7 +3,7 @@ object every 4xx/5xx carries: {"error": {"message", "type", "param", "code"}}.
 
 Fields are checked by hand so each message names the field and says what to send instead. Fields
 the server does not know are ignored (as OpenAI-compatible servers do); fields it knows but cannot
-honour (echo, penalties, tools) are refused with a 400 rather than silently dropped.
+honour (penalties, tools) are refused with a 400 rather than silently dropped.
 """
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ class GenerateRequest:
     max_tokens: int | None = None
     sampling: dict = field(default_factory=dict)   # SamplingParams fields other than max_tokens
     n: int = 1                                     # choices, each sampled apart (seed s: choice i takes s + i)
+    echo: bool = False                             # completions: the text (and logprobs) begin with the prompt's
     stream: bool = False
     include_usage: bool = False
     speculate: bool = True                         # extension: False decodes plainly (a baseline)
@@ -111,12 +112,15 @@ def parse_completion(body: dict) -> GenerateRequest:
         raise ApiError(400, "prompt must be a string or a list of token ids (integers)", "prompt")
     if not prompt:
         raise ApiError(400, "prompt is empty: send at least one character or token id", "prompt")
-    _unsupported(body, "echo", allowed=(None, False))
     _unsupported(body, "suffix", allowed=(None, ""))
     _unsupported(body, "best_of", allowed=(None, 1))
     request = _common(body, max_tokens=_max_tokens(body, ("max_tokens",), default=16))
-    # legacy completions: logprobs N asks for each token's logprob and its N likeliest alternatives
+    # legacy completions: logprobs N asks for each token's logprob and its N likeliest alternatives,
+    # echo's prompt tokens' too (scoring a text: lm-evaluation-harness's loglikelihood requests)
     request.sampling["logprobs"] = _integer(body, "logprobs", None, low=0, high=MAX_LOGPROBS)
+    request.echo = _field(body, "echo", bool, default=False)
+    if request.echo:
+        request.sampling["prompt_logprobs"] = request.sampling["logprobs"]
     request.prompt = prompt
     return request
 

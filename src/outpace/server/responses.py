@@ -19,7 +19,8 @@ LOWEST_LOGPROB = -9999.0
 class CompletionShape:
     """Response bodies of /v1/completions. A request that asks for logprobs (num_top: the
     alternatives each token reports) gets them in the legacy completions' layout: tokens,
-    token_logprobs, top_logprobs and text_offset, each a list with one entry a token."""
+    token_logprobs, top_logprobs and text_offset, each a list with one entry a token. With echo
+    the text, and the logprobs, begin with the prompt's (its first token's logprob null)."""
 
     object = "text_completion"
     prefix = "cmpl-"
@@ -31,14 +32,24 @@ class CompletionShape:
         self.tokenizer = tokenizer
         self.num_top: int | None = None         # set once the request is parsed
         self.text_offsets: dict[int, int] = {}  # per choice, where its next token's text starts
+        self.echo: str | None = None            # the prompt's text where the request echoes it
+        self.prompt_ids: list[int] = []
 
     def _head(self, object_name: str) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
 
     def response(self, finals: list[Update]) -> dict:
-        choices = [{"index": i, "text": final.text, "logprobs": self.logprobs(i, final.token_logprobs),
+        choices = [{"index": i, "text": (self.echo or "") + final.text,
+                    "logprobs": self.logprobs(i, self.echoed(final, final.token_logprobs)),
                     "finish_reason": final.finish_reason} for i, final in enumerate(finals)]
         return {**self._head(self.object), "choices": choices, "usage": usage_of(finals)}
+
+    def echoed(self, update: Update, entries: list | None) -> list | None:
+        """entries after the prompt's where the request echoes it: {first token: None}, then the
+        prompt's logprobs (None where logprobs are not asked)."""
+        if self.echo is None or entries is None:
+            return entries
+        return [{self.prompt_ids[0]: None}] + update.prompt_logprobs[1:] + entries
 
     def first_chunk(self, index: int) -> dict | None:
         return None
@@ -60,8 +71,9 @@ class CompletionShape:
         for entry in entries:
             token = next(iter(entry))
             tokens.append(text(token))
-            values.append(_finite(entry[token].logprob))
-            tops.append({text(t): _finite(lp.logprob) for t, lp in entry.items()})
+            scored = entry[token] is not None      # an echoed prompt's first token has no logprob
+            values.append(_finite(entry[token].logprob) if scored else None)
+            tops.append({text(t): _finite(lp.logprob) for t, lp in entry.items()} if scored else None)
             offsets.append(self.text_offsets.get(index, 0))
             self.text_offsets[index] = offsets[-1] + len(tokens[-1])
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
@@ -176,6 +188,7 @@ async def _pump(index: int, stream: RequestStream, shape: CompletionShape, inclu
     """Choice `index`'s chunks onto `chunks` as ("chunk", body), then ("final", (index, its last
     update)), or ("error", body) where the engine failed it."""
     sent = sent_tokens = 0
+    echo = shape.echo
     while True:
         try:
             update = await stream.next()
@@ -187,6 +200,8 @@ async def _pump(index: int, stream: RequestStream, shape: CompletionShape, inclu
         # the logprobs of the tokens since the last chunk (the text of a token may come later: a
         # stop string's first characters, or part of a character, are held back)
         logprobs = None if update.logprobs is None else update.token_logprobs[sent_tokens:]
+        if echo is not None:                # the first chunk opens with the prompt
+            delta, logprobs, echo = echo + delta, shape.echoed(update, logprobs), None
         if delta or is_last or logprobs:
             sent_tokens = update.num_output_tokens
             chunks.put_nowait(("chunk", shape.chunk(index, delta, update.finish_reason,
