@@ -237,6 +237,25 @@ def test_n_choices(client):
     assert all(len(c.logprobs.content) == chat.usage.completion_tokens // 2 for c in chat.choices)
 
 
+def test_a_batch_of_prompts(server, client):
+    """Several prompts in one request (texts or token ids): choice index prompt * n + j, each as the
+    prompt alone gives it, echoed where asked; usage counts each prompt once."""
+    tokenizer = server.engine.tokenizer
+    prompts = ["The capital of France is", "One, two, three,", "Water boils at"]
+    alone = [client.completions.create(prompt=p, max_tokens=6, **greedy()) for p in prompts]
+    batch = client.completions.create(prompt=[tokenizer.encode(p) for p in prompts], max_tokens=6, n=2, echo=True,
+                                      **greedy())
+    assert [c.index for c in batch.choices] == list(range(6))
+    for c in batch.choices:
+        i = c.index // 2
+        assert c.text == tokenizer.decode(tokenizer.encode(prompts[i])) + alone[i].choices[0].text
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    chunks = list(client.completions.create(prompt=prompts, max_tokens=6, logprobs=1, stream=True, **greedy()))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(3)]
+    assert texts == [a.choices[0].text for a in alone]
+
+
 def test_a_request_without_model_means_the_served_one(server):
     reply = server.http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
     assert reply.status_code == 200 and reply.json()["model"] == MODEL
@@ -260,7 +279,10 @@ BAD_COMPLETIONS = [
     ("missing prompt", {"model": MODEL}, 400, "prompt"),
     ("prompt wrong type", {"model": MODEL, "prompt": 12}, 400, "prompt"),
     ("empty prompt", {"model": MODEL, "prompt": ""}, 400, "prompt"),
-    ("several prompts", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("too many prompts", {"model": MODEL, "prompt": ["a"] * 65}, 400, "prompt"),
+    ("prompts times n too many", {"model": MODEL, "prompt": ["a"] * 9, "n": 8}, 400, "n"),
+    ("a prompt of the batch empty", {"model": MODEL, "prompt": ["a", ""]}, 400, "prompt"),
+    ("a prompt of the batch wrong type", {"model": MODEL, "prompt": [[1, 2], [3, "x"]]}, 400, "prompt"),
     ("max_tokens wrong type", {"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
     ("max_tokens zero", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("max_tokens beyond context", {"model": MODEL, "prompt": "hi", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),

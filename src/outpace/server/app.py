@@ -1,7 +1,7 @@
 """The HTTP server: OpenAI-compatible routes over one AsyncEngine.
 
   GET  /v1/models             the one served model
-  POST /v1/completions        prompt (text or token ids) -> text, streamed (SSE) or not
+  POST /v1/completions        prompt (text or token ids, or a batch of either) -> text, streamed (SSE) or not
   POST /v1/chat/completions   messages, formatted with the model's chat template
   GET  /health                200 while the engine loop runs, with running/waiting counts; else 503
   GET  /metrics               Prometheus text
@@ -133,15 +133,16 @@ def build_app(engine: LLMEngine, model_name: str, config: ServerConfig | None = 
             raise ApiError(408, f"the request body did not arrive within {config.read_timeout_s:g} s") from None
         prompt = await prompts.build(raw, is_chat=isinstance(shape, ChatShape))
         parsed = prompt.request
-        shape.num_top = prompt.params.logprobs
-        if parsed.echo:
-            shape.echo = parsed.prompt if isinstance(parsed.prompt, str) else tokenizer.decode(prompt.token_ids)
-            shape.prompt_ids = prompt.token_ids
+        shape.num_top, shape.n = prompt.params[0].logprobs, parsed.n
+        if parsed.echo:         # each prompt's text as sent (token ids decoded) and its ids
+            shape.echoes = [(p if isinstance(p, str) else tokenizer.decode(ids), ids)
+                            for p, ids in zip(parsed.prompts, prompt.token_ids)]
         streams = []
         try:
-            for params in choices(prompt.params, parsed.n):
-                streams.append(await runner.add(shape.id, prompt.token_ids, params, parsed.speculate,
-                                                parsed.cache_salt))
+            # the choices of the first prompt, then of the next: choice index = prompt * n + its own
+            for ids, params in zip(prompt.token_ids, prompt.params):
+                for choice in choices(params, parsed.n):
+                    streams.append(await runner.add(shape.id, ids, choice, parsed.speculate, parsed.cache_salt))
         except (OutpaceError, EngineFailure) as error:
             for stream in streams:
                 stream.cancel()

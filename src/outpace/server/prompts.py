@@ -21,9 +21,12 @@ from outpace.weights.tokenizer import Tokenizer
 
 @dataclass
 class Prompt:
+    """A request's prompts (a chat's one, a completions batch's several), tokenized, with the
+    sampling parameters of each."""
+
     request: GenerateRequest
-    token_ids: list[int]
-    params: SamplingParams
+    token_ids: list[list[int]]
+    params: list[SamplingParams]
 
 
 class PromptBuilder:
@@ -50,15 +53,17 @@ class PromptBuilder:
         if request.model is not None and request.model != self.model_name:
             raise ApiError(404, f"model {request.model[:100]!r} is not served here; this server serves "
                                 f"{self.model_name!r} (see GET /v1/models)", "model", code="model_not_found")
-        self._check_length(request)
-        token_ids = self._tokenize(request)
-        return Prompt(request, token_ids, request.sampling_params(len(token_ids), self.max_model_len))
+        texts = [request.messages] if request.messages is not None else request.prompts
+        for text in texts:
+            self._check_length(request, text)
+        token_ids = [self._tokenize(request, text) for text in texts]
+        return Prompt(request, token_ids, [request.sampling_params(len(ids), self.max_model_len) for ids in token_ids])
 
-    def _check_length(self, request: GenerateRequest) -> None:
+    def _check_length(self, request: GenerateRequest, prompt) -> None:
         if request.messages is not None:
-            num_chars = sum(_num_chars(message) for message in request.messages)
-        elif isinstance(request.prompt, str):
-            num_chars = len(request.prompt)
+            num_chars = sum(_num_chars(message) for message in prompt)
+        elif isinstance(prompt, str):
+            num_chars = len(prompt)
         else:
             return                      # token ids: sampling_params checks their count
         if num_chars > self.max_chars:
@@ -67,14 +72,15 @@ class PromptBuilder:
                                 f"characters a token), and the context holds {self.max_model_len}: shorten it",
                            request.prompt_param, code="context_length_exceeded")
 
-    def _tokenize(self, request: GenerateRequest) -> list[int]:
+    def _tokenize(self, request: GenerateRequest, prompt) -> list[int]:
+        """A chat's messages, or one of a completions request's prompts, as token ids."""
         try:
             if request.messages is not None:
-                return self.tokenizer.encode_chat(request.messages, add_generation_prompt=True,
+                return self.tokenizer.encode_chat(prompt, add_generation_prompt=True,
                                                   special_tokens_in_content=self.special_tokens_in_content)
-            if isinstance(request.prompt, str):
-                return self.tokenizer.encode(request.prompt)
-            return list(request.prompt)
+            if isinstance(prompt, str):
+                return self.tokenizer.encode(prompt)
+            return list(prompt)
         except OutpaceError as error:
             raise bad_request(error, request.prompt_param) from None
 

@@ -17,6 +17,7 @@ from outpace.errors import OutpaceError
 
 MISSING = object()
 MAX_CHOICES = 16        # n: the most choices one request asks for (each runs as a request in the engine)
+MAX_PROMPTS = 64        # completions: the most prompts one request holds, and the most choices (prompts times n)
 
 
 class ApiError(Exception):
@@ -39,7 +40,7 @@ class GenerateRequest:
     model None: the one the server serves."""
 
     model: str | None
-    prompt: str | list[int] | None = None          # completions
+    prompts: list[str | list[int]] | None = None   # completions: a batch of one or more prompts
     messages: list[dict] | None = None             # chat: [{role, content: str}]
     max_tokens: int | None = None
     sampling: dict = field(default_factory=dict)   # SamplingParams fields other than max_tokens
@@ -102,16 +103,17 @@ def _refuse_constant(name: str):
 
 def parse_completion(body: dict) -> GenerateRequest:
     prompt = _field(body, "prompt", (str, list), required=True)
-    if isinstance(prompt, list):
-        if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]          # a batch of one: [text] or [[ids]]
-        elif prompt and all(isinstance(t, list) or isinstance(t, str) for t in prompt):
-            raise ApiError(400, f"prompt holds {len(prompt)} prompts; this server takes one prompt per request: "
-                                "send them as separate requests", "prompt")
-    if isinstance(prompt, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        raise ApiError(400, "prompt must be a string or a list of token ids (integers)", "prompt")
-    if not prompt:
-        raise ApiError(400, "prompt is empty: send at least one character or token id", "prompt")
+    # a text, token ids, or a batch of either: a list of texts or of lists of ids
+    is_batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+    prompts = prompt if is_batch else [prompt]
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(400, f"prompt holds {len(prompts)} prompts; send at most {MAX_PROMPTS} a request", "prompt")
+    for p in prompts:
+        if isinstance(p, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            raise ApiError(400, "prompt must be a string, a list of token ids (integers), or a list of either",
+                           "prompt")
+        if not p:
+            raise ApiError(400, "prompt is empty: send at least one character or token id", "prompt")
     _unsupported(body, "suffix", allowed=(None, ""))
     _unsupported(body, "best_of", allowed=(None, 1))
     request = _common(body, max_tokens=_max_tokens(body, ("max_tokens",), default=16))
@@ -121,7 +123,10 @@ def parse_completion(body: dict) -> GenerateRequest:
     request.echo = _field(body, "echo", bool, default=False)
     if request.echo:
         request.sampling["prompt_logprobs"] = request.sampling["logprobs"]
-    request.prompt = prompt
+    if len(prompts) * request.n > MAX_PROMPTS:
+        raise ApiError(400, f"{len(prompts)} prompts of n={request.n} choices each make {len(prompts) * request.n} "
+                            f"choices; a request may ask for at most {MAX_PROMPTS}", "n")
+    request.prompts = prompts
     return request
 
 

@@ -31,25 +31,30 @@ class CompletionShape:
         self.created = int(time.time())
         self.tokenizer = tokenizer
         self.num_top: int | None = None         # set once the request is parsed
+        self.n = 1                              # choices a prompt: choice i is prompt i // n's
         self.text_offsets: dict[int, int] = {}  # per choice, where its next token's text starts
-        self.echo: str | None = None            # the prompt's text where the request echoes it
-        self.prompt_ids: list[int] = []
+        # where the request echoes its prompts: each one's text and ids
+        self.echoes: list[tuple[str, list[int]]] | None = None
 
     def _head(self, object_name: str) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
 
     def response(self, finals: list[Update]) -> dict:
-        choices = [{"index": i, "text": (self.echo or "") + final.text,
-                    "logprobs": self.logprobs(i, self.echoed(final, final.token_logprobs)),
+        choices = [{"index": i, "text": self.echo(i) + final.text,
+                    "logprobs": self.logprobs(i, self.echoed(i, final, final.token_logprobs)),
                     "finish_reason": final.finish_reason} for i, final in enumerate(finals)]
-        return {**self._head(self.object), "choices": choices, "usage": usage_of(finals)}
+        return {**self._head(self.object), "choices": choices, "usage": usage_of(finals, self.n)}
 
-    def echoed(self, update: Update, entries: list | None) -> list | None:
+    def echo(self, index: int) -> str:
+        """The text choice `index` opens with: its prompt's where the request echoes them."""
+        return "" if self.echoes is None else self.echoes[index // self.n][0]
+
+    def echoed(self, index: int, update: Update, entries: list | None) -> list | None:
         """entries after the prompt's where the request echoes it: {first token: None}, then the
         prompt's logprobs (None where logprobs are not asked)."""
-        if self.echo is None or entries is None:
+        if self.echoes is None or entries is None:
             return entries
-        return [{self.prompt_ids[0]: None}] + update.prompt_logprobs[1:] + entries
+        return [{self.echoes[index // self.n][1][0]: None}] + update.prompt_logprobs[1:] + entries
 
     def first_chunk(self, index: int) -> dict | None:
         return None
@@ -92,7 +97,7 @@ class ChatShape(CompletionShape):
         choices = [{"index": i, "message": {"role": "assistant", "content": final.text},
                     "logprobs": self.logprobs(i, final.token_logprobs), "finish_reason": final.finish_reason}
                    for i, final in enumerate(finals)]
-        return {**self._head("chat.completion"), "choices": choices, "usage": usage_of(finals)}
+        return {**self._head("chat.completion"), "choices": choices, "usage": usage_of(finals, self.n)}
 
     def first_chunk(self, index: int) -> dict:
         # OpenAI opens a chat stream with the role; sent at once, it also flushes the headers
@@ -124,14 +129,16 @@ class ChatShape(CompletionShape):
                 "bytes": list(self.tokenizer.token_bytes(token))}
 
 
-def usage_of(finals: list[Update]) -> dict:
-    """A response's usage: its choices' output tokens and speculation summed, the prompt counted
-    once (with the prompt tokens every choice found cached)."""
+def usage_of(finals: list[Update], n: int) -> dict:
+    """A response's usage: its choices' output tokens and speculation summed, each prompt counted
+    once (n choices a prompt; with the prompt tokens every choice of it found cached)."""
     if len(finals) == 1:
         return finals[0].usage
-    prompt, output = finals[0].num_prompt_tokens, sum(f.num_output_tokens for f in finals)
+    firsts = finals[::n]
+    prompt, output = sum(f.num_prompt_tokens for f in firsts), sum(f.num_output_tokens for f in finals)
+    cached = sum(min(f.num_cached_tokens for f in finals[i:i + n]) for i in range(0, len(finals), n))
     usage = {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output,
-             "prompt_tokens_details": {"cached_tokens": min(f.num_cached_tokens for f in finals)}}
+             "prompt_tokens_details": {"cached_tokens": cached}}
     specs = [f.spec for f in finals if f.spec is not None]
     if specs:
         total = {k: sum(s[k] for s in specs) for k in ("num_verify_steps", "num_drafts", "num_draft_tokens",
@@ -174,7 +181,8 @@ async def sse(streams: list[RequestStream], shape: CompletionShape, include_usag
                 yield _event(item)
                 failed = kind == "error"
         if include_usage and not failed:
-            yield _event(shape.usage_chunk(usage_of([f for _, f in sorted(finals, key=lambda item: item[0])])))
+            yield _event(shape.usage_chunk(usage_of([f for _, f in sorted(finals, key=lambda item: item[0])],
+                                                    shape.n)))
         yield "data: [DONE]\n\n"
     finally:
         for pump in pumps:
@@ -188,7 +196,7 @@ async def _pump(index: int, stream: RequestStream, shape: CompletionShape, inclu
     """Choice `index`'s chunks onto `chunks` as ("chunk", body), then ("final", (index, its last
     update)), or ("error", body) where the engine failed it."""
     sent = sent_tokens = 0
-    echo = shape.echo
+    echo = shape.echo(index) if shape.echoes is not None else None
     while True:
         try:
             update = await stream.next()
@@ -201,7 +209,7 @@ async def _pump(index: int, stream: RequestStream, shape: CompletionShape, inclu
         # stop string's first characters, or part of a character, are held back)
         logprobs = None if update.logprobs is None else update.token_logprobs[sent_tokens:]
         if echo is not None:                # the first chunk opens with the prompt
-            delta, logprobs, echo = echo + delta, shape.echoed(update, logprobs), None
+            delta, logprobs, echo = echo + delta, shape.echoed(index, update, logprobs), None
         if delta or is_last or logprobs:
             sent_tokens = update.num_output_tokens
             chunks.put_nowait(("chunk", shape.chunk(index, delta, update.finish_reason,
