@@ -256,6 +256,15 @@ def test_a_batch_of_prompts(server, client):
     assert texts == [a.choices[0].text for a in alone]
 
 
+def test_penalties_change_a_repetitive_answer(client):
+    prompt = "Hello hello hello hello hello hello"
+    free = client.completions.create(prompt=prompt, max_tokens=12, **greedy()).choices[0].text
+    assert free.count("hello") >= 6, free
+    for penalty in (dict(frequency_penalty=2.0), dict(extra_body={"repetition_penalty": 3.0})):
+        text = client.completions.create(prompt=prompt, max_tokens=12, **penalty, **greedy()).choices[0].text
+        assert text.count("hello") < free.count("hello"), (penalty, text)
+
+
 def test_a_request_without_model_means_the_served_one(server):
     reply = server.http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
     assert reply.status_code == 200 and reply.json()["model"] == MODEL
@@ -304,7 +313,11 @@ BAD_COMPLETIONS = [
     ("logprobs negative", {"model": MODEL, "prompt": "hi", "logprobs": -1}, 400, "logprobs"),
     ("logprobs wrong type", {"model": MODEL, "prompt": "hi", "logprobs": "3"}, 400, "logprobs"),
     ("echo wrong type", {"model": MODEL, "prompt": "hi", "echo": 1}, 400, "echo"),
-    ("penalty", {"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("presence_penalty above 2", {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("frequency_penalty wrong type", {"model": MODEL, "prompt": "hi", "frequency_penalty": "x"}, 400,
+     "frequency_penalty"),
+    ("repetition_penalty zero", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("logit_bias", {"model": MODEL, "prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),
     ("cache_salt wrong type", {"model": MODEL, "prompt": "hi", "cache_salt": 7}, 400, "cache_salt"),
     ("unknown model", {"model": "gpt-5", "prompt": "hi"}, 404, "model"),
 ]

@@ -106,12 +106,20 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 (default) disables top-k")
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None, help="makes sampled output reproducible")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="taken off the logit of each token in the "
+                   "output (-2 to 2; 0: none)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="times each token's count in the output, "
+                   "taken off its logit (-2 to 2; 0: none)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="divides the positive logits (multiplies "
+                   "the negative ones) of the prompt's and output's tokens (1: none)")
 
 
 def sampling_params(args):
     from outpace.config import SamplingParams
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          seed=args.seed, max_tokens=args.max_tokens, logprobs=getattr(args, "logprobs", None))
+                          seed=args.seed, max_tokens=args.max_tokens, logprobs=getattr(args, "logprobs", None),
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          repetition_penalty=args.repetition_penalty)
 
 
 def settle_heap() -> None:

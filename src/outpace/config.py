@@ -15,6 +15,7 @@ def _check(condition: bool, message: str) -> None:
 MAX_NUM_STOP = 16           # SamplingParams.stop: strings per request (each costs the stop check per character)
 MAX_STOP_CHARS = 256        # and characters per string
 MAX_LOGPROBS = 20           # SamplingParams.logprobs: the most alternatives a token reports (OpenAI's bound)
+MAX_REPETITION_PENALTY = 100.0  # SamplingParams.repetition_penalty at most (1: none; 1.1-1.5 the usual)
 
 
 @dataclass
@@ -24,7 +25,10 @@ class SamplingParams:
     and of its N most likely alternatives, from the model's own distribution (before temperature
     and the filters), as vLLM reports them; None: none computed. prompt_logprobs N: the same for
     each prompt token after the first (the request then reuses no cached prefix: every prompt
-    position is computed)."""
+    position is computed). Penalties, as vLLM applies them before temperature: repetition_penalty
+    r divides a positive logit by r and multiplies a negative one by r for every token of the
+    prompt and output; then frequency_penalty times each token's count in the output so far, and
+    presence_penalty once for each token in it, are taken off its logit."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -38,6 +42,9 @@ class SamplingParams:
     detokenize: bool = True         # False: outputs hold token ids alone, text "" (no stop strings then)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +62,14 @@ class SamplingParams:
                f"a stop string is longer than {MAX_STOP_CHARS} characters: shorten it")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool) and -2 <= value <= 2,
+                   f"{name} must be a number in [-2, 2] (0: none), got {value!r}")
+        _check(isinstance(self.repetition_penalty, (int, float)) and not isinstance(self.repetition_penalty, bool)
+               and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
+               f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY:g}] (1: none), got "
+               f"{self.repetition_penalty!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (type(value) is int and 0 <= value <= MAX_LOGPROBS),
@@ -66,6 +81,10 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1
 
 
 SPEC_METHODS = ("none", "ngram", "draft", "eagle3", "mtp")

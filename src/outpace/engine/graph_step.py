@@ -24,7 +24,7 @@ import torch
 
 from outpace.engine.scheduler import PrefillChunk, Scheduler, StepPlan
 from outpace.engine.sequence import Sequence
-from outpace.engine.step import EagerStep, Launched, Proposal, StepResult, speculating_rows, wants_logprobs
+from outpace.engine.step import EagerStep, Launched, Proposal, StepResult, speculating_rows, needs_logits
 from outpace.runner.cuda_graphs import CudaGraphRunner
 from outpace.runner.model_runner import Row
 from outpace.runner.staging import slot_rows, to_device
@@ -55,8 +55,8 @@ class GraphStep(EagerStep):
         # an extension that drafts trees drafts nothing else: a step asked for chains drafts them
         # outside the graph (the engine's controller asks such a head for trees alone)
         trees_only = getattr(self.extension, "trees", False) and tree_width == 1
-        # the graph's steps read their tokens alone: rows that ask for logprobs verify outside it
-        in_graph = all(s.params.is_greedy for s in seqs) and not wants_logprobs(seqs)
+        # the graph's steps read their tokens alone: rows whose logits are read verify outside it
+        in_graph = all(s.params.is_greedy for s in seqs) and not needs_logits(seqs)
         if self.extension is not None and not trees_only and in_graph:
             lookup, paid = self._chain_lengths(seqs, budget, room) if self.drafter.uses_room else (budget, None)
             if lookup is None:

@@ -23,9 +23,10 @@ from outpace.engine.scheduler import PrefillChunk, StepPlan
 from outpace.engine.sequence import Sequence
 from outpace.runner.model_runner import ModelRunner, Row
 from outpace.sampling.logprobs import Logprob, StepLogprobs
+from outpace.sampling.penalties import chain_before, penalized, tree_before
 from outpace.sampling.rejection import greedy_tokens, verify_greedy, verify_sampling
 from outpace.sampling.sampler import SamplingState, inverse_cdf, logits_to_probs
-from outpace.sampling.tree import tree_depths, verify_tree
+from outpace.sampling.tree import tree_ancestors, tree_depths, verify_tree
 from outpace.speculative.controller import DraftController
 from outpace.speculative.drafter import DraftBatch, Drafter, Drafts, Verified
 
@@ -194,8 +195,8 @@ class EagerStep:
         if drafts is not None and drafts.parents is not None:
             return self._verify_tree(seqs, proposal, chunks, t0)
         greedy = all(s.params.is_greedy for s in seqs)
-        # greedy rows' argmax alone, unless a row asks for its tokens' log-probabilities
-        picks = greedy and not wants_logprobs(seqs)
+        # greedy rows' argmax alone, unless a row's logits are read (logprobs, penalties)
+        picks = greedy and not needs_logits(seqs)
         hidden_layers = self.drafter.hidden_layers
         if drafts is not None and drafts.num_draft_host is None:
             # drafts on the device never visit the host: the runner appends them to each row's last token
@@ -219,13 +220,14 @@ class EagerStep:
         else:       # exact mode pads S beyond the drafts
             draft_tokens = F.pad(drafts.tokens, (0, K - drafts.tokens.shape[1])).to(logits.device, non_blocking=True)
             num_draft = drafts.num_draft.to(logits.device, non_blocking=True)
+        shaped = penalize(seqs, logits, draft_tokens, lambda: chain_before(num_draft, K + 1, K))
         if greedy:
-            out, num_out = verify_greedy(logits, draft_tokens, num_draft)
+            out, num_out = verify_greedy(shaped, draft_tokens, num_draft)
         else:
             state = SamplingState.from_params([s.params for s in seqs], [s.seed for s in seqs],
                                               [s.num_output_tokens for s in seqs], logits.device)
-            out, num_out = verify_sampling(logits, draft_tokens, num_draft, state)
-        scores = step_logprobs(seqs, logits, out)
+            out, num_out = verify_sampling(shaped, draft_tokens, num_draft, state)
+        scores = step_logprobs(seqs, logits, out)       # the model's own distribution: before penalties
         # a recurrent model's state becomes the one after each row's last accepted token
         self.runner.cache.commit([s.slot for s in seqs], num_out - 1)
         self._tell_verified(seqs, proposal.budget, out, num_out, hidden)
@@ -247,12 +249,17 @@ class EagerStep:
             self.runner.forward(chunk_rows(chunks), logits="none")
         rows = [Row(s.slot, s.token_ids[-1:] + d, len(s.token_ids) - 1) for s, d in zip(seqs, nodes)]
         greedy = all(s.params.is_greedy for s in seqs)
-        picks = greedy and not wants_logprobs(seqs)
+        picks = greedy and not needs_logits(seqs)
         logits, hidden = self.runner.forward_tree(rows, parents, "tokens" if picks else "all",
                                                   self.drafter.hidden_layers)             # [B, S] or [B, S, V]
         K = logits.shape[1] - 1
         device = logits.device
+        tokens = F.pad(drafts.tokens, (0, K - drafts.tokens.shape[1])).to(device)
+        tree = F.pad(drafts.parents, (0, K - drafts.parents.shape[1]), value=-1).to(device)
+        num_draft = drafts.num_draft.to(device)
         full = None if picks else logits
+        if not picks:       # a node's penalties count its path's tokens
+            logits = penalize(seqs, logits, tokens, lambda: tree_before(tree_ancestors(tree, K), num_draft))
         if greedy and not picks:
             logits = greedy_tokens(logits)
         elif not greedy:
@@ -262,9 +269,6 @@ class EagerStep:
                                               [s.num_output_tokens for s in seqs], device)
             depth = torch.tensor([tree_depths(p, K) for p in parents], device=device)     # [B, S]
             logits = inverse_cdf(logits_to_probs(logits, state), state.uniforms(K + 1).gather(1, depth))
-        tokens = F.pad(drafts.tokens, (0, K - drafts.tokens.shape[1])).to(device)
-        tree = F.pad(drafts.parents, (0, K - drafts.parents.shape[1]), value=-1).to(device)
-        num_draft = drafts.num_draft.to(device)
         out, num_out, path = verify_tree(logits, tokens, tree, num_draft)
         # the path's entries into consecutive positions: depth d's node to start + d
         starts = torch.tensor([len(s.token_ids) - 1 for s in seqs], device=device)[:, None]
@@ -365,9 +369,20 @@ class EagerStep:
         """Nobody will read the launched step (all its sequences ended)."""
 
 
-def wants_logprobs(seqs: list[Sequence]) -> bool:
-    """Whether a row asks for its tokens' log-probabilities: its step then needs the logits."""
-    return any(s.params.logprobs is not None for s in seqs)
+def needs_logits(seqs: list[Sequence]) -> bool:
+    """Whether a row's logits are read beyond their argmax: where it asks for its tokens'
+    log-probabilities, or its picks are penalized."""
+    return any(s.params.logprobs is not None or s.params.has_penalties for s in seqs)
+
+
+def penalize(seqs: list[Sequence], logits: torch.Tensor, draft_tokens: torch.Tensor, before) -> torch.Tensor:
+    """logits [B, S, V] with the penalties of the rows that have them (sampling/penalties.py; the
+    drafts before each position from before(), [B, S, K]); the logits themselves where none has."""
+    rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
+    if not rows:
+        return logits
+    return penalized(logits, rows, [seqs[i].params for i in rows], [seqs[i].prompt_ids for i in rows],
+                     [seqs[i].output_ids for i in rows], draft_tokens, before())
 
 
 def step_logprobs(seqs: list[Sequence], logits: torch.Tensor, out: torch.Tensor) -> StepLogprobs | None:

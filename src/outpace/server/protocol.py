@@ -3,7 +3,7 @@ object every 4xx/5xx carries: {"error": {"message", "type", "param", "code"}}.
 
 Fields are checked by hand so each message names the field and says what to send instead. Fields
 the server does not know are ignored (as OpenAI-compatible servers do); fields it knows but cannot
-honour (penalties, tools) are refused with a 400 rather than silently dropped.
+honour (logit_bias, tools) are refused with a 400 rather than silently dropped.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from outpace.config import MAX_LOGPROBS, MAX_NUM_STOP, MAX_STOP_CHARS, SamplingParams
+from outpace.config import MAX_LOGPROBS, MAX_NUM_STOP, MAX_REPETITION_PENALTY, MAX_STOP_CHARS, SamplingParams
 from outpace.errors import OutpaceError
 
 MISSING = object()
@@ -162,8 +162,6 @@ def parse_chat(body: dict) -> GenerateRequest:
 def _common(body: dict, max_tokens: int | None) -> GenerateRequest:
     model = _field(body, "model", str, default=None)
     n = _integer(body, "n", 1, low=1, high=MAX_CHOICES)
-    for name in ("presence_penalty", "frequency_penalty"):
-        _unsupported(body, name, allowed=(None, 0, 0.0), hint="leave it out or set it to 0")
     _unsupported(body, "logit_bias", allowed=(None, {}))
     sampling = {
         "temperature": _number(body, "temperature", 1.0, low=0.0, high=2.0),
@@ -173,6 +171,10 @@ def _common(body: dict, max_tokens: int | None) -> GenerateRequest:
         "seed": _integer(body, "seed", None, low=0, high=2**63 - 1),
         "stop": _stop(body),
         "ignore_eos": _field(body, "ignore_eos", bool, default=False),
+        "presence_penalty": _number(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 1.0, low=0.0, high=MAX_REPETITION_PENALTY,
+                                      low_open=True),    # vLLM's extension
     }
     sampling["top_k"] = max(sampling["top_k"], 0)      # -1 is vLLM's spelling of 'off'
     stream = _field(body, "stream", bool, default=False)
