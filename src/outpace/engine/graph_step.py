@@ -24,7 +24,7 @@ import torch
 
 from outpace.engine.scheduler import PrefillChunk, Scheduler, StepPlan
 from outpace.engine.sequence import Sequence
-from outpace.engine.step import EagerStep, Launched, Proposal, StepResult, speculating_rows, needs_logits
+from outpace.engine.step import EagerStep, Launched, Proposal, StepResult, needs_logits, speculating_rows
 from outpace.runner.cuda_graphs import CudaGraphRunner
 from outpace.runner.model_runner import Row
 from outpace.runner.staging import slot_rows, to_device
