@@ -438,6 +438,20 @@ def test_failed_step_fails_only_its_requests(server, client):
     assert client.completions.create(prompt="Hello", max_tokens=3, **greedy()).choices[0].text
 
 
+def test_a_chunk_that_fails_to_build_ends_its_stream(server, client, monkeypatch):
+    """Guards: a fault while a streamed choice's chunk is built (here its logprobs' token text)
+    must end that stream with a 500 error event, not leave it waiting for a choice that will not
+    come, and the server serves on."""
+    def broken(token_id):
+        raise RuntimeError("injected chunk fault")
+    monkeypatch.setattr(server.engine.tokenizer, "token_text", broken)
+    with pytest.raises(openai.APIError, match="injected chunk fault"):
+        list(client.completions.create(prompt="Hello", max_tokens=4, logprobs=1, n=2, stream=True, **greedy()))
+    monkeypatch.undo()
+    server.wait_health(timeout=10, num_running=0, num_waiting=0)
+    assert client.completions.create(prompt="Hello", max_tokens=3, logprobs=1, **greedy()).choices[0].logprobs
+
+
 def test_engine_loop_run_by_the_caller_serves_and_ends_with_the_server():
     """`outpace serve` runs the engine loop in the thread that built the engine, the HTTP server
     beside it: requests are served, and the server's shutdown ends the loop."""

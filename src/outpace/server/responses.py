@@ -194,7 +194,16 @@ async def sse(streams: list[RequestStream], shape: CompletionShape, include_usag
 async def _pump(index: int, stream: RequestStream, shape: CompletionShape, include_usage: bool,
                 chunks: asyncio.Queue) -> None:
     """Choice `index`'s chunks onto `chunks` as ("chunk", body), then ("final", (index, its last
-    update)), or ("error", body) where the engine failed it."""
+    update)), or ("error", body) where the engine failed it, or where building a chunk did (the
+    stream then ends with that error rather than waiting for a choice that will not come)."""
+    try:
+        await _choice_chunks(index, stream, shape, include_usage, chunks)
+    except Exception as error:
+        chunks.put_nowait(("error", ApiError(500, f"internal server error: {error!r}", type="server_error").body()))
+
+
+async def _choice_chunks(index: int, stream: RequestStream, shape: CompletionShape, include_usage: bool,
+                         chunks: asyncio.Queue) -> None:
     sent = sent_tokens = 0
     echo = shape.echo(index) if shape.echoes is not None else None
     while True:
