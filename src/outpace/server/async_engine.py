@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from outpace.config import SamplingParams
 from outpace.engine.llm_engine import LLMEngine
-from outpace.engine.sequence import Sequence
+from outpace.engine.sequence import Sequence, SpecStats
 from outpace.server.metrics import Metrics
 
 log = logging.getLogger("outpace.server")
@@ -54,19 +54,25 @@ class Update:
 
     @property
     def usage(self) -> dict:
-        usage = {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_output_tokens,
-                 "total_tokens": self.num_prompt_tokens + self.num_output_tokens,
-                 "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
-        if self.spec is not None:
-            usage["speculation"] = self.spec
-        return usage
+        return usage_body(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens, self.spec)
 
 
-def spec_figures(seq: Sequence) -> dict:
-    d = seq.stats.as_dict()
-    keys = ("num_verify_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate",
-            "mean_acceptance_length")
-    return {k: d[k] for k in keys}
+def usage_body(prompt_tokens: int, output_tokens: int, cached_tokens: int, spec: dict | None) -> dict:
+    """A response's usage in OpenAI's layout, with the speculation figures (spec_figures) where given."""
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": output_tokens,
+             "total_tokens": prompt_tokens + output_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if spec is not None:
+        usage["speculation"] = spec
+    return usage
+
+
+SPEC_COUNTS = ("num_verify_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def spec_figures(stats: SpecStats) -> dict:
+    """The speculation figures a response's usage carries: the counts and the rates they give."""
+    d = stats.as_dict()
+    return {k: d[k] for k in SPEC_COUNTS + ("acceptance_rate", "mean_acceptance_length")}
 
 
 class RequestStream:
@@ -257,7 +263,7 @@ class AsyncEngine:
             stream.num_tokens_counted = seq.num_output_tokens
             finished = seq.finish_reason is not None
             stream.push(Update(seq.text, seq.num_prompt_tokens, seq.num_output_tokens, seq.finish_reason,
-                               spec_figures(seq) if finished else None, seq.num_reused, seq.logprobs,
+                               spec_figures(seq.stats) if finished else None, seq.num_reused, seq.logprobs,
                                seq.prompt_logprobs))
             if finished:
                 self._finish(stream, seq, seq.finish_reason)

@@ -7,8 +7,9 @@ import json
 import time
 import uuid
 
+from outpace.engine.sequence import SpecStats
 from outpace.sampling.logprobs import Logprob
-from outpace.server.async_engine import EngineFailure, RequestStream, Update
+from outpace.server.async_engine import SPEC_COUNTS, EngineFailure, RequestStream, Update, spec_figures, usage_body
 from outpace.server.protocol import ApiError
 from outpace.weights.tokenizer import Tokenizer
 
@@ -134,19 +135,11 @@ def usage_of(finals: list[Update], n: int) -> dict:
     once (n choices a prompt; with the prompt tokens every choice of it found cached)."""
     if len(finals) == 1:
         return finals[0].usage
-    firsts = finals[::n]
-    prompt, output = sum(f.num_prompt_tokens for f in firsts), sum(f.num_output_tokens for f in finals)
+    prompt, output = sum(f.num_prompt_tokens for f in finals[::n]), sum(f.num_output_tokens for f in finals)
     cached = sum(min(f.num_cached_tokens for f in finals[i:i + n]) for i in range(0, len(finals), n))
-    usage = {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output,
-             "prompt_tokens_details": {"cached_tokens": cached}}
     specs = [f.spec for f in finals if f.spec is not None]
-    if specs:
-        total = {k: sum(s[k] for s in specs) for k in ("num_verify_steps", "num_drafts", "num_draft_tokens",
-                                                         "num_accepted_tokens")}
-        steps, drafted, accepted = total["num_verify_steps"], total["num_draft_tokens"], total["num_accepted_tokens"]
-        usage["speculation"] = {**total, "acceptance_rate": accepted / drafted if drafted else 0.0,
-                                "mean_acceptance_length": (accepted + steps) / steps if steps else 0.0}
-    return usage
+    total = SpecStats(**{k: sum(s[k] for s in specs) for k in SPEC_COUNTS})
+    return usage_body(prompt, output, cached, spec_figures(total) if specs else None)
 
 
 def _by_rank(entry: dict[int, Logprob], num_top: int | None) -> list[tuple[int, Logprob]]:
