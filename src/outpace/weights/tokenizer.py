@@ -230,8 +230,8 @@ class Tokenizer:
         if token_id in self._added_ids:
             return piece.encode("utf-8")
         if self._byte_values is not None:
-            return bytes(self._byte_values.get(c, 0) for c in piece) if all(
-                c in self._byte_values for c in piece) else piece.encode("utf-8")
+            values = self._byte_values
+            return bytes(values[c] for c in piece) if all(c in values for c in piece) else piece.encode("utf-8")
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             return bytes([int(piece[3:5], 16)])
         return piece.replace("\u2581", " ").encode("utf-8")
