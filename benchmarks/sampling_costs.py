@@ -1,12 +1,14 @@
-"""What logprobs and penalties cost plain decoding: one chat prompt, greedy, EOS ignored,
-speculation off, each mode in turn over several rounds (this machine's spread shows in the min
-and max); prints the median milliseconds a token of each mode.
+"""What logprobs and penalties cost: one chat prompt, greedy, EOS ignored, each mode in turn over
+several rounds (this machine's spread shows in the min and max); prints the median milliseconds a
+token of each mode.
 
     PYTHONPATH=src python3 benchmarks/sampling_costs.py [--model smollm2-135m] [--tokens 200] [--rounds 7]
-        [--threads 2]
+        [--threads 2] [--device cpu|cuda] [--spec none|ngram|eagle3|...]
 
 A row that asks for logprobs or has penalties needs its logits beyond their argmax (docs/DESIGN.md,
-"Logprobs", "Penalties"); this times that on its own, where no other row shares its steps.
+"Logprobs", "Penalties"); this times that on its own, where no other row shares its steps. With
+--spec, every mode is timed speculating, and plain decoding without any ("plain") is the baseline
+of the same run; on a GPU such rows verify outside the CUDA graph step, which this prices.
 """
 from __future__ import annotations
 
@@ -28,22 +30,27 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=200)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: the engine's choice)")
+    p.add_argument("--spec", default="none", help="speculation method every mode runs with")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(args.model, spec="none")
+    llm = LLM(args.model, spec=args.spec, **({"device": args.device} if args.device else {}))
     messages = [{"role": "user", "content": "Write a long story about a dragon who learns to cook."}]
-    times = {name: [] for name in MODES}
-    for _ in range(args.rounds):
-        for name, extra in MODES.items():
-            params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True, **extra)
+    modes = dict(MODES) if args.spec == "none" else {"plain": None} | MODES
+    times = {name: [] for name in modes}
+    for round_ in range(args.rounds + 1):     # the first round warms up and is not counted
+        for name, extra in modes.items():
+            params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True, **(extra or {}))
             start = time.perf_counter()
-            llm.chat(messages, params)
-            times[name].append((time.perf_counter() - start) / args.tokens * 1e3)
-    base = statistics.median(times["none"])
+            llm.chat(messages, params, speculate=extra is not None)
+            if round_:
+                times[name].append((time.perf_counter() - start) / args.tokens * 1e3)
+    first = next(iter(modes))
+    base = statistics.median(times[first])
     for name, ts in times.items():
         median = statistics.median(ts)
-        print(f"{name:24s} median {median:.2f} ms a token ({median / base:.3f}x none; min {min(ts):.2f}, "
+        print(f"{name:24s} median {median:.2f} ms a token ({median / base:.3f}x {first}; min {min(ts):.2f}, "
               f"max {max(ts):.2f})")
 
 

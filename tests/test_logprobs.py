@@ -128,9 +128,11 @@ def test_logprobs_out_of_range_are_refused(value):
         SamplingParams(logprobs=value)
 
 
-def test_the_gpu_paths_steps_verify_asking_rows_outside_the_graph(tiny):
-    """The GPU path (its static-shape runner, device drafter and GraphStep, run eagerly on the
-    CPU): a greedy row alone drafts and verifies inside the graph step and launches steps ahead;
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_the_gpu_paths_steps_verify_asking_rows_outside_the_graph(tiny, device):
+    """The GPU path (its static-shape runner, device drafter and GraphStep; on the CPU run
+    eagerly, on a GPU in CUDA graphs): a greedy row alone drafts and verifies inside the graph step and launches steps ahead;
     a row asking for logprobs, joining while such a step runs, takes the steps outside it, and
     every row keeps plain output and gets the target's logprobs."""
     from test_cuda_graphs import count_in_graph, count_launched, device_path_llm
@@ -140,7 +142,7 @@ def test_the_gpu_paths_steps_verify_asking_rows_outside_the_graph(tiny):
     prompts = PROMPTS[:3]
     plain = LLM(str(folder), spec="none", dtype="float64", device="cpu", max_num_seqs=3, max_model_len=128)
     want = [plain.generate(p, sp)[0].token_ids for p, sp in zip(prompts, [greedy] + asking)]
-    llm = device_path_llm(folder, SpecConfig(num_draft_tokens=5))
+    llm = device_path_llm(folder, SpecConfig(num_draft_tokens=5), device)
     engine = llm.engine
     in_graph, launched = count_in_graph(engine), count_launched(engine)
     seqs = [engine.add_request(prompts[0], greedy)]
@@ -174,10 +176,12 @@ def test_prompt_logprobs_are_the_targets(tiny):
         check(model, prompt, out.token_ids, out.logprobs, 1)
 
 
-def test_prompt_logprobs_on_the_gpu_path(tiny):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_prompt_logprobs_on_the_gpu_path(tiny, device):
     from test_cuda_graphs import device_path_llm
     folder, model = tiny
-    llm = device_path_llm(folder, SpecConfig(num_draft_tokens=5))
+    llm = device_path_llm(folder, SpecConfig(num_draft_tokens=5), device)
     # a prompt past the graphs' widths runs its chunk eagerly; one of 5 tokens fits a step's graph
     prompts = [PROMPTS[2] * 2, PROMPTS[0], PROMPTS[1]]
     asking = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=3)

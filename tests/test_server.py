@@ -265,6 +265,30 @@ def test_penalties_change_a_repetitive_answer(client):
         assert text.count("hello") < free.count("hello"), (penalty, text)
 
 
+def test_logit_bias_and_min_tokens(server, client):
+    """-100 bars the token a greedy answer starts with (in chat too); min_tokens keeps a chat answer
+    going past the end-of-turn token it stopped on, and its usage counts them."""
+    tokenizer = server.engine.tokenizer
+    prompt = "The capital of France is"
+    free = client.completions.create(prompt=prompt, max_tokens=6, logprobs=0, **greedy()).choices[0]
+    first = tokenizer.encode(free.logprobs.tokens[0])[0]
+    barred = client.completions.create(prompt=prompt, max_tokens=6, logit_bias={str(first): -100}, logprobs=0,
+                                       **greedy()).choices[0]
+    assert barred.logprobs.tokens[0] != free.logprobs.tokens[0] and barred.text != free.text
+    messages = [{"role": "user", "content": "Say yes."}]
+    short = client.chat.completions.create(messages=messages, max_tokens=200, **greedy())
+    assert short.choices[0].finish_reason == "stop", "the answer must end on its own"
+    done = short.usage.completion_tokens
+    longer = client.chat.completions.create(messages=messages, max_tokens=done + 10,
+                                            extra_body={"min_tokens": done + 5}, **greedy())
+    assert longer.usage.completion_tokens >= done + 5
+    assert longer.choices[0].message.content.startswith(short.choices[0].message.content)
+    first = tokenizer.encode(short.choices[0].message.content)[0]
+    chat_barred = client.chat.completions.create(messages=messages, max_tokens=8, logit_bias={str(first): -100},
+                                                 **greedy())
+    assert tokenizer.encode(chat_barred.choices[0].message.content)[0] != first
+
+
 def test_a_request_without_model_means_the_served_one(server):
     reply = server.http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
     assert reply.status_code == 200 and reply.json()["model"] == MODEL
@@ -317,7 +341,14 @@ BAD_COMPLETIONS = [
     ("frequency_penalty wrong type", {"model": MODEL, "prompt": "hi", "frequency_penalty": "x"}, 400,
      "frequency_penalty"),
     ("repetition_penalty zero", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
-    ("logit_bias", {"model": MODEL, "prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("logit_bias key not a token id", {"model": MODEL, "prompt": "hi", "logit_bias": {"a": 5}}, 400, "logit_bias"),
+    ("logit_bias above 100", {"model": MODEL, "prompt": "hi", "logit_bias": {"1": 101}}, 400, "logit_bias"),
+    ("logit_bias value a string", {"model": MODEL, "prompt": "hi", "logit_bias": {"1": "5"}}, 400, "logit_bias"),
+    ("logit_bias past the vocabulary", {"model": MODEL, "prompt": "hi", "logit_bias": {"49152": 1}}, 400,
+     "logit_bias"),
+    ("min_tokens above max_tokens", {"model": MODEL, "prompt": "hi", "max_tokens": 4, "min_tokens": 5}, 400,
+     "min_tokens"),
+    ("min_tokens negative", {"model": MODEL, "prompt": "hi", "min_tokens": -1}, 400, "min_tokens"),
     ("cache_salt wrong type", {"model": MODEL, "prompt": "hi", "cache_salt": 7}, 400, "cache_salt"),
     ("unknown model", {"model": "gpt-5", "prompt": "hi"}, 404, "model"),
 ]

@@ -72,8 +72,8 @@ class CharTokenizer:
         return "".join(map(chr, ids))
 
 
-def run_checker(output: str, stops: list[str], chunk: int, max_tokens: int = 100):
-    params = SamplingParams(stop=stops, max_tokens=max_tokens, ignore_eos=True)
+def run_checker(output: str, stops: list[str], chunk: int, max_tokens: int = 100, min_tokens: int = 0):
+    params = SamplingParams(stop=stops, max_tokens=max_tokens, ignore_eos=True, min_tokens=min_tokens)
     seq = Sequence(0, [ord(">")], params)
     checker = StopChecker(CharTokenizer(), params, [], max_model_len=1000)
     ids = [ord(c) for c in output]
@@ -93,6 +93,14 @@ def test_checker_cuts_at_the_stop_and_never_retracts(chunk):
     assert (seq.text, seq.finish_reason) == ("one two thr ", "stop")
     assert all(later.startswith(earlier) for earlier, later in zip(shown, shown[1:]))
     assert seq.output_ids == [ord(c) for c in output[:len("one two thr three")]]   # nothing after the stop
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_no_stop_string_ends_the_output_before_min_tokens(chunk):
+    """vLLM's rule: "one" completes at the 3rd token and "two" at the 7th, both before min_tokens
+    (8); the output goes on (and "one" stays in the text) until "thr" completes at the 11th."""
+    seq, _ = run_checker("one two three four", ["one", "two", "thr"], chunk, min_tokens=8)
+    assert (seq.text, seq.finish_reason, seq.num_output_tokens) == ("one two ", "stop", 11)
 
 
 def test_checker_releases_held_text_at_the_end():

@@ -112,6 +112,18 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
                    "taken off its logit (-2 to 2; 0: none)")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="divides the positive logits (multiplies "
                    "the negative ones) of the prompt's and output's tokens (1: none)")
+    p.add_argument("--min-tokens", type=int, default=0, help="the output's first N tokens are never EOS or a stop")
+    p.add_argument("--logit-bias", type=logit_bias, default=None, metavar="ID:BIAS,...",
+                   help="added to those token ids' logits (-100 to 100; -100 bars a token)")
+
+
+def logit_bias(text: str) -> dict[int, float]:
+    """--logit-bias's "ID:BIAS,ID:BIAS" as {token id: bias}."""
+    try:
+        return {int(token): float(bias) for token, bias in (item.split(":") for item in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give token ids and biases as ID:BIAS,ID:BIAS "
+                                         "(e.g. 198:-100,13:5)") from None
 
 
 def sampling_params(args):
@@ -119,7 +131,8 @@ def sampling_params(args):
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                           seed=args.seed, max_tokens=args.max_tokens, logprobs=getattr(args, "logprobs", None),
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          repetition_penalty=args.repetition_penalty)
+                          repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
+                          logit_bias=args.logit_bias)
 
 
 def settle_heap() -> None:

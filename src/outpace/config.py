@@ -7,15 +7,17 @@ from dataclasses import dataclass, field
 from outpace.errors import InvalidParameterError
 
 
-def _check(condition: bool, message: str) -> None:
+def _check(condition: bool, message: str, param: str | None = None) -> None:
     if not condition:
-        raise InvalidParameterError(message)
+        raise InvalidParameterError(message, param)
 
 
 MAX_NUM_STOP = 16           # SamplingParams.stop: strings per request (each costs the stop check per character)
 MAX_STOP_CHARS = 256        # and characters per string
 MAX_LOGPROBS = 20           # SamplingParams.logprobs: the most alternatives a token reports (OpenAI's bound)
 MAX_REPETITION_PENALTY = 100.0  # SamplingParams.repetition_penalty at most (1: none; 1.1-1.5 the usual)
+MAX_LOGIT_BIAS = 100.0      # SamplingParams.logit_bias: a bias's size at most (OpenAI's range: +-100)
+MAX_LOGIT_BIAS_TOKENS = 1024    # and tokens biased per request
 
 
 @dataclass
@@ -28,7 +30,10 @@ class SamplingParams:
     position is computed). Penalties, as vLLM applies them before temperature: repetition_penalty
     r divides a positive logit by r and multiplies a negative one by r for every token of the
     prompt and output; then frequency_penalty times each token's count in the output so far, and
-    presence_penalty once for each token in it, are taken off its logit."""
+    presence_penalty once for each token in it, are taken off its logit. logit_bias {token id:
+    bias in [-100, 100]} is added to those tokens' logits before the penalties (-100 bars a token in
+    practice, 100 all but forces it). min_tokens: the output's first min_tokens tokens are never
+    EOS or a stop token id (their logits are barred), and no stop string ends it before then."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -45,6 +50,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,6 +82,17 @@ class SamplingParams:
             _check(value is None or (type(value) is int and 0 <= value <= MAX_LOGPROBS),
                    f"{name} must be an integer in [0, {MAX_LOGPROBS}] (alternatives a token reports) or None, "
                    f"got {value!r}")
+        _check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+            type(t) is int and t >= 0 and isinstance(b, (int, float)) and not isinstance(b, bool)
+            and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for t, b in self.logit_bias.items())),
+            f"logit_bias must map token ids (integers >= 0) to biases in [-{MAX_LOGIT_BIAS:g}, "
+            f"{MAX_LOGIT_BIAS:g}], got {str(self.logit_bias)[:100]}", "logit_bias")
+        _check(len(self.logit_bias or ()) <= MAX_LOGIT_BIAS_TOKENS,
+               f"logit_bias holds {len(self.logit_bias or ())} tokens; at most {MAX_LOGIT_BIAS_TOKENS} are "
+               "allowed: keep the ones that matter", "logit_bias")
+        _check(type(self.min_tokens) is int and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
+               "min_tokens")
         _check(self.detokenize or not self.stop, "stop strings need the output's text: drop stop, or keep "
                                                  "detokenize on")
 
@@ -85,6 +103,11 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether tokens are picked from logits these params change (sampling/penalties.py)."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
 
 SPEC_METHODS = ("none", "ngram", "draft", "eagle3", "mtp")

@@ -26,7 +26,11 @@ class PromptTooLongError(OutpaceError):
 
 
 class InvalidParameterError(OutpaceError):
-    pass
+    """param: the parameter at fault, where the check knows it (the server's 400 names it)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class WorkerFailedError(OutpaceError):

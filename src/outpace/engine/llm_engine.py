@@ -189,6 +189,9 @@ class LLMEngine:
         vocab = self.model.cfg.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InvalidParameterError(f"prompt token ids must be in [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidParameterError(f"logit_bias names token {max(params.logit_bias)}; this model's token ids "
+                                        f"are in [0, {vocab})", "logit_bias")
         seq = Sequence(next(self._ids), prompt_ids, params)
         seq.speculate = speculate and self.num_draft_tokens > 0
         seq.cache_salt = cache_salt

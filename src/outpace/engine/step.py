@@ -23,7 +23,7 @@ from outpace.engine.scheduler import PrefillChunk, StepPlan
 from outpace.engine.sequence import Sequence
 from outpace.runner.model_runner import ModelRunner, Row
 from outpace.sampling.logprobs import Logprob, StepLogprobs
-from outpace.sampling.penalties import chain_before, penalized, tree_before
+from outpace.sampling.penalties import chain_before, shaped, tree_before
 from outpace.sampling.rejection import greedy_tokens, verify_greedy, verify_sampling
 from outpace.sampling.sampler import SamplingState, inverse_cdf, logits_to_probs
 from outpace.sampling.tree import tree_ancestors, tree_depths, verify_tree
@@ -195,7 +195,7 @@ class EagerStep:
         if drafts is not None and drafts.parents is not None:
             return self._verify_tree(seqs, proposal, chunks, t0)
         greedy = all(s.params.is_greedy for s in seqs)
-        # greedy rows' argmax alone, unless a row's logits are read (logprobs, penalties)
+        # greedy rows' argmax alone, unless a row's logits are read (logprobs) or shaped
         picks = greedy and not needs_logits(seqs)
         hidden_layers = self.drafter.hidden_layers
         if drafts is not None and drafts.num_draft_host is None:
@@ -220,14 +220,14 @@ class EagerStep:
         else:       # exact mode pads S beyond the drafts
             draft_tokens = F.pad(drafts.tokens, (0, K - drafts.tokens.shape[1])).to(logits.device, non_blocking=True)
             num_draft = drafts.num_draft.to(logits.device, non_blocking=True)
-        shaped = penalize(seqs, logits, draft_tokens, lambda: chain_before(num_draft, K + 1, K))
+        picked_from = shape(seqs, logits, draft_tokens, lambda: chain_before(num_draft, K + 1, K))
         if greedy:
-            out, num_out = verify_greedy(shaped, draft_tokens, num_draft)
+            out, num_out = verify_greedy(picked_from, draft_tokens, num_draft)
         else:
             state = SamplingState.from_params([s.params for s in seqs], [s.seed for s in seqs],
                                               [s.num_output_tokens for s in seqs], logits.device)
-            out, num_out = verify_sampling(shaped, draft_tokens, num_draft, state)
-        scores = step_logprobs(seqs, logits, out)       # the model's own distribution: before penalties
+            out, num_out = verify_sampling(picked_from, draft_tokens, num_draft, state)
+        scores = step_logprobs(seqs, logits, out)       # the model's own distribution: before shaping
         # a recurrent model's state becomes the one after each row's last accepted token
         self.runner.cache.commit([s.slot for s in seqs], num_out - 1)
         self._tell_verified(seqs, proposal.budget, out, num_out, hidden)
@@ -258,8 +258,8 @@ class EagerStep:
         tree = F.pad(drafts.parents, (0, K - drafts.parents.shape[1]), value=-1).to(device)
         num_draft = drafts.num_draft.to(device)
         full = None if picks else logits
-        if not picks:       # a node's penalties count its path's tokens
-            logits = penalize(seqs, logits, tokens, lambda: tree_before(tree_ancestors(tree, K), num_draft))
+        if not picks:       # a node is shaped after its path's tokens
+            logits = shape(seqs, logits, tokens, lambda: tree_before(tree_ancestors(tree, K), num_draft))
         if greedy and not picks:
             logits = greedy_tokens(logits)
         elif not greedy:
@@ -371,18 +371,19 @@ class EagerStep:
 
 def needs_logits(seqs: list[Sequence]) -> bool:
     """Whether a row's logits are read beyond their argmax: where it asks for its tokens'
-    log-probabilities, or its picks are penalized."""
-    return any(s.params.logprobs is not None or s.params.has_penalties for s in seqs)
+    log-probabilities, or its picks are shaped (logit bias, min_tokens, penalties)."""
+    return any(s.params.logprobs is not None or s.params.shapes_logits for s in seqs)
 
 
-def penalize(seqs: list[Sequence], logits: torch.Tensor, draft_tokens: torch.Tensor, before) -> torch.Tensor:
-    """logits [B, S, V] with the penalties of the rows that have them (sampling/penalties.py; the
-    drafts before each position from before(), [B, S, K]); the logits themselves where none has."""
-    rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
+def shape(seqs: list[Sequence], logits: torch.Tensor, draft_tokens: torch.Tensor, before) -> torch.Tensor:
+    """logits [B, S, V] shaped for the rows whose params do (sampling/penalties.py; the drafts
+    before each position from before(), [B, S, K]); the logits themselves where none does."""
+    rows = [i for i, s in enumerate(seqs) if s.params.shapes_logits]
     if not rows:
         return logits
-    return penalized(logits, rows, [seqs[i].params for i in rows], [seqs[i].prompt_ids for i in rows],
-                     [seqs[i].output_ids for i in rows], draft_tokens, before())
+    return shaped(logits, rows, [seqs[i].params for i in rows], [seqs[i].prompt_ids for i in rows],
+                  [seqs[i].output_ids for i in rows], [sorted(seqs[i].stopper.stop_ids) for i in rows],
+                  draft_tokens, before())
 
 
 def step_logprobs(seqs: list[Sequence], logits: torch.Tensor, out: torch.Tensor) -> StepLogprobs | None:

@@ -93,7 +93,7 @@ class StopChecker:
             if token in self.stop_ids:
                 seq.finish_reason = "stop"
                 break
-            if self.params.detokenize and self._feed_text(token):
+            if self.params.detokenize and self._feed_text(seq, token):
                 seq.finish_reason = "stop"
                 break
             if seq.num_output_tokens >= self.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
@@ -103,11 +103,14 @@ class StopChecker:
             self._set_text(seq)
         return appended
 
-    def _feed_text(self, token: int) -> bool:
-        """Detokenize one more token; True where a stop string ends the text."""
+    def _feed_text(self, seq, token: int) -> bool:
+        """Detokenize one more token; True where a stop string ends the text (not before the
+        output holds min_tokens tokens: a stop string completed sooner stays in the text)."""
         new_text = self.decoder.step([token])
         self.full_text += new_text
         at = self.stop_strings.feed(new_text) if self.stop_strings is not None else None
+        if at is not None and seq.num_output_tokens < self.params.min_tokens:
+            at = None
         if at is not None:
             self.full_text = self.full_text[:at]
             self.is_stopped_by_string = True

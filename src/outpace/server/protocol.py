@@ -3,7 +3,7 @@ object every 4xx/5xx carries: {"error": {"message", "type", "param", "code"}}.
 
 Fields are checked by hand so each message names the field and says what to send instead. Fields
 the server does not know are ignored (as OpenAI-compatible servers do); fields it knows but cannot
-honour (logit_bias, tools) are refused with a 400 rather than silently dropped.
+honour (tools, response_format beyond text) are refused with a 400 rather than silently dropped.
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from outpace.config import MAX_LOGPROBS, MAX_NUM_STOP, MAX_REPETITION_PENALTY, MAX_STOP_CHARS, SamplingParams
+from outpace.config import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, MAX_NUM_STOP,
+                            MAX_REPETITION_PENALTY, MAX_STOP_CHARS, SamplingParams)
 from outpace.errors import OutpaceError
 
 MISSING = object()
@@ -31,7 +32,8 @@ class ApiError(Exception):
 
 
 def bad_request(error: OutpaceError, param: str | None = None) -> ApiError:
-    return ApiError(400, str(error), param)
+    """A 400 naming the parameter the error names, else `param`."""
+    return ApiError(400, str(error), getattr(error, "param", None) or param)
 
 
 @dataclass
@@ -162,7 +164,6 @@ def parse_chat(body: dict) -> GenerateRequest:
 def _common(body: dict, max_tokens: int | None) -> GenerateRequest:
     model = _field(body, "model", str, default=None)
     n = _integer(body, "n", 1, low=1, high=MAX_CHOICES)
-    _unsupported(body, "logit_bias", allowed=(None, {}))
     sampling = {
         "temperature": _number(body, "temperature", 1.0, low=0.0, high=2.0),
         "top_p": _number(body, "top_p", 1.0, low=0.0, high=1.0, low_open=True),
@@ -175,6 +176,8 @@ def _common(body: dict, max_tokens: int | None) -> GenerateRequest:
         "frequency_penalty": _number(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
         "repetition_penalty": _number(body, "repetition_penalty", 1.0, low=0.0, high=MAX_REPETITION_PENALTY,
                                       low_open=True),    # vLLM's extension
+        "logit_bias": _logit_bias(body),
+        "min_tokens": _integer(body, "min_tokens", 0, low=0),    # vLLM's extension
     }
     sampling["top_k"] = max(sampling["top_k"], 0)      # -1 is vLLM's spelling of 'off'
     stream = _field(body, "stream", bool, default=False)
@@ -195,6 +198,25 @@ def _max_tokens(body: dict, names: tuple[str, ...], default: int | None) -> int 
                 raise ApiError(400, f"{name} must be at least 1, got {_show(value)}", name)
             return value
     return default
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]}, the ids as strings (JSON's keys)."""
+    value = _field(body, "logit_bias", dict, default=None)
+    if not value:
+        return None
+    if len(value) > MAX_LOGIT_BIAS_TOKENS:
+        raise ApiError(400, f"logit_bias holds {len(value)} tokens; send at most {MAX_LOGIT_BIAS_TOKENS}", "logit_bias")
+    bias = {}
+    for key, b in value.items():
+        if not re.fullmatch(r"[0-9]{1,9}", key):
+            raise ApiError(400, f"logit_bias's keys must be token ids (\"50256\"), got {_show(json.dumps(key), 40)}",
+                           "logit_bias")
+        if not isinstance(b, (int, float)) or isinstance(b, bool) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+            raise ApiError(400, f"logit_bias's values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                f"got {_show(json.dumps(b), 40)} for token {key}", "logit_bias")
+        bias[int(key)] = float(b)
+    return bias
 
 
 def _stop(body: dict) -> list[str]:
