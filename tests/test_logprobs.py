@@ -18,6 +18,9 @@ from tiny import make_tiny
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [100, 200, 300, 100, 200], [7] * 30, [42]]
 OPTIONS = dict(dtype="float64", device="cpu", max_num_seqs=3, max_model_len=256, max_prefill_tokens=8,
                calibrate=False)
+# a GPU's graphs norm in float32 with their own reduction order (test_cuda_graphs.py): its float64
+# model's logprobs agree to float32 rounding (measured on an H200: 1.05e-5 apart at most)
+TOLERANCE = {"cpu": 1e-5, "cuda": 1e-4}
 
 
 @pytest.fixture(scope="module")
@@ -35,18 +38,18 @@ def reference(model, prompt: list[int], output: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits[len(prompt) - 1:len(prompt) - 1 + len(output)].float(), dim=-1)
 
 
-def check(model, prompt, token_ids, logprobs, num_top: int):
+def check(model, prompt, token_ids, logprobs, num_top: int, tolerance: float = 1e-5):
     assert len(logprobs) == len(token_ids) > 0
     want = reference(model, prompt, token_ids)
     for j, (token, entry) in enumerate(zip(token_ids, logprobs)):
         first, *others = entry.items()
         assert first[0] == token, "the emitted token comes first"
-        assert first[1].logprob == pytest.approx(want[j, token].item(), abs=1e-5)
+        assert first[1].logprob == pytest.approx(want[j, token].item(), abs=tolerance)
         assert first[1].rank == int((want[j] > want[j, token]).sum()) + 1
         top = want[j].topk(num_top)
         assert set(entry) == {token, *top.indices.tolist()}
         for t, value in zip(top.indices.tolist(), top.values.tolist()):
-            assert entry[t].logprob == pytest.approx(value, abs=1e-5)
+            assert entry[t].logprob == pytest.approx(value, abs=tolerance)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +158,7 @@ def test_the_gpu_paths_steps_verify_asking_rows_outside_the_graph(tiny, device):
     assert [s.output_ids for s in seqs] == want
     assert seqs[0].logprobs is None
     for seq, num_top in zip(seqs[1:], (2, 0)):
-        check(model, seq.prompt_ids, seq.output_ids, seq.logprobs, num_top)
+        check(model, seq.prompt_ids, seq.output_ids, seq.logprobs, num_top, TOLERANCE[device])
 
 
 def test_prompt_logprobs_are_the_targets(tiny):
@@ -188,4 +191,4 @@ def test_prompt_logprobs_on_the_gpu_path(tiny, device):
     outputs = llm.generate(prompts, [asking, SamplingParams(temperature=0, max_tokens=8), asking])
     for prompt, out in zip(prompts, outputs):
         if out.prompt_logprobs is not None:
-            check(model, prompt[:1], prompt[1:], out.prompt_logprobs[1:], 3)
+            check(model, prompt[:1], prompt[1:], out.prompt_logprobs[1:], 3, TOLERANCE[device])
