@@ -7,8 +7,8 @@ token of each mode.
 
 A row that asks for logprobs or has penalties needs its logits beyond their argmax (docs/DESIGN.md,
 "Logprobs", "Penalties"); this times that on its own, where no other row shares its steps. With
---spec, every mode is timed speculating, and plain decoding without any ("plain") is the baseline
-of the same run; on a GPU such rows verify outside the CUDA graph step, which this prices.
+--spec, every mode is timed plainly and speculating; on a GPU such rows verify outside the CUDA
+graph step, which this prices. Ratios are to plain decoding asking for none, in the same run.
 """
 from __future__ import annotations
 
@@ -37,22 +37,22 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     llm = LLM(args.model, spec=args.spec, **({"device": args.device} if args.device else {}))
     messages = [{"role": "user", "content": "Write a long story about a dragon who learns to cook."}]
-    modes = dict(MODES) if args.spec == "none" else {"plain": None} | MODES
-    times = {name: [] for name in modes}
+    # with --spec each mode runs plainly and speculating: (mode, speculate)
+    runs = [(name, speculate) for name in MODES for speculate in ((False, True) if args.spec != "none" else (False,))]
+    times = {run: [] for run in runs}
     for round_ in range(args.rounds + 1):     # the first round warms up and is not counted
-        for name, extra in modes.items():
-            params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True, **(extra or {}))
+        for name, speculate in runs:
+            params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True, **MODES[name])
             start = time.perf_counter()
-            llm.chat(messages, params, speculate=extra is not None)
+            llm.chat(messages, params, speculate=speculate)
             if round_:
-                times[name].append((time.perf_counter() - start) / args.tokens * 1e3)
-    first = next(iter(modes))
-    base = statistics.median(times[first])
-    for name, ts in times.items():
+                times[name, speculate].append((time.perf_counter() - start) / args.tokens * 1e3)
+    base = statistics.median(times["none", False])
+    for (name, speculate), ts in times.items():
         median = statistics.median(ts)
-        print(f"{name:24s} median {median:.2f} ms a token ({median / base:.3f}x {first}; min {min(ts):.2f}, "
+        label = f"{name}{f', {args.spec}' if speculate else ''}"
+        print(f"{label:32s} median {median:.2f} ms a token ({median / base:.3f}x plain none; min {min(ts):.2f}, "
               f"max {max(ts):.2f})")
-
 
 if __name__ == "__main__":
     main()

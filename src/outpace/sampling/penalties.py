@@ -13,8 +13,11 @@ and output tokens, then frequency and presence penalties over the output's count
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
-import torch.nn.functional as F
+
+from outpace.runner.staging import to_device
 
 
 def shaped(logits: torch.Tensor, rows: list[int], params, prompts: list[list[int]], outputs: list[list[int]],
@@ -23,43 +26,69 @@ def shaped(logits: torch.Tensor, rows: list[int], params, prompts: list[list[int
     each, and the stop token ids that min_tokens bars) at each position, the draft tokens [B, K]
     that come before it (before [B, S, K]: a chain's earlier drafts, a tree node's path:
     chain_before, tree_before) counted as output; a new tensor, float32, the other rows as they
-    were."""
+    were.
+
+    Only the logits of a row's touched tokens change: its output's, its prompt's (under a
+    repetition penalty), its biased and barred ones, and its drafts. So the work is done on those
+    columns alone, gathered from the logits and scattered back, never over the vocabulary: a
+    row's host-known tokens (unique, each with its facts: output count, in the prompt, bias, a
+    stop token) and its K drafts, whose facts are those of the host token they match (none where
+    they match none). A token twice among the columns gets the same value in both, so the scatter
+    writes it once in effect. The host sends its part in two copies that never wait for the device."""
     device, V = logits.device, logits.shape[-1]
-    index = torch.tensor(rows, device=device)
-    before = before.index_select(0, index)
-    x = logits.index_select(0, index).float()
-    per_row = (-1, 1, 1)
-    if any(p.logit_bias for p in params):
-        bias = torch.zeros(len(rows), V)
-        for k, p in enumerate(params):
-            if p.logit_bias:
-                bias[k, list(p.logit_bias)] = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32)
-        x = x + bias.to(device)[:, None, :]
-    for k, p in enumerate(params):
-        barred = [t for t in stop_ids[k] if t < V]
-        if p.min_tokens and barred:
-            # position j's token would be output token len(output) + (drafts before j)
-            early = len(outputs[k]) + before[k].sum(-1) < p.min_tokens                          # [S]
-            x[k, :, barred] = x[k, :, barred].masked_fill(early[:, None], float("-inf"))
-    if not any(p.has_penalties for p in params):
-        return logits.float().index_copy(0, index, x)
-    counts = torch.zeros(len(rows), V, device=device)
-    for k, ids in enumerate(outputs):
-        if ids:
-            counts[k] = torch.bincount(torch.tensor(ids, device=device), minlength=V)[:V].float()
-    drafts = F.one_hot(draft_tokens.index_select(0, index), V).float()                     # [R, K, V]
-    counts = counts[:, None, :] + torch.bmm(before.float(), drafts)                        # [R, S, V]
-    if any(p.repetition_penalty != 1 for p in params):
-        repetition = torch.tensor([p.repetition_penalty for p in params], device=device).view(per_row)
-        seen = torch.zeros(len(rows), V, dtype=torch.bool, device=device)
-        for k, ids in enumerate(prompts):
-            seen[k, torch.tensor(ids, device=device)] = True
-        seen = seen[:, None, :] | (counts > 0)
-        x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=device).view(per_row)
-    presence = torch.tensor([p.presence_penalty for p in params], device=device).view(per_row)
-    x = x - frequency * counts - presence * (counts > 0)
-    return logits.float().index_copy(0, index, x)
+    R = len(rows)
+    columns = [_host_columns(p, prompt, output, stops, V) for p, prompt, output, stops
+               in zip(params, prompts, outputs, stop_ids)]
+    M = max(len(c) for c in columns)
+    # padded with copies of a real column, which a draft's match skips (it would count it twice)
+    is_copy = [[0.0] * len(c) + [1.0] * (M - len(c)) for c in columns]
+    columns = [c + [c[0]] * (M - len(c)) for c in columns]
+    ints = to_device(rows + [t for c in columns for t, *_ in c], device)
+    index, host_tokens = ints.split([R, R * M])
+    numbers = [fact for c in columns for _, *facts in c for fact in facts] + [f for c in is_copy for f in c]
+    numbers += [value for p, output in zip(params, outputs) for value in (
+        p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.min_tokens - len(output))]
+    host = torch.tensor(numbers, dtype=torch.float32)
+    numbers = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+    facts, is_copy, scalars = numbers.split([R * M * 4, R * M, R * 4])
+    facts = facts.view(R, M, 4)
+    repetition, frequency, presence, tokens_left = scalars.view(R, 4, 1, 1).unbind(1)     # each [R, 1, 1]
+
+    host_tokens = host_tokens.view(R, M)
+    drafts = draft_tokens.index_select(0, index)                                # [R, K]
+    before = before.index_select(0, index).float()                              # [R, S, K]
+    # a draft's facts: those of the host column holding its token (host tokens are unique)
+    match = (drafts[:, :, None] == host_tokens[:, None, :]) & (is_copy.view(R, 1, M) == 0)   # [R, K, M]
+    facts = torch.cat([facts, torch.bmm(match.float(), facts)], dim=1)          # [R, C, 4]
+    tokens = torch.cat([host_tokens, drafts], dim=1)                            # [R, C]
+    output_count, in_prompt, bias, is_stop = facts.unbind(-1)                   # each [R, C]
+    # each column's count at each position: the output's, plus the drafts before that position
+    same = (drafts[:, :, None] == tokens[:, None, :]).float()                   # [R, K, C]
+    counts = output_count[:, None, :] + torch.bmm(before, same)                 # [R, S, C]
+
+    x = logits.index_select(0, index).float()                                   # [R, S, V]
+    S = x.shape[1]
+    at = tokens[:, None, :].expand(-1, S, -1)
+    v = x.gather(2, at) + bias[:, None, :]
+    # position j's token would be output token len(output) + (drafts before j): the stop tokens
+    # are barred there while that falls short of min_tokens
+    early = before.sum(-1, keepdim=True) < tokens_left                          # [R, S, 1]
+    v = v.masked_fill(early & (is_stop[:, None, :] > 0), float("-inf"))
+    seen = (in_prompt[:, None, :] > 0) | (counts > 0)
+    v = torch.where(seen, torch.where(v > 0, v / repetition, v * repetition), v)
+    v = v - frequency * counts - presence * (counts > 0)
+    return logits.float().index_copy(0, index, x.scatter_(2, at, v))
+
+
+def _host_columns(p, prompt: list[int], output: list[int], stops: list[int], V: int) -> list[tuple]:
+    """A row's host-known tokens whose logits its params may change, each (token, output count,
+    in the prompt, bias, a barred stop token); never empty."""
+    counts = Counter(output)
+    in_prompt = set(prompt) if p.repetition_penalty != 1 else set()
+    bias = p.logit_bias or {}
+    barred = {t for t in stops if t < V} if p.min_tokens else set()
+    tokens = counts.keys() | in_prompt | bias.keys() | barred or {prompt[-1]}
+    return [(t, counts[t], float(t in in_prompt), bias.get(t, 0.0), float(t in barred)) for t in tokens]
 
 
 def chain_before(num_draft: torch.Tensor, S: int, K: int) -> torch.Tensor:
