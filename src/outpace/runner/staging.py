@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 
-def to_device(values: list, device: torch.device | str) -> torch.Tensor:
-    """A small host list as a device int64 tensor, copied without a host synchronisation."""
-    host = torch.tensor(values, dtype=torch.long)
+def to_device(values: list, device: torch.device | str, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A small host list as a device tensor (int64 unless dtype says), copied without a host
+    synchronisation."""
+    host = torch.tensor(values, dtype=dtype)
     if torch.device(device).type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)

@@ -48,9 +48,7 @@ def shaped(logits: torch.Tensor, rows: list[int], params, prompts: list[list[int
     numbers = [fact for c in columns for _, *facts in c for fact in facts] + [f for c in is_copy for f in c]
     numbers += [value for p, output in zip(params, outputs) for value in (
         p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.min_tokens - len(output))]
-    host = torch.tensor(numbers, dtype=torch.float32)
-    numbers = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
-    facts, is_copy, scalars = numbers.split([R * M * 4, R * M, R * 4])
+    facts, is_copy, scalars = to_device(numbers, device, torch.float32).split([R * M * 4, R * M, R * 4])
     facts = facts.view(R, M, 4)
     repetition, frequency, presence, tokens_left = scalars.view(R, 4, 1, 1).unbind(1)     # each [R, 1, 1]
 
