@@ -4,11 +4,14 @@ token of each mode.
 
     PYTHONPATH=src python3 benchmarks/sampling_costs.py [--model smollm2-135m] [--tokens 200] [--rounds 7]
         [--threads 2] [--device cpu|cuda] [--spec none|ngram|eagle3|...]
+        [--dataset ../shared/data/spec_bench_question.jsonl --category summarization]
 
 A row that asks for logprobs or has penalties needs its logits beyond their argmax (docs/DESIGN.md,
 "Logprobs", "Penalties"); this times that on its own, where no other row shares its steps. With
 --spec, every mode is timed plainly and speculating; on a GPU such rows verify outside the CUDA
 graph step, which this prices. Ratios are to plain decoding asking for none, in the same run.
+With --dataset and --category the prompt is that category's first question (summarization's
+and rag's are 600-1,100 tokens: a repetition penalty's columns include the prompt's tokens).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import time
 import torch
 
 from outpace import LLM, SamplingParams
+from outpace.bench.dataset import load_spec_bench
 
 MODES = {"none": {}, "logprobs=5": dict(logprobs=5), "frequency_penalty=0.5": dict(frequency_penalty=0.5),
          "repetition_penalty=1.2": dict(repetition_penalty=1.2)}
@@ -32,11 +36,15 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: the engine's choice)")
     p.add_argument("--spec", default="none", help="speculation method every mode runs with")
+    p.add_argument("--dataset", help="Spec-Bench JSONL: the prompt is --category's first question")
+    p.add_argument("--category", default="summarization")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(args.model, spec=args.spec, **({"device": args.device} if args.device else {}))
-    messages = [{"role": "user", "content": "Write a long story about a dragon who learns to cook."}]
+    prompt = (load_spec_bench(args.dataset, [args.category], 1)[0].turns[0] if args.dataset
+              else "Write a long story about a dragon who learns to cook.")
+    messages = [{"role": "user", "content": prompt}]
     # with --spec each mode runs plainly and speculating: (mode, speculate)
     runs = [(name, speculate) for name in MODES for speculate in ((False, True) if args.spec != "none" else (False,))]
     times = {run: [] for run in runs}

@@ -93,6 +93,7 @@ class Sequence:
         self.seed: int | None = None        # the sampling seed (sampling.sampler.request_seed), set by the engine
         self.speculate = False              # drafts for this sequence (set by the engine)
         self.stopper = None                 # engine.stopping.StopChecker, set by the engine
+        self.shaping = None                 # sampling.penalties.ShapingColumns, where params shape logits
         self.arrival = time.perf_counter() if arrival is None else arrival
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

@@ -23,7 +23,7 @@ from outpace.engine.scheduler import PrefillChunk, StepPlan
 from outpace.engine.sequence import Sequence
 from outpace.runner.model_runner import ModelRunner, Row
 from outpace.sampling.logprobs import Logprob, StepLogprobs
-from outpace.sampling.penalties import chain_before, shaped, tree_before
+from outpace.sampling.penalties import ShapingColumns, chain_before, shaped, tree_before
 from outpace.sampling.rejection import greedy_tokens, verify_greedy, verify_sampling
 from outpace.sampling.sampler import SamplingState, inverse_cdf, logits_to_probs
 from outpace.sampling.tree import tree_ancestors, tree_depths, verify_tree
@@ -381,8 +381,14 @@ def shape(seqs: list[Sequence], logits: torch.Tensor, draft_tokens: torch.Tensor
     rows = [i for i, s in enumerate(seqs) if s.params.shapes_logits]
     if not rows:
         return logits
-    return shaped(logits, rows, [seqs[i].params for i in rows], [seqs[i].prompt_ids for i in rows],
-                  [seqs[i].output_ids for i in rows], [sorted(seqs[i].stopper.stop_ids) for i in rows],
+    columns = []
+    for i in rows:
+        seq = seqs[i]
+        if seq.shaping is None:
+            seq.shaping = ShapingColumns(seq.params, seq.prompt_ids, sorted(seq.stopper.stop_ids), logits.shape[-1])
+        seq.shaping.update(seq.token_ids, seq.num_prompt_tokens)
+        columns.append(seq.shaping)
+    return shaped(logits, rows, [seqs[i].params for i in rows], columns, [seqs[i].num_output_tokens for i in rows],
                   draft_tokens, before())
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 
-def to_device(values: list, device: torch.device | str, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A small host list as a device tensor (int64 unless dtype says), copied without a host
-    synchronisation."""
-    host = torch.tensor(values, dtype=dtype)
+def to_device(values: list | torch.Tensor, device: torch.device | str, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A small host list (or host tensor) as a device tensor (int64 unless dtype says), copied
+    without a host synchronisation."""
+    host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if torch.device(device).type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)

@@ -20,35 +20,35 @@ import torch
 from outpace.runner.staging import to_device
 
 
-def shaped(logits: torch.Tensor, rows: list[int], params, prompts: list[list[int]], outputs: list[list[int]],
-           stop_ids: list[list[int]], draft_tokens: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
-    """logits [B, S, V] shaped by the params of `rows` (with the prompt and output token ids of
-    each, and the stop token ids that min_tokens bars) at each position, the draft tokens [B, K]
-    that come before it (before [B, S, K]: a chain's earlier drafts, a tree node's path:
-    chain_before, tree_before) counted as output; a new tensor, float32, the other rows as they
-    were.
+def shaped(logits: torch.Tensor, rows: list[int], params, columns: list["ShapingColumns"], outputs: list[int],
+           draft_tokens: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """logits [B, S, V] shaped by the params of `rows` (each row's ShapingColumns, up to date,
+    and how many tokens it has output) at each position, the draft tokens [B, K] that come before
+    it (before [B, S, K]: a chain's earlier drafts, a tree node's path: chain_before, tree_before)
+    counted as output; a new tensor, float32, the other rows as they were.
 
     Only the logits of a row's touched tokens change: its output's, its prompt's (under a
     repetition penalty), its biased and barred ones, and its drafts. So the work is done on those
     columns alone, gathered from the logits and scattered back, never over the vocabulary: a
-    row's host-known tokens (unique, each with its facts: output count, in the prompt, bias, a
-    stop token) and its K drafts, whose facts are those of the host token they match (none where
-    they match none). A token twice among the columns gets the same value in both, so the scatter
-    writes it once in effect. The host sends its part in two copies that never wait for the device."""
-    device, V = logits.device, logits.shape[-1]
-    R = len(rows)
-    columns = [_host_columns(p, prompt, output, stops, V) for p, prompt, output, stops
-               in zip(params, prompts, outputs, stop_ids)]
-    M = max(len(c) for c in columns)
-    # padded with copies of a real column, which a draft's match skips (it would count it twice)
-    is_copy = [[0.0] * len(c) + [1.0] * (M - len(c)) for c in columns]
-    columns = [c + [c[0]] * (M - len(c)) for c in columns]
-    ints = to_device(rows + [t for c in columns for t, *_ in c], device)
+    row's host-known tokens (ShapingColumns: unique, each with its facts) and its K drafts, whose
+    facts are those of the host token they match (none where they match none). A token twice
+    among the columns gets the same value in both, so the scatter writes it once in effect. The
+    host sends its part in two copies that never wait for the device."""
+    device = logits.device
+    R, M = len(rows), max(c.size for c in columns)
+    # padded with copies of a row's first column, facts and all, which a draft's match skips (it
+    # would count it twice)
+    host_tokens, facts = torch.empty(R, M, dtype=torch.long), torch.empty(R, M, 4)
+    is_copy = torch.zeros(R, M)
+    for r, c in enumerate(columns):
+        host_tokens[r, :c.size], facts[r, :c.size] = c.tokens[:c.size], c.facts[:c.size]
+        host_tokens[r, c.size:], facts[r, c.size:], is_copy[r, c.size:] = c.tokens[0], c.facts[0], 1.0
+    scalars = torch.tensor([value for p, n in zip(params, outputs) for value in (
+        p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.min_tokens - n)])
+    ints = to_device(torch.cat([torch.tensor(rows), host_tokens.flatten()]), device)
     index, host_tokens = ints.split([R, R * M])
-    numbers = [fact for c in columns for _, *facts in c for fact in facts] + [f for c in is_copy for f in c]
-    numbers += [value for p, output in zip(params, outputs) for value in (
-        p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.min_tokens - len(output))]
-    facts, is_copy, scalars = to_device(numbers, device, torch.float32).split([R * M * 4, R * M, R * 4])
+    floats = to_device(torch.cat([facts.flatten(), is_copy.flatten(), scalars]), device, torch.float32)
+    facts, is_copy, scalars = floats.split([R * M * 4, R * M, R * 4])
     facts = facts.view(R, M, 4)
     repetition, frequency, presence, tokens_left = scalars.view(R, 4, 1, 1).unbind(1)     # each [R, 1, 1]
 
@@ -78,15 +78,47 @@ def shaped(logits: torch.Tensor, rows: list[int], params, prompts: list[list[int
     return logits.float().index_copy(0, index, x.scatter_(2, at, v))
 
 
-def _host_columns(p, prompt: list[int], output: list[int], stops: list[int], V: int) -> list[tuple]:
-    """A row's host-known tokens whose logits its params may change, each (token, output count,
-    in the prompt, bias, a barred stop token); never empty."""
-    counts = Counter(output)
-    in_prompt = set(prompt) if p.repetition_penalty != 1 else set()
-    bias = p.logit_bias or {}
-    barred = {t for t in stops if t < V} if p.min_tokens else set()
-    tokens = counts.keys() | in_prompt | bias.keys() | barred or {prompt[-1]}
-    return [(t, counts[t], float(t in in_prompt), bias.get(t, 0.0), float(t in barred)) for t in tokens]
+class ShapingColumns:
+    """One sequence's host-known tokens whose logits its params may change, for shaped(): each
+    token once, with its facts (output count, in the prompt, bias, a barred stop token), as
+    tensors on the host. The prompt's, biased and barred tokens are set once; update counts the
+    output tokens added since its last call, so a step costs the host its new tokens' work, not
+    the whole prompt's and output's again. Never empty (a token of the prompt, with no facts)."""
+
+    def __init__(self, params, prompt: list[int], stops: list[int], vocab_size: int):
+        in_prompt = set(prompt) if params.repetition_penalty != 1 else set()
+        bias = params.logit_bias or {}
+        barred = {t for t in stops if t < vocab_size} if params.min_tokens else set()
+        tokens = sorted(in_prompt | bias.keys() | barred) or [prompt[-1]]
+        self.index = {t: i for i, t in enumerate(tokens)}
+        self.size = len(tokens)
+        capacity = max(2 * self.size, 64)
+        self.tokens = torch.zeros(capacity, dtype=torch.long)
+        self.facts = torch.zeros(capacity, 4)
+        self.tokens[:self.size] = torch.tensor(tokens)
+        self.facts[:self.size] = torch.tensor([(0.0, float(t in in_prompt), bias.get(t, 0.0), float(t in barred))
+                                               for t in tokens])
+        self.counted = 0            # output tokens counted
+
+    def update(self, token_ids: list[int], num_prompt: int) -> None:
+        """Counts the sequence's output tokens (token_ids past its num_prompt prompt tokens) added
+        since the last call."""
+        new = Counter(token_ids[num_prompt + self.counted:])
+        self.counted = len(token_ids) - num_prompt
+        if not new:
+            return
+        fresh = [t for t in new if t not in self.index]
+        if self.size + len(fresh) > len(self.tokens):
+            grown = max(2 * len(self.tokens), self.size + len(fresh))
+            self.tokens = torch.cat([self.tokens, self.tokens.new_zeros(grown - len(self.tokens))])
+            self.facts = torch.cat([self.facts, self.facts.new_zeros(grown - len(self.facts), 4)])
+        for t in fresh:
+            self.index[t] = self.size
+            self.size += 1
+        if fresh:
+            self.tokens[self.size - len(fresh):self.size] = torch.tensor(fresh)
+        at = torch.tensor([self.index[t] for t in new], dtype=torch.long)
+        self.facts[:, 0].index_add_(0, at, torch.tensor(list(new.values()), dtype=torch.float32))
 
 
 def chain_before(num_draft: torch.Tensor, S: int, K: int) -> torch.Tensor:
