@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from outpace import LLM, SamplingParams, SpecConfig
+from outpace.engine.sequence import Status
 from outpace.errors import InvalidParameterError
 from test_spec_lossless import OracleDrafter, RandomDrafter
 from test_trees import TreeDrafter
@@ -133,11 +134,12 @@ def test_logprobs_out_of_range_are_refused(value):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
-def test_the_gpu_paths_steps_verify_asking_rows_outside_the_graph(tiny, device):
+def test_the_gpu_paths_steps_keep_asking_rows_in_the_graph(tiny, device):
     """The GPU path (its static-shape runner, device drafter and GraphStep; on the CPU run
-    eagerly, on a GPU in CUDA graphs): a greedy row alone drafts and verifies inside the graph step and launches steps ahead;
-    a row asking for logprobs, joining while such a step runs, takes the steps outside it, and
-    every row keeps plain output and gets the target's logprobs."""
+    eagerly, on a GPU in CUDA graphs): a greedy row alone drafts and verifies inside the graph
+    step and launches steps ahead; rows asking for logprobs join while such a step runs and stay
+    in it (their logprobs read from the graph's logits), and every row keeps plain output and gets
+    the target's logprobs."""
     from test_cuda_graphs import count_in_graph, count_launched, device_path_llm
     folder, model = tiny
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -153,6 +155,12 @@ def test_the_gpu_paths_steps_verify_asking_rows_outside_the_graph(tiny, device):
         engine.step()
     assert in_graph["calls"] > 0 and launched["calls"] > 0
     seqs += [engine.add_request(p, sp) for p, sp in zip(prompts[1:], asking)]
+    while any(s.is_prefilling or s.status is Status.WAITING for s in seqs[1:]):
+        engine.step()
+    before = in_graph["calls"] + launched["calls"]
+    for _ in range(8):          # every row decodes: each step holds the rows that ask
+        engine.step()
+    assert in_graph["calls"] + launched["calls"] >= before + 7
     while engine.has_unfinished():
         engine.step()
     assert [s.output_ids for s in seqs] == want

@@ -24,10 +24,12 @@ import torch
 
 from outpace.engine.scheduler import PrefillChunk, Scheduler, StepPlan
 from outpace.engine.sequence import Sequence
-from outpace.engine.step import EagerStep, Launched, Proposal, StepResult, needs_logits, speculating_rows
+from outpace.engine.step import (EagerStep, Launched, Proposal, StepResult, asks_logprobs, shapes_logits,
+                                 speculating_rows)
 from outpace.runner.cuda_graphs import CudaGraphRunner
 from outpace.runner.model_runner import Row
 from outpace.runner.staging import slot_rows, to_device
+from outpace.sampling.logprobs import StepLogprobs
 from outpace.speculative.drafter import Verified
 
 
@@ -54,9 +56,12 @@ class GraphStep(EagerStep):
         host."""
         # an extension that drafts trees drafts nothing else: a step asked for chains drafts them
         # outside the graph (the engine's controller asks such a head for trees alone)
-        trees_only = getattr(self.extension, "trees", False) and tree_width == 1
-        # the graph's steps read their tokens alone: rows whose logits are read verify outside it
-        in_graph = all(s.params.is_greedy for s in seqs) and not needs_logits(seqs)
+        trees = getattr(self.extension, "trees", False)
+        trees_only = trees and tree_width == 1
+        # the graph's steps read their tokens, and the logprobs of a chain's positions from its
+        # logits: rows whose logits are shaped, or that ask for logprobs of a tree, verify outside it
+        in_graph = (all(s.params.is_greedy for s in seqs) and not shapes_logits(seqs)
+                    and not (trees and asks_logprobs(seqs)))
         if self.extension is not None and not trees_only and in_graph:
             lookup, paid = self._chain_lengths(seqs, budget, room) if self.drafter.uses_room else (budget, None)
             if lookup is None:
@@ -140,13 +145,25 @@ class GraphStep(EagerStep):
         runner = self.runner
         result = runner.step_result(shape)
         runner.start_read(result)
+        # queued before a step launched ahead overwrites the logits
+        scores = self._logprobs(seqs, shape, result)
         if self.drafter.hidden_layers and speculating_rows(seqs):
             self._catch_up(seqs, budget, shape, result)
         if may_launch and self.overlap:
             self.launched = self._launch_next(seqs, shape, result)
         host = runner.read_back()                       # the step's one host synchronisation
         self._read_at = time.perf_counter()
-        return self._result(seqs, [host[s.slot] for s in seqs], budget, t0)
+        return self._result(seqs, [host[s.slot] for s in seqs], budget, t0, scores=scores)
+
+    def _logprobs(self, seqs: list[Sequence], shape: tuple[int, int, int], result) -> StepLogprobs | None:
+        """The logprobs of the rows that ask, from a graph step's logits and its result's target
+        token at each position (both by graph row: slot), which at an emitted position is the
+        emitted token."""
+        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not rows:
+            return None
+        return StepLogprobs(rows, [seqs[i].params.logprobs for i in rows], self.runner.step_logits(shape),
+                            result[:, 2:2 + shape[1]], at=[seqs[i].slot for i in rows])
 
     # ---- overlap ------------------------------------------------------------------------------
     def _launch_next(self, seqs: list[Sequence], shape: tuple[int, int, int], result):

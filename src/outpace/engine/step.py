@@ -195,8 +195,9 @@ class EagerStep:
         if drafts is not None and drafts.parents is not None:
             return self._verify_tree(seqs, proposal, chunks, t0)
         greedy = all(s.params.is_greedy for s in seqs)
-        # greedy rows' argmax alone, unless a row's logits are read (logprobs) or shaped
-        picks = greedy and not needs_logits(seqs)
+        # greedy rows' argmax alone, unless a row's logits are shaped, or read (logprobs) where the
+        # runner returns the argmax alone (a graph runner returns the logits whole all the same)
+        picks = greedy and not shapes_logits(seqs) and (self.runner.greedy_logits == "all" or not asks_logprobs(seqs))
         hidden_layers = self.drafter.hidden_layers
         if drafts is not None and drafts.num_draft_host is None:
             # drafts on the device never visit the host: the runner appends them to each row's last token
@@ -318,11 +319,13 @@ class EagerStep:
     def _plain_greedy(self, seqs: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None,
                       t0: float) -> StepResult:
         """A step without drafts whose rows are all greedy (logits [B, 1, V], or their argmax
-        [B, 1]): each row's argmax is its one token, nothing to check."""
+        [B, 1]; whole where a row asks for logprobs): each row's argmax is its one token, nothing
+        to check."""
         tokens = greedy_tokens(logits)
+        scores = step_logprobs(seqs, logits, tokens)
         self._tell_verified(seqs, [0] * len(seqs), tokens, torch.ones_like(tokens[:, 0]), hidden)
         host = tokens.tolist()                          # the step's one host synchronisation
-        return self._result(seqs, [[1, 0, t] for (t,) in host], [0] * len(seqs), t0)
+        return self._result(seqs, [[1, 0, t] for (t,) in host], [0] * len(seqs), t0, scores=scores)
 
     def _tell_verified(self, seqs: list[Sequence], budget: list[int], out: torch.Tensor, num_out: torch.Tensor,
                        hidden: torch.Tensor | None) -> None:
@@ -372,7 +375,15 @@ class EagerStep:
 def needs_logits(seqs: list[Sequence]) -> bool:
     """Whether a row's logits are read beyond their argmax: where it asks for its tokens'
     log-probabilities, or its picks are shaped (logit bias, min_tokens, penalties)."""
-    return any(s.params.logprobs is not None or s.params.shapes_logits for s in seqs)
+    return asks_logprobs(seqs) or shapes_logits(seqs)
+
+
+def asks_logprobs(seqs: list[Sequence]) -> bool:
+    return any(s.params.logprobs is not None for s in seqs)
+
+
+def shapes_logits(seqs: list[Sequence]) -> bool:
+    return any(s.params.shapes_logits for s in seqs)
 
 
 def shape(seqs: list[Sequence], logits: torch.Tensor, draft_tokens: torch.Tensor, before) -> torch.Tensor:

@@ -381,6 +381,10 @@ class CudaGraphRunner(ModelRunner):
             self.read_done.synchronize()
         return self._read.tolist()
 
+    def step_logits(self, shape: tuple[int, int, int]) -> torch.Tensor:
+        """The logits [b, t, V] of the last graph step of `shape`, by graph row."""
+        return self._output(shape[0], shape[1], shape[0])[0]
+
     def step_hidden(self, shape: tuple[int, int, int]) -> torch.Tensor:
         """The hidden states [b, t, layers, H] of the last graph step of `shape`, by graph row."""
         return self._output(shape[0], shape[1], shape[0])[1]

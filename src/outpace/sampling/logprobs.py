@@ -34,11 +34,14 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int):
 
 class StepLogprobs:
     """A step's logprobs, computed on the device for the rows of `rows` (logits [B, S, V] of every
-    row, out [B, S] its emitted tokens) and read on the host after the step's synchronisation."""
+    row, out [B, S] its emitted tokens; at: where each of rows is in them, where that is not its
+    row of the step: a graph step's buffers are by slot) and read on the host after the step's
+    synchronisation."""
 
-    def __init__(self, rows: list[int], num_top: list[int], logits: torch.Tensor, out: torch.Tensor):
+    def __init__(self, rows: list[int], num_top: list[int], logits: torch.Tensor, out: torch.Tensor,
+                 at: list[int] | None = None):
         self.rows, self.num_top = rows, num_top
-        index = torch.tensor(rows, device=logits.device)
+        index = torch.tensor(rows if at is None else at, device=logits.device)
         self.values = token_logprobs(logits.index_select(0, index), out.index_select(0, index), max(num_top))
 
     def host(self, tokens: list[list[int]]) -> list[list[dict[int, Logprob]] | None]:
