@@ -215,6 +215,8 @@ class EagerStep:
         K = logits.shape[1] - 1
         if K == 0 and picks:
             return self._plain_greedy(seqs, logits, hidden, t0)
+        if picks and drafts is not None and logits.dim() == 2 and logits.device.type == "cpu":
+            return self._greedy_on_host(seqs, proposal.budget, logits, host, hidden, t0)
         if drafts is None:
             draft_tokens = logits.new_zeros((len(seqs), K), dtype=torch.long)
             num_draft = logits.new_zeros(len(seqs), dtype=torch.long)
@@ -235,6 +237,23 @@ class EagerStep:
         # the one host synchronisation of the step: accepted tokens return to the scheduler
         host = torch.cat([num_out[:, None], num_draft[:, None], out], dim=1).tolist()
         return self._result(seqs, host, proposal.budget, t0, scores=scores)
+
+    def _greedy_on_host(self, seqs: list[Sequence], budget: list[int], picks: torch.Tensor, drafted: list[list[int]],
+                        hidden: torch.Tensor | None, t0: float) -> StepResult:
+        """verify_greedy's rule where the CPU runner made the picks (tokens [B, S] on the host) and
+        the host holds the drafts: a step's few tokens compared in Python, where each tensor op of
+        the batched rule costs more than the comparisons."""
+        rows = picks.tolist()
+        num_out = []
+        for row, draft in zip(rows, drafted):
+            n = 0
+            while n < len(draft) and draft[n] == row[n]:
+                n += 1
+            num_out.append(n + 1)
+        accepted = torch.tensor(num_out)
+        self.runner.cache.commit([s.slot for s in seqs], accepted - 1)
+        self._tell_verified(seqs, budget, picks, accepted, hidden)
+        return self._result(seqs, [[n, len(d), *row] for n, d, row in zip(num_out, drafted, rows)], budget, t0)
 
     def _verify_tree(self, seqs: list[Sequence], proposal: Proposal, chunks: list[PrefillChunk],
                      t0: float) -> StepResult:

@@ -337,11 +337,13 @@ class HeadDrafter(Drafter):
             result = Verified(batch.subset(kept), result.out_tokens[index], result.num_out[index],
                               result.hidden[index])
             batch = result.batch
-        offsets = torch.tensor([n - self.caught[s] for s, n in zip(batch.seq_ids, batch.positions)],
-                               device=self.device)[:, None] + torch.arange(S, device=self.device)    # [B, S]
-        slots = torch.tensor(batch.slots, device=self.device)[:, None].expand(-1, S)
-        self.pending_hidden[slots, offsets] = result.hidden[:, :S].to(self.pending_hidden.dtype)
-        self.pending_tokens[slots, offsets] = result.out_tokens[:, :S]
+        # each row's pairs are S consecutive entries of its slot: a slice copy a row (an indexed
+        # write of them all cost the CPU's step about as much as the head's own attention)
+        hidden, tokens = result.hidden[:, :S].to(self.pending_hidden.dtype), result.out_tokens[:, :S]
+        for i, (seq_id, slot, n) in enumerate(zip(batch.seq_ids, batch.slots, batch.positions)):
+            offset = n - self.caught[seq_id]
+            self.pending_hidden[slot, offset:offset + S] = hidden[i]
+            self.pending_tokens[slot, offset:offset + S] = tokens[i]
         for seq_id in batch.seq_ids:        # a prompt of one token has no chunk to catch up
             self.ready[seq_id] = True
 
