@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from outpace.runner.staging import to_device
+
 
 @dataclass(frozen=True)
 class Logprob:
@@ -41,13 +43,24 @@ class StepLogprobs:
     def __init__(self, rows: list[int], num_top: list[int], logits: torch.Tensor, out: torch.Tensor,
                  at: list[int] | None = None):
         self.rows, self.num_top = rows, num_top
-        index = torch.tensor(rows if at is None else at, device=logits.device)
-        self.values = token_logprobs(logits.index_select(0, index), out.index_select(0, index), max(num_top))
+        index = to_device(rows if at is None else at, logits.device)      # no wait for the device
+        values = token_logprobs(logits.index_select(0, index), out.index_select(0, index), max(num_top))
+        self.copied = None
+        if logits.is_cuda:
+            # copied to pinned host memory as soon as computed, and waited for alone: a .tolist()
+            # would wait for everything queued on the device by then, a step launched ahead too
+            values = tuple(torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
+                           for v in values)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        self.values = values
 
     def host(self, tokens: list[list[int]]) -> list[list[dict[int, Logprob]] | None]:
         """Per row of the step, given the tokens it emits (read at the step's synchronisation), one
         {token: Logprob} a token, the emitted token first, then its alternatives by rank; None for
         a row that did not ask."""
+        if self.copied is not None:
+            self.copied.synchronize()
         chosen, rank, ids, top = (v.tolist() for v in self.values)
         out: list[list[dict[int, Logprob]] | None] = [None] * len(tokens)
         for k, (row, n) in enumerate(zip(self.rows, self.num_top)):
