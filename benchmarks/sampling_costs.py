@@ -9,9 +9,10 @@ token of each mode.
 A row that asks for logprobs or has penalties needs its logits beyond their argmax (docs/DESIGN.md,
 "Logprobs", "Penalties"); this times that on its own, where no other row shares its steps. With
 --spec, every mode is timed plainly and speculating; on a GPU a row whose logits are shaped
-verifies outside the CUDA graph step (one asking for logprobs stays in it), which this prices. Ratios are to plain decoding asking for none, in the same run.
-With --dataset and --category the prompt is that category's first question (summarization's,
-739 tokens for the default model: a repetition penalty's columns include the prompt's tokens).
+verifies outside the CUDA graph step (one asking for logprobs stays in it), which this prices.
+Ratios are to plain decoding asking for none, in the same run.
+With --dataset and --category the prompt is that category's first question (summarization's, 739
+tokens for the default model: a repetition penalty's columns include the prompt's tokens).
 """
 from __future__ import annotations
 
