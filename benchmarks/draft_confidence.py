@@ -89,13 +89,19 @@ def record(args) -> dict:
             "steps": steps}
 
 
-def replay(steps: list[dict], costs: dict, rule, scale: float = 1.0) -> float:
-    """A rule's tokens a second over plain decoding's (see the top)."""
+def totals(steps: list[dict], costs: dict, rule, scale: float = 1.0) -> tuple[float, float]:
+    """The tokens the steps yield under a rule, and the seconds they take (see the top)."""
     tokens = seconds = 0.0
     for step in steps:
         kept, forwards = rule(step["p"])
         tokens += 1 + min(step["accepted"], kept)
         seconds += costs["verify"][kept] + forwards * costs["draft_token"] * scale
+    return tokens, seconds
+
+
+def replay(steps: list[dict], costs: dict, rule, scale: float = 1.0) -> float:
+    """A rule's tokens a second over plain decoding's."""
+    tokens, seconds = totals(steps, costs, rule, scale)
     return tokens / seconds * costs["verify"][0]
 
 
@@ -133,11 +139,8 @@ def per_category(steps: list[dict], costs: dict, rule_of, scale: float = 1.0) ->
     tokens = seconds = 0.0
     for group in by_category.values():
         best = max(range(K + 1), key=lambda k: replay(group, costs, fixed(k), scale))
-        rule = fixed(0) if best == 0 else rule_of(best)
-        for step in group:
-            kept, forwards = rule(step["p"])
-            tokens += 1 + min(step["accepted"], kept)
-            seconds += costs["verify"][kept] + forwards * costs["draft_token"] * scale
+        group_tokens, group_seconds = totals(group, costs, fixed(0) if best == 0 else rule_of(best), scale)
+        tokens, seconds = tokens + group_tokens, seconds + group_seconds
     return tokens / seconds * costs["verify"][0]
 
 
@@ -175,9 +178,11 @@ def main() -> None:
         print(f"| fixed {k} | {replay(steps, costs, fixed(k)):.3f}x |")
     print(f"| each category's best fixed length | {per_category(steps, costs, fixed):.3f}x |")
     for tau in TAUS:
-        print(f"| product of probabilities below {tau} stops, at most {K} | {replay(steps, costs, cumulative(tau, K)):.3f}x |")
+        print(f"| product of probabilities below {tau} stops, at most {K} | "
+              f"{replay(steps, costs, cumulative(tau, K)):.3f}x |")
     for p_min in P_MINS:
-        print(f"| a probability below {p_min} stops, at most {K} | {replay(steps, costs, each_below(p_min, K)):.3f}x |")
+        print(f"| a probability below {p_min} stops, at most {K} | "
+              f"{replay(steps, costs, each_below(p_min, K)):.3f}x |")
     print(f"| each category's best fixed length as a cap, product below 0.3 stops | "
           f"{per_category(steps, costs, lambda k: cumulative(0.3, k)):.3f}x |")
     print("\n| drafted token's cost | best fixed length | each category's best | product below 0.4 stops |")
@@ -185,7 +190,8 @@ def main() -> None:
     for scale in COST_SCALES:
         best = max(replay(steps, costs, fixed(k), scale) for k in range(1, K + 1))
         print(f"| {scale:.2f}x ({costs['draft_token'] * scale / plain:.3f} of a plain forward) | {best:.3f}x | "
-              f"{per_category(steps, costs, fixed, scale):.3f}x | {replay(steps, costs, cumulative(0.4, K), scale):.3f}x |")
+              f"{per_category(steps, costs, fixed, scale):.3f}x | "
+              f"{replay(steps, costs, cumulative(0.4, K), scale):.3f}x |")
     reached, right = defaultdict(int), defaultdict(int)
     for step in steps:
         for j, prob in enumerate(step["p"][:step["accepted"] + 1]):

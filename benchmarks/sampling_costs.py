@@ -63,5 +63,6 @@ def main() -> None:
         print(f"{label:32s} median {median:.2f} ms a token ({median / base:.3f}x plain none; min {min(ts):.2f}, "
               f"max {max(ts):.2f})")
 
+
 if __name__ == "__main__":
     main()

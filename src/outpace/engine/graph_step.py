@@ -25,11 +25,10 @@ import torch
 from outpace.engine.scheduler import PrefillChunk, Scheduler, StepPlan
 from outpace.engine.sequence import Sequence
 from outpace.engine.step import (EagerStep, Launched, Proposal, StepResult, asks_logprobs, shapes_logits,
-                                 speculating_rows)
+                                 speculating_rows, step_logprobs)
 from outpace.runner.cuda_graphs import CudaGraphRunner
 from outpace.runner.model_runner import Row
 from outpace.runner.staging import slot_rows, to_device
-from outpace.sampling.logprobs import StepLogprobs
 from outpace.speculative.drafter import Verified
 
 
@@ -145,8 +144,9 @@ class GraphStep(EagerStep):
         runner = self.runner
         result = runner.step_result(shape)
         runner.start_read(result)
-        # queued before a step launched ahead overwrites the logits
-        scores = self._logprobs(seqs, shape, result)
+        # the logprobs of a chain's positions from the step's logits and target tokens (by graph
+        # row: slot), queued before a step launched ahead overwrites the logits
+        scores = step_logprobs(seqs, runner.step_logits(shape), result[:, 2:2 + shape[1]], by_slot=True)
         if self.drafter.hidden_layers and speculating_rows(seqs):
             self._catch_up(seqs, budget, shape, result)
         if may_launch and self.overlap:
@@ -154,16 +154,6 @@ class GraphStep(EagerStep):
         host = runner.read_back()                       # the step's one host synchronisation
         self._read_at = time.perf_counter()
         return self._result(seqs, [host[s.slot] for s in seqs], budget, t0, scores=scores)
-
-    def _logprobs(self, seqs: list[Sequence], shape: tuple[int, int, int], result) -> StepLogprobs | None:
-        """The logprobs of the rows that ask, from a graph step's logits and its result's target
-        token at each position (both by graph row: slot), which at an emitted position is the
-        emitted token."""
-        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        if not rows:
-            return None
-        return StepLogprobs(rows, [seqs[i].params.logprobs for i in rows], self.runner.step_logits(shape),
-                            result[:, 2:2 + shape[1]], at=[seqs[i].slot for i in rows])
 
     # ---- overlap ------------------------------------------------------------------------------
     def _launch_next(self, seqs: list[Sequence], shape: tuple[int, int, int], result):

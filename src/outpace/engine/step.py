@@ -197,7 +197,8 @@ class EagerStep:
         greedy = all(s.params.is_greedy for s in seqs)
         # greedy rows' argmax alone, unless a row's logits are shaped, or read (logprobs) where the
         # runner returns the argmax alone (a graph runner returns the logits whole all the same)
-        picks = greedy and not shapes_logits(seqs) and (self.runner.greedy_logits == "all" or not asks_logprobs(seqs))
+        picks = greedy and not shapes_logits(seqs) and (self.runner.greedy_logits == "all"
+                                                         or not asks_logprobs(seqs))
         hidden_layers = self.drafter.hidden_layers
         if drafts is not None and drafts.num_draft_host is None:
             # drafts on the device never visit the host: the runner appends them to each row's last token
@@ -422,11 +423,16 @@ def shape(seqs: list[Sequence], logits: torch.Tensor, draft_tokens: torch.Tensor
                   draft_tokens, before())
 
 
-def step_logprobs(seqs: list[Sequence], logits: torch.Tensor, out: torch.Tensor) -> StepLogprobs | None:
+def step_logprobs(seqs: list[Sequence], logits: torch.Tensor, out: torch.Tensor,
+                  by_slot: bool = False) -> StepLogprobs | None:
     """The logprobs of the rows that ask (logits [B, S, V] at the positions of out [B, S], the
-    tokens the rows emit), on the device; None where no row asks."""
+    tokens the rows emit; by_slot: their rows are the sequences' slots, as a graph step's buffers
+    hold them), on the device; None where no row asks."""
     rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-    return StepLogprobs(rows, [seqs[i].params.logprobs for i in rows], logits, out) if rows else None
+    if not rows:
+        return None
+    return StepLogprobs(rows, [seqs[i].params.logprobs for i in rows], logits, out,
+                        at=[seqs[i].slot for i in rows] if by_slot else None)
 
 
 def speculating_rows(seqs: list[Sequence]) -> list[int]:
