@@ -9,12 +9,17 @@ keys past the kept length, which must never be reused); a draft model's own cach
 kept prefix too, and as its own draft the target is then still accepted every time; a head
 reuses the pairs its slot kept and drafts exactly what it drafts from fresh ones; a recurrent
 model and another salt reuse nothing; in exact mode a reused key is a fresh prefill's, bit for bit.
+
+Prefix sharing: a request whose prompt begins as a running sequence's waits while that sequence
+still caches much of what they share, then starts from a copy of its keys (and of its drafter's
+entries), within the drafter's bound; requests sent together answer as they do alone, whatever the
+drafter, on the CPU's path and the GPU's, with fewer prompt tokens computed.
 """
 import pytest
 import torch
 
 from outpace import LLM, SamplingParams, SpecConfig
-from outpace.engine.scheduler import Scheduler
+from outpace.engine.scheduler import SHARE_WAIT_TOKENS, Scheduler
 from outpace.engine.sequence import Sequence
 from heads import target_config, write_eagle3_head
 from test_spec_lossless import RandomDrafter
@@ -289,3 +294,113 @@ def test_exact_mode_reuses_the_keys_a_fresh_prefill_writes(folders):
     for a, b in ((llm.engine.runner.cache.k, fresh.engine.runner.cache.k),
                  (llm.engine.runner.cache.v, fresh.engine.runner.cache.v)):
         assert torch.equal(a[:, 0, :, :n], b[:, 0, :, :n])
+
+
+def test_a_request_waits_for_a_running_prompt_it_shares_then_copies_its_keys():
+    scheduler = Scheduler(4, 16, share_bound=lambda source, seq: None)
+    prompt = list(range(100))
+    first, second = sequence(0, prompt), sequence(1, prompt[:90] + [7, 8])
+    other_salt, no_reuse = sequence(2, prompt, salt="b"), sequence(3, prompt, reuse=False)
+    for seq in (first, second):
+        scheduler.add(seq)
+    cached = 0
+    while second.slot is None:
+        plan = scheduler.schedule()
+        # it waits while the first has SHARE_WAIT_TOKENS or more of their 90 to cache
+        assert (second.slot is None) == (90 - cached >= SHARE_WAIT_TOKENS)
+        first.num_cached = cached = min(cached + 16, 99)     # the chunk the plan gave it
+    assert second.slot != first.slot and plan.copies == [(first, second, second.num_cached)]
+    assert second.num_cached == second.num_reused == 64 > 90 - SHARE_WAIT_TOKENS
+    assert [(c.seq.seq_id, c.start) for c in plan.prefill] == [(0, 64), (1, 64)][:len(plan.prefill)]
+    for seq in (other_salt, no_reuse):          # neither waits nor shares
+        scheduler.add(seq)
+        plan = scheduler.schedule()
+        assert seq.slot is not None and seq.num_cached == 0 and not plan.copies
+
+
+def test_a_drafters_bound_cuts_what_a_request_takes_of_a_running_prefix():
+    scheduler = Scheduler(2, 64, share_bound=lambda source, seq: 5)
+    first, second = sequence(0, list(range(40))), sequence(1, list(range(40)))
+    scheduler.add(first)
+    scheduler.schedule()
+    first.num_cached = 39
+    scheduler.add(second)
+    assert scheduler.schedule().copies == [(first, second, 5)] and second.num_cached == 5
+
+
+SHARED = list(range(300, 360))                  # 60 tokens every prompt begins with
+# the tokens' logprobs too: a copied key that was not the source's moves them, if not the argmax
+SCORED = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+TAILS = [[1, 2, 3], [4, 5], [1, 2, 3]]          # the first and the last prompt alike
+
+
+def together(llm: LLM) -> tuple[list, list, int]:
+    """The three prompts sent together: their answers, the prompt tokens each found cached, and the
+    prompt tokens the target's forwards cached in chunks."""
+    computed, prefilled = [], llm.engine._prefilled
+
+    def counting(plan, *args):
+        computed.extend(c.end - c.start for c in plan.prefill)
+        return prefilled(plan, *args)
+    llm.engine._prefilled = counting
+    outs = llm.generate([SHARED + t for t in TAILS], SCORED)
+    del llm.engine._prefilled
+    scores = [[entries[t].logprob for t, entries in zip(o.token_ids, o.logprobs)] for o in outs]
+    return ([o.token_ids for o in outs], scores), [o.num_cached_tokens for o in outs], sum(computed)
+
+
+@pytest.fixture(scope="module")
+def alone(folders):
+    llm = LLM(str(folders[0]), spec="none", prefix_caching=False, **dict(OPTIONS, max_num_seqs=3))
+    answers, cached, computed = together(llm)
+    assert cached == [0, 0, 0] and computed == 3 * len(SHARED) + 2 + 1 + 2     # up to each last token
+    return answers, computed
+
+
+@pytest.mark.parametrize("drafter", ["plain", "ngram", "random", "draft model", "gpu path", pytest.param(
+    "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_requests_sharing_a_prompts_start_answer_as_they_do_alone(folders, alone, drafter):
+    """A copied key or draft entry that was not the source's, or one past what the source had
+    cached, moves an answer's logprobs (float64: the rest agree to rounding; a GPU's graphs norm
+    in float32, test_logprobs.py)."""
+    spec = SpecConfig(method="draft", draft_model=str(folders[0]), num_draft_tokens=4, draft_vocab=0) \
+        if drafter == "draft model" else "none" if drafter == "plain" else SpecConfig(num_draft_tokens=4)
+    options = dict(OPTIONS, max_num_seqs=3)
+    if drafter in ("gpu path", "cuda"):
+        from test_cuda_graphs import device_path_llm
+        llm = device_path_llm(folders[0], spec, "cuda" if drafter == "cuda" else "cpu")
+    else:
+        llm = LLM(str(folders[0]), spec=spec, **options,
+                  **(dict(drafter=RandomDrafter(49152)) if drafter == "random" else {}))
+    (answers, scores), cached, computed = together(llm)
+    tolerance = 1e-4 if drafter == "cuda" else 1e-9
+    assert answers == alone[0][0] and sum(scores, []) == pytest.approx(sum(alone[0][1], []), abs=tolerance)
+    assert cached[0] == 0 and min(cached[1:]) > 0 and computed == alone[1] - sum(cached)
+    if drafter == "draft model":        # its own copied entries are right: the target accepts every draft
+        assert llm.engine.stats.num_accepted_tokens == llm.engine.stats.num_draft_tokens > 0
+
+
+def test_a_head_drafts_from_shared_pairs_what_it_drafts_from_its_own(tmp_path, default_model_dir):
+    """A head's pairs come from the target's hidden states, which a shared prefix does not
+    recompute: it copies the source's pairs, and drafts for each sequence what it drafts without."""
+    target, head = tmp_path / "target", tmp_path / "head"
+    make_tiny("llama-4-layers", target, vocab_size=49152, tokenizer_from=default_model_dir, dtype=torch.float64)
+    write_eagle3_head(head, target_config(target))
+    spec = SpecConfig(method="eagle3", draft_head=str(head), num_draft_tokens=4)
+    runs = []
+    for on in (True, False):
+        llm = LLM(str(target), spec=spec, prefix_caching=on, **dict(OPTIONS, max_num_seqs=3))
+        drafts, propose = {}, llm.engine.drafter.propose
+
+        def record(batch, propose=propose, drafts=drafts):
+            out = propose(batch)
+            for seq_id, row in zip(batch.seq_ids, out.host_rows()):
+                drafts.setdefault(seq_id, []).append(row)
+            return out
+        llm.engine.drafter.propose = record
+        outs = llm.generate([SHARED + t for t in TAILS], PARAMS)
+        runs.append(([o.token_ids for o in outs], [o.num_cached_tokens for o in outs],
+                     [[r for r in rows if r] for _, rows in sorted(drafts.items())]))
+    (answers, cached, drafts), (fresh_answers, _, fresh_drafts) = runs
+    assert answers == fresh_answers and drafts == fresh_drafts and any(map(any, drafts))
+    assert cached[0] == 0 and min(cached[1:]) > 0

@@ -106,8 +106,10 @@ class LLMEngine:
                                           draft_step_cost=self.drafter.step_cost, tree_width=spec.tree_width,
                                           tree_depth=getattr(getattr(self.runner, "extension", None), "tree_depth",
                                                              None))
+        # prefix sharing copies within one process's cache: not where tensor-parallel ranks hold theirs
         self.scheduler = Scheduler(config.max_num_seqs, config.max_prefill_tokens, low_slots_first=self.uses_graphs,
-                                   reuse_bound=self._reuse_bound)
+                                   reuse_bound=self._reuse_bound,
+                                   share_bound=self._share_bound if self.workers is None else None)
         parts = (self.drafter, self.controller, config.max_model_len, num_draft_tokens)
         # under tensor parallelism graph steps neither draft in the graph nor overlap (yet): EagerStep
         self.steps = (GraphStep(self.runner, *parts, scheduler=self.scheduler, overlap=config.overlap)
@@ -214,6 +216,20 @@ class LLMEngine:
         cache there holds for it (Drafter.reusable_prefix)."""
         return self.drafter.reusable_prefix(seq.seq_id, slot) if seq.speculate else None
 
+    def _share_bound(self, source: Sequence, seq: Sequence) -> int | None:
+        """A speculating sequence takes no more of a running sequence's prefix than its drafter's
+        own cache holds for that sequence (Drafter.shareable_prefix)."""
+        return self.drafter.shareable_prefix(source.seq_id, seq.seq_id) if seq.speculate else None
+
+    def _copy_prefixes(self, copies: list[tuple[Sequence, Sequence, int]]) -> None:
+        """Prefix sharing (scheduler.py): each placed sequence's first n entries copied from its
+        running source's slot, the target's and a speculating sequence's drafter's own, in the
+        plan's order (a source placed by an earlier copy of the same step has its entries by then)."""
+        for source, seq, n in copies:
+            self.runner.copy_prefix(source.slot, seq.slot, n)
+            if seq.speculate:
+                self.drafter.copy_prefix(source.seq_id, source.slot, seq.seq_id, seq.slot, n)
+
     def _prefix_key(self, seq_id: int) -> str | None:
         seq = self.sequences[seq_id]
         return seq.cache_salt if seq.reuse_prefix else None
@@ -232,6 +248,7 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Run one step; returns the sequences that got new tokens or finished."""
         plan = self.steps.resume() or self.scheduler.schedule()
+        self._copy_prefixes(plan.copies)
         # a packing runner caches this step's prompt chunks in the verify forward itself (unless
         # the drafter asks for their hidden states, or a chunk's request for its logprobs)
         joined = plan.prefill if (plan.decode and self.runner.packs_rows and not self.drafter.hidden_layers

@@ -10,6 +10,14 @@ as its prompt begins with those tokens (a conversation's next turn: the last tur
 answer), and its prefill starts there. Keys of positions past a sequence's cached length are never
 read (rollback by length), so a kept prefix is exactly what a fresh prefill of those tokens would
 write, up to the arithmetic of the forwards that wrote it.
+
+Prefix sharing: a request may also start from a running sequence's cached prefix (n choices of one
+prompt, clients behind one system prompt). It takes a free slot as any request does, and the
+plan's `copies` tell the engine to copy that prefix's keys and values from the running
+sequence's slot into it before the step's forwards (a running sequence never rewrites entries
+below its cached length). Where a running sequence is still caching a prompt the request shares
+for SHARE_WAIT_TOKENS or more than it holds yet, the request waits for it, in its place in the
+queue, rather than caching the same tokens beside it.
 """
 from __future__ import annotations
 
@@ -18,6 +26,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from outpace.engine.sequence import Sequence, Status
+
+# a request waits for a running sequence still caching this many more tokens of their common prompt
+SHARE_WAIT_TOKENS = 32
 
 
 @dataclass
@@ -36,6 +47,9 @@ class StepPlan:
     # the sequences running, those still caching their prompts included: the batch the decoding
     # rows are about to run in (0: the decoding rows alone)
     load: int = 0
+    # prefix sharing: (running sequence, sequence placed, n): the first n positions' keys and
+    # values to copy from the running sequence's slot into the placed one's before the forwards
+    copies: list[tuple[Sequence, Sequence, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -62,15 +76,18 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 class Scheduler:
     def __init__(self, num_slots: int, max_prefill_tokens: int, low_slots_first: bool = False,
-                 reuse_bound=lambda seq, slot: None):
+                 reuse_bound=lambda seq, slot: None, share_bound=None):
         """low_slots_first: a sequence that reuses no kept prefix takes the lowest free slot (a CUDA
         graph runner's batch bucket follows the highest slot in a step); otherwise the slot freed
         longest ago, so that the prefixes kept in the others last longest. reuse_bound(seq, slot):
-        the most of a kept prefix seq may reuse in slot (a drafter's own cache there), None: no bound."""
+        the most of a kept prefix seq may reuse in slot (a drafter's own cache there), None: no bound.
+        share_bound(source, seq): likewise the most seq may take of a running sequence's prefix
+        (prefix sharing, the top); None: no sharing."""
         self.num_slots = num_slots
         self.max_prefill_tokens = max_prefill_tokens
         self.low_slots_first = low_slots_first
         self.reuse_bound = reuse_bound
+        self.share_bound = share_bound
         self.free_slots = list(range(num_slots))
         self.kept: dict[int, KeptPrefix] = {}          # free slot -> what its cache holds
         self._freed = itertools.count()
@@ -89,12 +106,17 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> StepPlan:
+        plan, waits = StepPlan(), []
         while self.waiting and self.free_slots:
             seq = self.waiting.popleft()
-            self._place(seq)
+            if self._waits(seq):
+                waits.append(seq)
+                continue
+            self._place(seq, plan)
             seq.status = Status.RUNNING
             self.running.append(seq)
-        plan = StepPlan(load=len(self.running))
+        self.waiting.extendleft(reversed(waits))
+        plan.load = len(self.running)
         budget = self.max_prefill_tokens
         for seq in self.running:
             if not seq.is_prefilling:
@@ -106,10 +128,28 @@ class Scheduler:
                 budget -= end - seq.num_cached
         return plan
 
-    def _place(self, seq: Sequence) -> None:
+    def _shared(self, source: Sequence, seq: Sequence, cached: int) -> int:
+        """How many of seq's first positions match source's first `cached` tokens (up to seq's
+        last token, the first decode step's input; the same cache_salt), where seq may reuse a
+        prefix and a source's may be shared."""
+        if self.share_bound is None or not seq.reuse_prefix or source.cache_salt != seq.cache_salt:
+            return 0
+        return min(common_prefix(source.token_ids[:cached], seq.token_ids), len(seq.token_ids) - 1)
+
+    def _waits(self, seq: Sequence) -> bool:
+        """Whether seq waits for a running sequence of the same kind (both speculating or both
+        not: a drafter caches a plain sequence's prompt for nobody) that is still caching at least
+        SHARE_WAIT_TOKENS more of a prompt they share."""
+        return any(source.is_prefilling and source.speculate == seq.speculate
+                   and self._shared(source, seq, len(source.token_ids)) - source.num_cached >= SHARE_WAIT_TOKENS
+                   for source in self.running)
+
+    def _place(self, seq: Sequence, plan: StepPlan) -> None:
         """Give seq the free slot whose kept prefix covers most of its prompt (up to its last
         token, the first decode step's input; the same cache_salt), where seq may reuse one; with
-        no such slot, the lowest free slot or the one freed longest ago (low_slots_first)."""
+        no such slot, the lowest free slot or the one freed longest ago (low_slots_first). Where
+        a running sequence's cached prefix covers more, seq starts from a copy of it (the plan's
+        copies) in the slot a sequence reusing nothing takes."""
         def reused(slot: int) -> int:
             kept = self.kept.get(slot)
             if kept is None or not seq.reuse_prefix or kept.cache_salt != seq.cache_salt:
@@ -123,6 +163,16 @@ class Scheduler:
             return -1 if kept is None else kept.freed
 
         lengths = {slot: reused(slot) for slot in self.free_slots}
+        source, shared = None, max(lengths.values())
+        for other in self.running:
+            n = self._shared(other, seq, other.num_cached)
+            if n > shared:
+                bound = self.share_bound(other, seq)
+                n = n if bound is None else min(n, bound)
+                if n > shared:
+                    source, shared = other, n
+        if source is not None:          # the slot a sequence that reuses nothing takes
+            lengths = dict.fromkeys(lengths, 0)
         if self.low_slots_first:
             slot = min(self.free_slots, key=lambda s: (-lengths[s], s))
         else:
@@ -130,7 +180,9 @@ class Scheduler:
         self.free_slots.remove(slot)
         self.kept.pop(slot, None)
         seq.slot = slot
-        seq.num_cached = seq.num_reused = lengths[slot]
+        seq.num_cached = seq.num_reused = lengths[slot] if source is None else shared
+        if source is not None:
+            plan.copies.append((source, seq, shared))
 
     def take_scratch_slot(self) -> int:
         """A free slot for forwards outside the step (its keys are overwritten by the next

@@ -1,9 +1,11 @@
-"""The KV cache: allocated once, written at given positions, never copied or reallocated.
+"""The KV cache: allocated once, written at given positions, never reallocated.
 
 Layout per layer: [num_slots, num_kv_heads, max_len, head_dim]. A sequence owns one slot; its
 valid length lives on the host (engine.sequence). Dropping rejected draft tokens is a change of
 that length: their entries stay in place and are overwritten by the next step's writes, and the
-attention mask never lets a query see a position beyond its own.
+attention mask never lets a query see a position beyond its own. Entries move only within the
+cache: a token tree's accepted path into place (compact), a running sequence's prefix into the
+slot of a sequence that shares it (copy_prefix).
 """
 from __future__ import annotations
 
@@ -43,6 +45,11 @@ class KVCache:
         read before any is written, so a destination may be another pair's source."""
         self.k[:, slots, :, destinations] = self.k[:, slots, :, sources]
         self.v[:, slots, :, destinations] = self.v[:, slots, :, sources]
+
+    def copy_prefix(self, source_slot: int, slot: int, length: int) -> None:
+        """Positions [0, length) of source_slot into slot, every layer, keys and values."""
+        self.k[:, slot, :, :length] = self.k[:, source_slot, :, :length]
+        self.v[:, slot, :, :length] = self.v[:, source_slot, :, :length]
 
     def commit(self, slots, num_accepted) -> None:
         """Nothing to do after a verify forward: rejected tokens' entries stay, masked, and are

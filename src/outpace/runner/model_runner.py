@@ -105,6 +105,11 @@ class ModelRunner:
     def release_graphs(self) -> None:
         """Free what holds the process group's communicators (CudaGraphRunner: its graphs)."""
 
+    def copy_prefix(self, source_slot: int, slot: int, length: int) -> None:
+        """The first `length` positions' keys and values of source_slot copied into slot (prefix
+        sharing, engine/scheduler.py)."""
+        self.cache.copy_prefix(source_slot, slot, length)
+
     @torch.inference_mode()
     def forward(self, rows: list[Row], logits: str = "all", hidden_layers: tuple[int, ...] = (),
                 chunks: list[Row] = (), draft_tokens: torch.Tensor | None = None,

@@ -102,6 +102,14 @@ class DrafterChain(Drafter):
         bounds = [b for b in (d.reusable_prefix(seq_id, slot) for d in self.members) if b is not None]
         return min(bounds, default=None)
 
+    def shareable_prefix(self, source_id, seq_id):
+        bounds = [b for b in (d.shareable_prefix(source_id, seq_id) for d in self.members) if b is not None]
+        return min(bounds, default=None)
+
+    def copy_prefix(self, source_id, source_slot, seq_id, slot, length):
+        for d in self.members:
+            d.copy_prefix(source_id, source_slot, seq_id, slot, length)
+
     def setup_seconds(self, seq_ids):
         """What the drafters that have a setup charge together (a row the lookup drafts for pays
         none this step, but would pay it the first time the model drafts for it)."""

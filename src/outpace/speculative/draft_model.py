@@ -199,6 +199,17 @@ class DraftModelDrafter(Drafter):
         if kept is not None:
             self.valid[seq_id] = common_prefix(kept, self.tokens[seq_id])
 
+    def copy_prefix(self, source_id: int, source_slot: int, seq_id: int, slot: int, length: int) -> None:
+        """The entries the source holds of the tokens the two share, where both read their prompts
+        from the same position (a window's); it catches up past them by itself (no bound)."""
+        self._adopt(seq_id, slot)
+        if self.offset[source_id] != self.offset[seq_id]:
+            return
+        n = min(self.valid[source_id], common_prefix(self.tokens[source_id], self.tokens[seq_id]))
+        if n > self.valid[seq_id]:
+            self.runner.copy_prefix(source_slot, slot, n)
+            self.valid[seq_id] = n
+
     def end(self, seq_id: int) -> None:
         if seq_id in self.tokens:
             self.kept_keys.end(seq_id, self.tokens[seq_id][:self.valid[seq_id]])

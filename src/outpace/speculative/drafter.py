@@ -277,6 +277,17 @@ class Drafter:
         None: no bound (no cache of its own, or one that catches up by itself)."""
         return None
 
+    def shareable_prefix(self, source_id: int, seq_id: int) -> int | None:
+        """Prefix sharing: how many of the sequence's first positions this drafter's own cache
+        holds for source_id (a running sequence whose tokens begin as the sequence's do), which
+        bounds the prefix the target copies from source_id's slot (reusable_prefix's rule). None:
+        no bound."""
+        return None
+
+    def copy_prefix(self, source_id: int, source_slot: int, seq_id: int, slot: int, length: int) -> None:
+        """The target copied the first `length` positions of source_id's slot into the sequence's
+        (within shareable_prefix): a drafter with a cache of its own copies what it holds of them."""
+
     def setup_seconds(self, seq_ids: Sequence[int]) -> list[float] | None:
         """Per sequence, the seconds drafting for it costs before its first drafted token (a draft
         model reading the tokens it has not read yet); the controller drafts for a row only where

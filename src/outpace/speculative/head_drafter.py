@@ -277,6 +277,18 @@ class HeadDrafter(Drafter):
         kept, tokens = self.kept_keys.matching(seq_id, slot), self.tokens[seq_id]
         return max(0, min(len(kept) - 1, common_prefix(kept, tokens) - 1, len(tokens) - 2))
 
+    def shareable_prefix(self, source_id: int, seq_id: int) -> int:
+        """The source's caught-up pairs that begin the sequence, short of its prompt's last pair
+        (reusable_prefix's rule)."""
+        tokens = self.tokens[seq_id]
+        return max(0, min(self.caught[source_id], common_prefix(self.tokens[source_id], tokens) - 1, len(tokens) - 2))
+
+    def copy_prefix(self, source_id: int, source_slot: int, seq_id: int, slot: int, length: int) -> None:
+        self.kept_keys.adopt(seq_id, slot)
+        for cache in (self.k_cache, self.v_cache):
+            cache[slot, :, :length] = cache[source_slot, :, :length]
+        self.caught[seq_id] = length
+
     def end(self, seq_id: int) -> None:
         """The slot keeps the pairs before `caught`, for a later sequence."""
         if seq_id in self.tokens:
