@@ -95,7 +95,8 @@ def main() -> None:
         on, off = (sum(x["wall"] for x in by_mode[m]) for m in (True, False))
         for share in (True, False):
             runs = by_mode[share]
-            print(f"| {name} | {'on' if share else 'off'} | {' / '.join(f'{x['wall']:.2f}' for x in runs)} | "
+            walls = " / ".join(f"{x['wall']:.2f}" for x in runs)
+            print(f"| {name} | {'on' if share else 'off'} | {walls} | "
                   f"{sum(x['ttft'] for x in runs) / len(runs):.2f} | {runs[0]['computed']} | {runs[0]['cached']} | "
                   + (f"**{off / on:.2f}x** |" if share else "|"))
     same = all(x["tokens"] == results["document"][True][0]["tokens"] for m in (True, False) for x in results["document"][m])
