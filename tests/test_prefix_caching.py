@@ -256,16 +256,22 @@ def recorded(drafter) -> list:
     return drafts
 
 
-def test_a_head_drafts_from_its_kept_pairs_what_it_drafts_from_fresh_ones(tmp_path, default_model_dir):
-    """A head's pairs come from the target's hidden states, which a reused prefix does not
-    recompute: it reuses the pairs its slot kept, and drafts exactly what it drafts without them."""
-    target, head = tmp_path / "target", tmp_path / "head"
+@pytest.fixture(scope="module")
+def head_target(tmp_path_factory, default_model_dir) -> tuple[str, SpecConfig]:
+    """A tiny float64 target and a random EAGLE-3 head for it: (target folder, spec)."""
+    target, head = tmp_path_factory.mktemp("head-target"), tmp_path_factory.mktemp("head")
     make_tiny("llama-4-layers", target, vocab_size=49152, tokenizer_from=default_model_dir, dtype=torch.float64)
     write_eagle3_head(head, target_config(target))
-    spec = SpecConfig(method="eagle3", draft_head=str(head), num_draft_tokens=4)
+    return str(target), SpecConfig(method="eagle3", draft_head=str(head), num_draft_tokens=4)
+
+
+def test_a_head_drafts_from_its_kept_pairs_what_it_drafts_from_fresh_ones(head_target):
+    """A head's pairs come from the target's hidden states, which a reused prefix does not
+    recompute: it reuses the pairs its slot kept, and drafts exactly what it drafts without them."""
+    target, spec = head_target
     runs = []
     for on in (True, False):
-        llm = LLM(str(target), spec=spec, prefix_caching=on, **OPTIONS)
+        llm = LLM(target, spec=spec, prefix_caching=on, **OPTIONS)
         drafts = recorded(llm.engine.drafter)
         prompt, cached = [], []
         for turn in TURNS[0]:
@@ -380,16 +386,13 @@ def test_requests_sharing_a_prompts_start_answer_as_they_do_alone(folders, alone
         assert llm.engine.stats.num_accepted_tokens == llm.engine.stats.num_draft_tokens > 0
 
 
-def test_a_head_drafts_from_shared_pairs_what_it_drafts_from_its_own(tmp_path, default_model_dir):
+def test_a_head_drafts_from_shared_pairs_what_it_drafts_from_its_own(head_target):
     """A head's pairs come from the target's hidden states, which a shared prefix does not
     recompute: it copies the source's pairs, and drafts for each sequence what it drafts without."""
-    target, head = tmp_path / "target", tmp_path / "head"
-    make_tiny("llama-4-layers", target, vocab_size=49152, tokenizer_from=default_model_dir, dtype=torch.float64)
-    write_eagle3_head(head, target_config(target))
-    spec = SpecConfig(method="eagle3", draft_head=str(head), num_draft_tokens=4)
+    target, spec = head_target
     runs = []
     for on in (True, False):
-        llm = LLM(str(target), spec=spec, prefix_caching=on, **dict(OPTIONS, max_num_seqs=3))
+        llm = LLM(target, spec=spec, prefix_caching=on, **dict(OPTIONS, max_num_seqs=3))
         drafts, propose = {}, llm.engine.drafter.propose
 
         def record(batch, propose=propose, drafts=drafts):
