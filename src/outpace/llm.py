@@ -25,7 +25,7 @@ class RequestOutput:
     finish_reason: str
     timing: dict = field(default_factory=dict)
     spec: dict = field(default_factory=dict)
-    num_cached_tokens: int = 0      # prompt tokens found cached from an earlier request (prefix caching)
+    num_cached_tokens: int = 0      # prompt tokens found cached from an earlier or a running request (prefix caching)
     # where SamplingParams.logprobs asks: per output token {token id: Logprob}, the token first
     logprobs: list[dict[int, Logprob]] | None = None
     # where SamplingParams.prompt_logprobs asks: per prompt token the same, None for the first

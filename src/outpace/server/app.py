@@ -12,8 +12,9 @@ requests in the engine (choices, below). Where it asks for logprobs (completions
 log-probability of it and of its N likeliest alternatives (sampling/logprobs.py), in the layout of
 each route, streamed with the chunk that follows the token.
 
-Every response carries usage, with the prompt tokens found cached from an earlier request in
-usage.prompt_tokens_details.cached_tokens (prefix caching; the extension field `cache_salt` keeps a
+Every response carries usage, with the prompt tokens found cached from an earlier or a running
+request in usage.prompt_tokens_details.cached_tokens (prefix caching and sharing; n choices count
+their prompt once, as cached as far as every choice found it so; the extension field `cache_salt` keeps a
 request to prefixes of its own salt) and the request's speculation figures in usage.speculation (a
 streamed response carries it on its last choice chunk, or in a separate final chunk with no choices
 when stream_options.include_usage asks for OpenAI's layout). A client that disconnects cancels its

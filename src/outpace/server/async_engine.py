@@ -42,7 +42,7 @@ class Update:
     num_output_tokens: int
     finish_reason: str | None
     spec: dict | None = None        # speculation figures, on the last update only
-    num_cached_tokens: int = 0      # prompt tokens found cached from an earlier request
+    num_cached_tokens: int = 0      # prompt tokens found cached from an earlier or a running request
     # where the request asks for logprobs: its sequence's list of them, which only grows (the
     # engine thread appends to it): token_logprobs is this update's share
     logprobs: list | None = None

@@ -38,7 +38,8 @@ class Metrics:
         self.requests = make(Counter, "requests", "Requests by final status (rejected: 4xx).", ("status",))
         self.prompt_tokens = make(Counter, "prompt_tokens", "Prompt tokens of accepted requests.")
         self.cached_tokens = make(Counter, "prompt_tokens_cached",
-                                  "Prompt tokens found cached from an earlier request (prefix caching).")
+                                  "Prompt tokens found cached from an earlier or a running request "
+                                  "(prefix caching and sharing).")
         self.generation_tokens = make(Counter, "generation_tokens", "Output tokens generated.")
         self.ttft = make(Histogram, "time_to_first_token_seconds", "Time from arrival to the first output token.",
                          buckets=TTFT_BUCKETS)
