@@ -317,7 +317,8 @@ def test_a_request_waits_for_a_running_prompt_it_shares_then_copies_its_keys():
         first.num_cached = cached = min(cached + 16, 99)     # the chunk the plan gave it
     assert second.slot != first.slot and plan.copies == [(first, second, second.num_cached)]
     assert second.num_cached == second.num_reused == 64 > 90 - SHARE_WAIT_TOKENS
-    assert [(c.seq.seq_id, c.start) for c in plan.prefill] == [(0, 64), (1, 64)][:len(plan.prefill)]
+    # the step's prompt budget (16) goes to the first; the second caches from 64 on in a later step
+    assert [(c.seq.seq_id, c.start, c.end) for c in plan.prefill] == [(0, 64, 80)]
     for seq in (other_salt, no_reuse):          # neither waits nor shares
         scheduler.add(seq)
         plan = scheduler.schedule()
