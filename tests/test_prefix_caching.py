@@ -19,8 +19,11 @@ import pytest
 import torch
 
 from outpace import LLM, SamplingParams, SpecConfig
+from outpace.engine.graph_step import GraphStep
 from outpace.engine.scheduler import SHARE_WAIT_TOKENS, Scheduler
 from outpace.engine.sequence import Sequence
+from outpace.runner.cuda_graphs import CudaGraphRunner
+from outpace.speculative.head_graphs import HeadGraphs
 from heads import target_config, write_eagle3_head
 from test_spec_lossless import RandomDrafter
 from tiny import make_tiny
@@ -407,4 +410,41 @@ def test_a_head_drafts_from_shared_pairs_what_it_drafts_from_its_own(head_target
                      [[r for r in rows if r] for _, rows in sorted(drafts.items())]))
     (answers, cached, drafts), (fresh_answers, _, fresh_drafts) = runs
     assert answers == fresh_answers and drafts == fresh_drafts and any(map(any, drafts))
+    assert cached[0] == 0 and min(cached[1:]) > 0
+
+
+def test_a_head_in_the_graph_step_drafts_from_shared_pairs_what_it_drafts_from_its_own(head_target):
+    """The GPU path (HeadGraphStep, run eagerly here), three drafts every step: each chain the
+    graph step drafts for a sequence at a position begins as the one it drafts there without
+    sharing (the copied pairs are the ones its own catch-up would have written), and the answers
+    match."""
+    target, spec = head_target
+    runs = []
+    for on in (True, False):
+        llm = LLM(target, spec=spec, prefix_caching=on, **dict(OPTIONS, max_num_seqs=3))
+        engine, drafter = llm.engine, llm.engine.drafter
+        drafter.graphs = HeadGraphs(drafter, 3, 256, 5, 4, chains=True)
+        step = drafter.graph_step(3, 5)
+        engine.runner = CudaGraphRunner(engine.model, 3, 256, 8, num_draft_tokens=4, progress=False,
+                                        hidden_layers=drafter.hidden_layers, extension=step)
+        engine.steps = GraphStep(engine.runner, drafter, engine.controller, 256, 4, scheduler=engine.scheduler,
+                                 overlap=True)
+        engine.controller.num_draft = lambda *args, **kwargs: 3
+        chains, before = {}, step.before
+
+        def recorded(b, t, input_ids, before=before, step=step, engine=engine, chains=chains):
+            before(b, t, input_ids)         # (sequence, the step's start) -> the chain it verifies
+            at = {s.slot: s.seq_id for s in engine.scheduler.running}
+            for r, room in enumerate(step.inputs_view[0, :b].tolist()):
+                if room and t > 1:
+                    chains[at[r], int(step.starts[r])] = step.drafts[r, :min(room, t - 1)].tolist()
+        step.before = recorded
+        outs = llm.generate([SHARED + t for t in TAILS], PARAMS)
+        runs.append(([o.token_ids for o in outs], [o.num_cached_tokens for o in outs], chains))
+    (answers, cached, chains), (fresh_answers, _, fresh_chains) = runs
+    common = chains.keys() & fresh_chains.keys()
+    assert answers == fresh_answers and len(common) > 20
+    # a step's room may differ between the runs: the shorter chain begins the longer
+    shorter = {key: min(len(chains[key]), len(fresh_chains[key])) for key in common}
+    assert {k: chains[k][:n] for k, n in shorter.items()} == {k: fresh_chains[k][:n] for k, n in shorter.items()}
     assert cached[0] == 0 and min(cached[1:]) > 0
