@@ -448,3 +448,17 @@ def test_a_head_in_the_graph_step_drafts_from_shared_pairs_what_it_drafts_from_i
     shorter = {key: min(len(chains[key]), len(fresh_chains[key])) for key in common}
     assert {k: chains[k][:n] for k, n in shorter.items()} == {k: fresh_chains[k][:n] for k, n in shorter.items()}
     assert cached[0] == 0 and min(cached[1:]) > 0
+
+
+def test_a_request_waiting_for_a_cancelled_one_caches_its_prompt_itself(folders, alone):
+    """The running sequence a request waits for is cancelled mid-prompt: the request then starts
+    from what that one's freed slot kept, and answers as it does alone."""
+    llm = LLM(str(folders[0]), spec=SpecConfig(num_draft_tokens=4), **dict(OPTIONS, max_num_seqs=3))
+    engine = llm.engine
+    first, second = (engine.add_request(SHARED + TAILS[i], SCORED) for i in (0, 1))
+    engine.step()
+    assert first.num_cached == 8 and second.slot is None        # it waits for the first's prompt
+    engine.abort(first.seq_id)
+    while engine.has_unfinished():
+        engine.step()
+    assert second.num_reused == 8 and second.token_ids[len(SHARED) + 2:] == alone[0][0][1]
