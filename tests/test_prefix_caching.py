@@ -13,7 +13,8 @@ model and another salt reuse nothing; in exact mode a reused key is a fresh pref
 Prefix sharing: a request whose prompt begins as a running sequence's waits while that sequence
 still caches much of what they share, then starts from a copy of its keys (and of its drafter's
 entries), within the drafter's bound; requests sent together answer as they do alone, whatever the
-drafter, on the CPU's path and the GPU's, with fewer prompt tokens computed.
+drafter, on the CPU's path and the GPU's, with fewer prompt tokens computed; one whose source is
+cancelled starts from what the source's freed slot kept.
 """
 import pytest
 import torch
