@@ -280,13 +280,10 @@ def test_a_head_on_graph_steps_reads_their_hidden_states(folders, plain):
     _assert_drafts_from_scratch(llm, drafter, recorded.calls[::2])
 
 
-def test_a_head_drafts_inside_the_targets_graph_step(folders, plain):
-    """The GPU path with the head's part of the target's graph step (HeadGraphStep, run eagerly
-    here): greedy steps are drafted, verified and launched ahead of the host's read inside the
-    target's step (the head drafting on the host no more), output stays plain's, and each chain
-    drafted in the step is the head run from scratch over its sequence up to the step's start,
-    a start the device derived itself in a step launched ahead."""
-    llm = _llm(folders)
+def in_graph_step(llm: LLM):
+    """The LLM's engine (a head's, 3 slots, 256 positions, 4 drafts) on the GPU path, built on the
+    CPU: the head's part of the target's graph step (HeadGraphStep, run eagerly), three drafts every
+    step. Returns that part."""
     engine, drafter = llm.engine, llm.engine.drafter
     drafter.graphs = HeadGraphs(drafter, 3, 256, 5, 4, chains=True)
     step = drafter.graph_step(3, 5)
@@ -295,6 +292,18 @@ def test_a_head_drafts_inside_the_targets_graph_step(folders, plain):
     engine.steps = GraphStep(engine.runner, drafter, engine.controller, 256, 4, scheduler=engine.scheduler,
                              overlap=True)
     engine.controller.num_draft = lambda *args, **kwargs: 3
+    return step
+
+
+def test_a_head_drafts_inside_the_targets_graph_step(folders, plain):
+    """The GPU path with the head's part of the target's graph step (HeadGraphStep, run eagerly
+    here): greedy steps are drafted, verified and launched ahead of the host's read inside the
+    target's step (the head drafting on the host no more), output stays plain's, and each chain
+    drafted in the step is the head run from scratch over its sequence up to the step's start,
+    a start the device derived itself in a step launched ahead."""
+    llm = _llm(folders)
+    engine, drafter = llm.engine, llm.engine.drafter
+    step = in_graph_step(llm)
     proposed, propose = [], drafter.propose
     drafter.propose = lambda batch: proposed.append(batch) or propose(batch)
     launched, launch = [], engine.steps._launch_next

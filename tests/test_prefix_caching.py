@@ -20,12 +20,10 @@ import pytest
 import torch
 
 from outpace import LLM, SamplingParams, SpecConfig
-from outpace.engine.graph_step import GraphStep
 from outpace.engine.scheduler import SHARE_WAIT_TOKENS, Scheduler
 from outpace.engine.sequence import Sequence
-from outpace.runner.cuda_graphs import CudaGraphRunner
-from outpace.speculative.head_graphs import HeadGraphs
 from heads import target_config, write_eagle3_head
+from test_head_drafter import in_graph_step
 from test_spec_lossless import RandomDrafter
 from tiny import make_tiny
 
@@ -423,14 +421,7 @@ def test_a_head_in_the_graph_step_drafts_from_shared_pairs_what_it_drafts_from_i
     runs = []
     for on in (True, False):
         llm = LLM(target, spec=spec, prefix_caching=on, **dict(OPTIONS, max_num_seqs=3))
-        engine, drafter = llm.engine, llm.engine.drafter
-        drafter.graphs = HeadGraphs(drafter, 3, 256, 5, 4, chains=True)
-        step = drafter.graph_step(3, 5)
-        engine.runner = CudaGraphRunner(engine.model, 3, 256, 8, num_draft_tokens=4, progress=False,
-                                        hidden_layers=drafter.hidden_layers, extension=step)
-        engine.steps = GraphStep(engine.runner, drafter, engine.controller, 256, 4, scheduler=engine.scheduler,
-                                 overlap=True)
-        engine.controller.num_draft = lambda *args, **kwargs: 3
+        engine, step = llm.engine, in_graph_step(llm)
         chains, before = {}, step.before
 
         def recorded(b, t, input_ids, before=before, step=step, engine=engine, chains=chains):
