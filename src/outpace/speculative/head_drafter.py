@@ -270,18 +270,21 @@ class HeadDrafter(Drafter):
         if self.graphs is not None:     # every verified pair was caught up in its step
             self.caught[seq_id] = len(self.tokens[seq_id]) - 1
 
+    def _pairs_beginning(self, seq_id: int, held: list[int], num_pairs: int) -> int:
+        """Of num_pairs pairs held for the tokens `held`, those that begin the sequence (pair p
+        needs tokens p and p + 1 alike), short of its prompt's last pair, which a chunk computes so
+        that the slot's stored output is the prompt's."""
+        tokens = self.tokens[seq_id]
+        return max(0, min(num_pairs, common_prefix(held, tokens) - 1, len(tokens) - 2))
+
     def reusable_prefix(self, seq_id: int, slot: int) -> int:
-        """The pairs the slot kept that begin the sequence (pair p needs tokens p and p + 1 alike),
-        short of its prompt's last pair, which a chunk computes so that the slot's stored output is
-        the prompt's."""
-        kept, tokens = self.kept_keys.matching(seq_id, slot), self.tokens[seq_id]
-        return max(0, min(len(kept) - 1, common_prefix(kept, tokens) - 1, len(tokens) - 2))
+        """The pairs the slot kept that begin the sequence."""
+        kept = self.kept_keys.matching(seq_id, slot)
+        return self._pairs_beginning(seq_id, kept, len(kept) - 1)
 
     def shareable_prefix(self, source_id: int, seq_id: int) -> int:
-        """The source's caught-up pairs that begin the sequence, short of its prompt's last pair
-        (reusable_prefix's rule)."""
-        tokens = self.tokens[seq_id]
-        return max(0, min(self.caught[source_id], common_prefix(self.tokens[source_id], tokens) - 1, len(tokens) - 2))
+        """The source's caught-up pairs that begin the sequence."""
+        return self._pairs_beginning(seq_id, self.tokens[source_id], self.caught[source_id])
 
     def copy_prefix(self, source_id: int, source_slot: int, seq_id: int, slot: int, length: int) -> None:
         self.kept_keys.adopt(seq_id, slot)
