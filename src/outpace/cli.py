@@ -33,8 +33,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA graphs: launch each greedy step only after the host has read the last one's "
                         "tokens (by default it is launched before, so the GPU never waits for the host)")
     p.add_argument("--no-prefix-caching", action="store_true",
-                   help="prefill every prompt whole; by default a request starts from the keys a finished one "
-                        "left in its cache slot, as far as its prompt begins with the same tokens")
+                   help="prefill every prompt whole; by default a request starts from the keys of a finished "
+                        "request's kept slot or a running one's, as far as its prompt begins with the same "
+                        "tokens")
     p.add_argument("--recurrent-rollback", default="auto", choices=["auto", "snapshots", "replay"],
                    help="hybrid models (recurrent layers): a rejected draft's state is rolled back from a snapshot "
                         "per verified token, or by replaying the accepted tokens from a checkpoint (less memory); "

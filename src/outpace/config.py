@@ -225,8 +225,9 @@ class EngineConfig:
     max_prefill_tokens: int = 512   # prompt tokens cached per step (chunked prefill)
     spec: SpecConfig = field(default_factory=SpecConfig)
     calibrate: bool = True          # measure verify cost per batch size at start (draft controller)
-    # a request starts from the keys a freed slot kept of an earlier request's tokens, as far as its
-    # prompt begins with them (a conversation's next turn); off: every prompt is prefilled whole
+    # a request starts from the keys a freed slot kept of an earlier request's tokens, or a running
+    # request's slot holds, as far as its prompt begins with them (a conversation's next turn,
+    # clients behind one document); off: every prompt is prefilled whole
     prefix_caching: bool = True
     cuda_graphs: bool = True        # CUDA: decode/verify steps replay graphs captured at start
     overlap: bool = True            # CUDA graphs: a greedy step's successor launches before its tokens are read
