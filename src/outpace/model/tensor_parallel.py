@@ -22,8 +22,10 @@ near-ties).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -45,25 +47,47 @@ VOCAB_PARALLEL = ("embed", "lm_head")               # vocabulary rows, padded to
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+WAIT_SLICE = datetime.timedelta(milliseconds=100)
+
+
 @dataclass(frozen=True)
 class Shard:
     """This process's place among the ranks, and the collectives its layers call (the default
-    process group: NCCL for CUDA tensors, gloo for CPU ones)."""
+    process group: NCCL for CUDA tensors, gloo for CPU ones).
+    failed: on the driver, whether a worker has ended. Its gloo collectives then wait in slices of
+    WAIT_SLICE: gloo can wait for a peer that died between two collectives until the group's
+    timeout (30 minutes; seen in 4 of 10 drivers whose worker was killed while they were
+    stopped), and a wait that never returns runs no Python, so Ctrl-C could not end it either."""
 
     rank: int
     world_size: int
+    failed: Callable[[], bool] | None = field(default=None, compare=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of x over the ranks, in place."""
-        dist.all_reduce(x)
+        self._wait(x, dist.all_reduce(x, async_op=True))
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[T, P] from every rank -> [T, N * P], rank r's columns at [r P, (r+1) P)."""
         T, P = x.shape
         out = x.new_empty(self.world_size * T, P)
-        _all_gather(out, x.contiguous())
+        self._wait(x, _all_gather(out, x.contiguous(), async_op=True))
         return out.view(self.world_size, T, P).transpose(0, 1).reshape(T, self.world_size * P)
+
+    def _wait(self, x: torch.Tensor, work) -> None:
+        if self.failed is None or x.is_cuda:        # NCCL: the driver's monitor aborts its communicators
+            work.wait()
+            return
+        while True:
+            try:
+                work.wait(WAIT_SLICE)
+                return
+            except RuntimeError:
+                if work.is_completed():             # the collective failed, not the slice
+                    raise
+            if self.failed():
+                raise RuntimeError("a tensor-parallel worker ended during a collective")
 
 
 def check_shardable(cfg: ModelConfig, world_size: int, family: type[nn.Module]) -> None:

@@ -20,10 +20,11 @@ Shutdown, in every case without a process left behind:
   a grace period; then rank 0 frees its graphs and leaves the group (_leave_group). After a forward cut
   short (Ctrl-C in the driver) the workers wait in a collective that will never complete: killed
   at once.
-- A worker dies: the driver's collective fails (gloo: at once, the peer's sockets close; NCCL:
-  the monitor thread, which sees the process end, aborts the communicators so that nothing waits
-  on the dead rank) and collective() raises WorkerFailedError naming the rank and how it ended;
-  the other workers are killed. A worker that dies while the engine is idle fails the next forward.
+- A worker dies: the driver's collective fails (gloo: mostly at once, the peer's sockets close,
+  and else its wait, in slices, sees the monitor thread's word that the process ended; NCCL: the
+  monitor thread aborts the communicators so that nothing waits on the dead rank) and
+  collective() raises WorkerFailedError naming the rank and how it ended; the other workers are
+  killed. A worker that dies while the engine is idle fails the next forward.
 - The driver dies: each worker's watch thread sees its parent change and exits.
 - Ctrl-C reaches every process of the terminal: workers ignore it; the driver closes them.
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import datetime
 import faulthandler
 import multiprocessing.connection
@@ -98,7 +100,7 @@ class Workers:
     torchrun), and the rule that a failed collective ends the engine with a clear error."""
 
     def __init__(self, world_size: int, channel: Channel, processes: list, device: str, threads: int):
-        self.shard = Shard(0, world_size)
+        self.shard = Shard(0, world_size, failed=lambda: self.failure is not None)
         self.channel, self.processes, self.device = channel, processes, device
         self.threads_before = torch.get_num_threads()
         if device == "cpu":
@@ -225,7 +227,7 @@ class Workers:
         _kill(self.processes)
         if self.runner is not None:
             self.runner.release_graphs()
-        _leave_group(self.device)
+        _leave_group(self.device, cut=not graceful)
         if self.device == "cpu":
             torch.set_num_threads(self.threads_before)
 
@@ -295,13 +297,18 @@ def _serve(rank: int, world_size: int, local_rank: int, init: dict, mailbox: Mai
     _leave_group(spec.device)
 
 
-def _leave_group(device: str) -> None:
+def _leave_group(device: str, cut: bool = False) -> None:
     """Leave the process group without waiting for the other ranks. NCCL's orderly destroy
     waits until every rank destroys its communicators too, so a rank that has exited, been killed
     or not got there yet hangs it: on CUDA the communicators are aborted instead, which is local,
     but NCCL ends the abort only once no CUDA graph that captured their collectives exists
     (release_graphs first). If it has not ended in LEAVE_GRACE_S, the group is left as it is:
-    this process cannot form another one."""
+    this process cannot form another one.
+    cut: a collective may still be in flight (a forward cut short, a worker gone). gloo runs it on
+    a thread of its own, which waits for the other ranks until the group's timeout (30 minutes),
+    and freeing the group joins that thread (drivers whose worker died mid-collective hung there).
+    So the groups are taken out of torch.distributed, which can then form new ones, and are never
+    freed."""
     if device == "cuda":
         aborting = threading.Thread(target=_abort, name="outpace-tp-abort", daemon=True)
         aborting.start()
@@ -311,6 +318,9 @@ def _leave_group(device: str) -> None:
                   f"captured their collectives is still alive); left open", file=sys.stderr)
             return
     if dist.is_initialized():
+        if cut:
+            for group in list(dist.distributed_c10d._world.pg_map):
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))     # never freed: see above
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
 
