@@ -27,6 +27,7 @@ import torch.distributed as dist
 from outpace.config import SamplingParams
 from outpace.errors import InvalidParameterError, UnsupportedModelError, WorkerFailedError
 from outpace.llm import LLM
+from outpace.model.tensor_parallel import Shard
 from outpace.runner.cuda_graphs import CudaGraphRunner
 from outpace.runner.model_runner import Row
 from outpace.runner.parallel import ForwardCall, ParallelRunner
@@ -236,6 +237,42 @@ def test_a_worker_killed_while_its_driver_is_stopped_fails_the_driver(tiny_folde
             assert "WorkerFailedError: tensor-parallel worker 1 was killed by SIGKILL" in driver.stderr.read()
         finally:
             driver.kill()
+
+
+class SlicedWork:
+    """A collective's work for Shard._wait, complete in its `done_after`-th slice: that slice
+    returns, or (late) runs out just before the work completes; every wait then raises `error`
+    where given (a failed collective)."""
+
+    def __init__(self, done_after: int, error: str | None = None, late: bool = False):
+        self.slices, self.done_after, self.error, self.late = 0, done_after, error, late
+
+    def is_completed(self) -> bool:
+        return self.slices >= self.done_after
+
+    def wait(self, timeout=None) -> bool:
+        if timeout is not None and not self.is_completed():
+            self.slices += 1
+            if self.late or not self.is_completed():
+                raise RuntimeError("Operation timed out!")
+        if self.error:
+            raise RuntimeError(self.error)
+        return True
+
+
+def test_the_drivers_collective_waits_in_slices():
+    """A slice that runs out is not a failure, even where the collective completes right after;
+    a failed collective raises its own error; a worker's end fails a wait that would never end."""
+    ended = []
+    shard = Shard(0, 2, failed=lambda: bool(ended))
+    x = torch.zeros(2)
+    shard._wait(x, SlicedWork(done_after=3))
+    shard._wait(x, SlicedWork(done_after=2, late=True))
+    with pytest.raises(RuntimeError, match="connection closed"):
+        shard._wait(x, SlicedWork(done_after=1, error="connection closed"))
+    ended.append(True)
+    with pytest.raises(RuntimeError, match="worker ended during a collective"):
+        shard._wait(x, SlicedWork(done_after=1000))
 
 
 def test_torchrun_starts_the_ranks_and_rank_0_runs_the_command(tiny_folder):

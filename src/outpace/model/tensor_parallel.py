@@ -84,8 +84,9 @@ class Shard:
                 work.wait(WAIT_SLICE)
                 return
             except RuntimeError:
-                if work.is_completed():             # the collective failed, not the slice
-                    raise
+                if work.is_completed():             # failed, or done since the slice ran out
+                    work.wait()                     # returns, or raises the collective's own error
+                    return
             if self.failed():
                 raise RuntimeError("a tensor-parallel worker ended during a collective")
 
