@@ -50,14 +50,28 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 WAIT_SLICE = datetime.timedelta(milliseconds=100)
 
 
+def wait_sliced(work, failed: Callable[[], bool]) -> None:
+    """Wait for a gloo collective WAIT_SLICE at a time, raising RuntimeError once failed() says a
+    rank has ended. gloo can wait for a peer that died between two collectives until the group's
+    timeout (30 minutes; seen in 4 of 10 drivers whose worker was killed while they were
+    stopped), and a wait that never returns runs no Python, so Ctrl-C could not end it either."""
+    while True:
+        try:
+            work.wait(WAIT_SLICE)
+            return
+        except RuntimeError:
+            if work.is_completed():             # failed, or done since the slice ran out
+                work.wait()                     # returns, or raises the collective's own error
+                return
+        if failed():
+            raise RuntimeError("a tensor-parallel worker ended during a collective")
+
+
 @dataclass(frozen=True)
 class Shard:
     """This process's place among the ranks, and the collectives its layers call (the default
-    process group: NCCL for CUDA tensors, gloo for CPU ones).
-    failed: on the driver, whether a worker has ended. Its gloo collectives then wait in slices of
-    WAIT_SLICE: gloo can wait for a peer that died between two collectives until the group's
-    timeout (30 minutes; seen in 4 of 10 drivers whose worker was killed while they were
-    stopped), and a wait that never returns runs no Python, so Ctrl-C could not end it either."""
+    process group: NCCL for CUDA tensors, gloo for CPU ones). failed: on the driver, whether a
+    worker has ended; its gloo collectives then wait in slices (wait_sliced)."""
 
     rank: int
     world_size: int
@@ -78,17 +92,8 @@ class Shard:
     def _wait(self, x: torch.Tensor, work) -> None:
         if self.failed is None or x.is_cuda:        # NCCL: the driver's monitor aborts its communicators
             work.wait()
-            return
-        while True:
-            try:
-                work.wait(WAIT_SLICE)
-                return
-            except RuntimeError:
-                if work.is_completed():             # failed, or done since the slice ran out
-                    work.wait()                     # returns, or raises the collective's own error
-                    return
-            if self.failed():
-                raise RuntimeError("a tensor-parallel worker ended during a collective")
+        else:
+            wait_sliced(work, self.failed)
 
 
 def check_shardable(cfg: ModelConfig, world_size: int, family: type[nn.Module]) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from outpace.model.tensor_parallel import wait_sliced
 from outpace.runner.model_runner import ModelRunner, Row
 
 LOGITS = ("all", "tokens", "none")      # ModelRunner.forward's logits options, by their code
@@ -147,9 +148,9 @@ class Channel:
         message = [what, len(payload), *payload]
         inline = message if len(message) <= INLINE else message[:HEADER]
         self.buffer[:len(inline)] = torch.tensor(inline)
-        dist.broadcast(self.buffer, 0, group=self.group)
+        wait_sliced(dist.broadcast(self.buffer, 0, group=self.group, async_op=True), self.failed)
         if len(inline) < len(message):
-            dist.broadcast(torch.tensor(payload), 0, group=self.group)
+            wait_sliced(dist.broadcast(torch.tensor(payload), 0, group=self.group, async_op=True), self.failed)
 
     def receive(self) -> tuple[int, list[int]]:
         if self.mailbox is not None:
