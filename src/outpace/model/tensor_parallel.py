@@ -52,9 +52,9 @@ WAIT_SLICE = datetime.timedelta(milliseconds=100)
 
 def wait_sliced(work, failed: Callable[[], bool]) -> None:
     """Wait for a gloo collective WAIT_SLICE at a time, raising RuntimeError once failed() says a
-    rank has ended. gloo can wait for a peer that died between two collectives until the group's
-    timeout (30 minutes; seen in 4 of 10 drivers whose worker was killed while they were
-    stopped), and a wait that never returns runs no Python, so Ctrl-C could not end it either."""
+    rank has ended. gloo can leave a collective waiting for a peer that died between two
+    collectives until the group's timeout (30 minutes), and a wait that never returns runs no
+    Python, so neither the word that the peer ended nor Ctrl-C could end it."""
     while True:
         try:
             work.wait(WAIT_SLICE)

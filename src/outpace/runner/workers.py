@@ -306,9 +306,8 @@ def _leave_group(device: str, cut: bool = False) -> None:
     this process cannot form another one.
     cut: a collective may still be in flight (a forward cut short, a worker gone). gloo runs it on
     a thread of its own, which waits for the other ranks until the group's timeout (30 minutes),
-    and freeing the group joins that thread (drivers whose worker died mid-collective hung there).
-    So the groups are taken out of torch.distributed, which can then form new ones, and are never
-    freed."""
+    and freeing the group joins that thread: the driver would hang there. So the groups are taken
+    out of torch.distributed, which can then form new ones, and are never freed."""
     if device == "cuda":
         aborting = threading.Thread(target=_abort, name="outpace-tp-abort", daemon=True)
         aborting.start()
