@@ -170,31 +170,46 @@ DRIVER = textwrap.dedent("""
 """)
 
 
+def driver_env() -> dict:
+    """The environment of a subprocess that imports this checkout's outpace."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1] / "src"),
+                                                        os.environ.get("PYTHONPATH", "")]))
+
+
+def start_driver(folder, tmp_path) -> tuple[subprocess.Popen, int]:
+    """DRIVER in a session of its own (a terminal's process group), once its worker runs: the
+    process and the worker's pid."""
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    driver = subprocess.Popen([sys.executable, str(script), str(folder)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=driver_env(), text=True, start_new_session=True)
+    return driver, int(driver.stdout.readline())
+
+
+def fail_hung(driver: subprocess.Popen, worker: int, what: str) -> None:
+    """Kill a driver that did not end, failing with where it and its worker waited: every thread's
+    Python stack on its stderr (faulthandler), and the driver's native stacks."""
+    os.kill(driver.pid, signal.SIGUSR1)
+    if _alive(worker):
+        os.kill(worker, signal.SIGUSR1)                 # the worker's stacks, on the same stderr
+    time.sleep(1.0)
+    native = native_stacks(driver.pid)
+    driver.kill()
+    pytest.fail(f"{what}; its stderr:\n{driver.stderr.read()[-8000:]}\n{native}")
+
+
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
 def test_no_worker_outlives_its_driver(how, tiny_folder, tmp_path):
     """SIGKILL: the driver dies mid-run, and the worker exits by itself. SIGINT (Ctrl-C, sent to
     the terminal's whole process group): the workers ignore it, the driver stops them."""
-    script = tmp_path / "driver.py"
-    script.write_text(DRIVER)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1] / "src"),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    driver = subprocess.Popen([sys.executable, str(script), str(tiny_folder)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, env=env, text=True, start_new_session=True)
+    driver, worker = start_driver(tiny_folder, tmp_path)
     try:
-        worker = int(driver.stdout.readline())
         time.sleep(1.0)                                     # mid-generation
         os.killpg(driver.pid, getattr(signal, how))
         try:
             driver.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            os.kill(driver.pid, signal.SIGUSR1)             # where it waits, every thread, on its stderr
-            if _alive(worker):
-                os.kill(worker, signal.SIGUSR1)             # and the worker, on the same stderr
-            time.sleep(1.0)
-            native = native_stacks(driver.pid)
-            driver.kill()
-            pytest.fail(f"the driver did not exit in 20 s after {how}; its stderr:\n{driver.stderr.read()[-8000:]}"
-                        f"\n{native}")
+            fail_hung(driver, worker, f"the driver did not exit in 20 s after {how}")
         deadline = time.monotonic() + 5
         while _alive(worker) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -211,15 +226,9 @@ def test_a_worker_killed_while_its_driver_is_stopped_fails_the_driver(tiny_folde
     timeout, and freeing a group whose collective was cut short joins a gloo thread still waiting
     in it (each in 4-5 of 10 such drivers before the fix); the driver must end with
     WorkerFailedError at once. Three drivers, the stop at a different point of each."""
-    script = tmp_path / "driver.py"
-    script.write_text(DRIVER)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1] / "src"),
-                                                       os.environ.get("PYTHONPATH", "")]))
     for delay in (1.0, 1.1, 1.25):
-        driver = subprocess.Popen([sys.executable, str(script), str(tiny_folder)], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, env=env, text=True, start_new_session=True)
+        driver, worker = start_driver(tiny_folder, tmp_path)
         try:
-            worker = int(driver.stdout.readline())
             time.sleep(delay)                                   # mid-generation
             os.kill(driver.pid, signal.SIGSTOP)
             time.sleep(0.1)
@@ -229,11 +238,7 @@ def test_a_worker_killed_while_its_driver_is_stopped_fails_the_driver(tiny_folde
             try:
                 driver.wait(timeout=15)
             except subprocess.TimeoutExpired:
-                os.kill(driver.pid, signal.SIGUSR1)             # where it waits, on its stderr
-                time.sleep(1.0)
-                native = native_stacks(driver.pid)
-                driver.kill()
-                pytest.fail(f"the driver did not end in 15 s; its stderr:\n{driver.stderr.read()[-6000:]}\n{native}")
+                fail_hung(driver, worker, "the driver did not end in 15 s")
             assert "WorkerFailedError: tensor-parallel worker 1 was killed by SIGKILL" in driver.stderr.read()
         finally:
             driver.kill()
@@ -280,10 +285,8 @@ def test_torchrun_starts_the_ranks_and_rank_0_runs_the_command(tiny_folder):
     prompt = "hello there, hello there"
     command = ["generate", "--model", str(tiny_folder), "--device", "cpu", "--dtype", "float32", "--prompt", prompt,
                "--max-tokens", "16", "--json", "--spec", "ngram"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1] / "src"),
-                                                       os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "outpace.cli",
-                           *command, "--tensor-parallel-size", "2"], capture_output=True, text=True, env=env,
+                           *command, "--tensor-parallel-size", "2"], capture_output=True, text=True, env=driver_env(),
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     with LLM(str(tiny_folder), spec="none", device="cpu", dtype="float32", max_num_seqs=1, calibrate=False) as llm:
