@@ -231,6 +231,66 @@ def test_calibration_times_every_shape_once_a_round(tmp_path, monkeypatch):
     assert cost[1] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]
 
 
+def _timed_runner(monkeypatch, tmp_path, seconds):
+    """A runner whose forward of rows holding t tokens in all takes seconds(t, call) by a mocked
+    clock (call: how many forwards of t tokens ran before, the warm-up's included), with its
+    calibration kept under tmp_path; and the token counts of its forwards."""
+    import dataclasses
+    import time as clock
+    from types import SimpleNamespace
+
+    import torch
+
+    @dataclasses.dataclass
+    class Shape:
+        hidden: int = 8
+
+    monkeypatch.setenv("OUTPACE_HOME", str(tmp_path))
+    now, seen = [0.0], []
+    monkeypatch.setattr(clock, "perf_counter", lambda: now[0])
+
+    def forward(rows):
+        tokens = sum(len(r.token_ids) for r in rows)
+        now[0] += seconds(tokens, seen.count(tokens))
+        seen.append(tokens)
+
+    runner = SimpleNamespace(model=SimpleNamespace(cfg=Shape(), modules=lambda: []), dtype=torch.float32,
+                             device=torch.device("cpu"), packs_rows=False, forward=forward,
+                             cache=SimpleNamespace(commit=lambda slots, num_accepted: None))
+    return runner, seen
+
+
+def test_a_shape_whose_best_no_second_round_repeats_is_measured_again(tmp_path, monkeypatch):
+    """A forward of 5 tokens that reads slow in two of the three rounds (spells over its turns) and
+    fast from then on is measured again until a second round repeats its least time, and only then
+    is the curve kept. Regression: a kept curve whose one fast point priced the shorter drafts at it
+    too made drafting look free on that machine for good."""
+    from outpace.runner.calibrate import measure_verify_cost
+
+    # 5 tokens: its first and third rounds slow, its others fast
+    runner, seen = _timed_runner(monkeypatch, tmp_path, lambda t, call: 10.0 if t == 5 and call in (0, 2) else float(t))
+    cost = measure_verify_cost(runner, max_seqs=1, num_draft_tokens=8, reps=3)
+    assert seen[1:] == [1, 2, 3, 4, 5, 6, 7, 8, 9] * 3 + [5]
+    assert cost[1] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]
+    assert len(list(tmp_path.glob("calibration/*.json"))) == 1
+
+
+def test_a_shape_never_settled_serves_its_run_at_the_others_level_and_is_not_kept(tmp_path, monkeypatch):
+    """A forward of 5 tokens fast in the first round alone (every other time of it slow) is
+    measured up to MAX_ROUNDS, then read at the least time two rounds reached, the level its
+    neighbours were measured at, not at the lone fast one; the curve serves the run and is not
+    kept, so the next start measures again."""
+    from outpace.runner.calibrate import MAX_ROUNDS, measure_verify_cost
+
+    runner, seen = _timed_runner(monkeypatch, tmp_path, lambda t, call: 2.0 if t == 5 and call == 0 else 3.0 * t)
+    for start in range(2):
+        del seen[:]
+        cost = measure_verify_cost(runner, max_seqs=1, num_draft_tokens=8, reps=3)
+        assert seen[1:] == [1, 2, 3, 4, 5, 6, 7, 8, 9] * 3 + [5] * (MAX_ROUNDS - 3), start
+        assert cost[1] == [3.0, 6.0, 9.0, 12.0, 15.0, 18.0, 21.0, 24.0, 27.0]
+        assert not list(tmp_path.glob("calibration/*.json"))
+
+
 @pytest.mark.parametrize("packs", [False, True])
 def test_a_calibrated_point_above_a_later_one_is_read_at_the_later(tmp_path, monkeypatch, packs):
     """A forward of 5 tokens a row that reads slower than those of 6 to 9 in every round (a slow
@@ -327,7 +387,7 @@ def test_each_gpu_model_keeps_its_own_calibration(tmp_path, monkeypatch):
     got = []
     for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H100 80GB HBM3"):
         card[0] = name
-        got.append(kept(runner, ["costs"], lambda: {"measured on": card[0]}))
+        got.append(kept(runner, ["costs"], lambda: ({"measured on": card[0]}, True)))
     assert got == [{"measured on": "NVIDIA H100 80GB HBM3"}, {"measured on": "NVIDIA H200"},
                    {"measured on": "NVIDIA H100 80GB HBM3"}]
     assert len(list(tmp_path.glob("calibration/*.json"))) == 2
