@@ -78,6 +78,36 @@ def test_cli_prints_one_clear_line(args, words):
     assert words in result.stderr and result.stderr.startswith("outpace: error:")
 
 
+@pytest.mark.parametrize("args, words", [
+    (["serve", "--port", "99999"], "argument --port: give an integer "),
+    (["serve", "--port", "http"], "argument --port: give an integer "),
+    (["serve", "--threads", "-2"], "argument --threads: give an integer "),
+    (["bench", "--dataset", "x.jsonl", "--threads", "0"], "argument --threads: give an integer "),
+    (["serve", "--host", "a..b"], "--host 'a..b' names no address"),
+])
+def test_cli_refuses_an_impossible_address_or_thread_count_before_loading(args, words):
+    """Regression: a port past 65535 or a host name that cannot be encoded failed in the HTTP
+    server's start with a traceback, after the model had loaded, and left `serve` running without
+    a server; a thread count below 1 failed in torch's set_num_threads."""
+    result = run_cli(*args)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert words in result.stderr
+
+
+def test_serve_ends_when_its_http_server_fails_to_start_with_any_error():
+    """An error of the HTTP server's start other than the OSError uvicorn reports (here a
+    ValueError) ends `serve` with a line that says it, rather than leaving the engine loop running
+    with no server (regression: a host name that could not be encoded did that)."""
+    script = ("import sys, uvicorn\n"
+              "def run(self, sockets=None): raise ValueError('no such address family')\n"
+              "uvicorn.Server.run = run\n"
+              "from outpace.cli import main\n"
+              "main(['serve', '--spec', 'none', '--max-model-len', '256', '--port', '0'])\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.rstrip().endswith("could not serve on 127.0.0.1:0: no such address family"), result.stderr
+
+
 def test_cli_summary_of_one_token_gives_no_rate():
     """One token has no decode rate (regression: the summary read "1 tokens, 0.0 tokens/s")."""
     one, three = (run_cli("generate", "--prompt", "hi", "--spec", "none", "--max-tokens", n) for n in ("1", "3"))

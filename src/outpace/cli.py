@@ -15,6 +15,21 @@ DTYPE_HELP = ("float32, bfloat16 or auto (default): bfloat16 on CUDA and on CPUs
               "vectorise it (AVX2, AVX-512, NEON), float32 on other CPUs")
 
 
+def bounded_int(low: int, high: int | None = None):
+    """An argparse type: an integer in [low, high] (high None: no bound above), else a usage error
+    that gives the range."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            within = f"from {low} to {high}" if high is not None else f"of at least {low}"
+            raise argparse.ArgumentTypeError(f"give an integer {within}, not {text!r}")
+        return value
+    return parse
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m",
                    help=f"a known name ({KNOWN_MODELS}), a Hugging Face folder, or a .gguf file")
@@ -208,10 +223,23 @@ def cmd_serve(args) -> None:
     # the engine loop stays in this thread, the one that loaded the model (AsyncEngine.run says
     # why); the HTTP server runs beside it, and its shutdown (or a failed start) ends the loop
     server = uvicorn.Server(uvicorn_config(app, server_config, host=args.host, port=args.port, log_level="info"))
-    http = threading.Thread(target=server.run, name="outpace-http", daemon=True)
+    runner = app.state.engine
+    failed: list[BaseException] = []
+
+    def serve_http() -> None:
+        # however the HTTP server ends, the engine loop ends too: uvicorn reports an OSError of its
+        # start (a port in use) and shuts the app down, but any other error (a host name that
+        # cannot be encoded) ended this thread alone and left the loop running for good
+        try:
+            server.run()
+        except Exception as error:
+            failed.append(error)
+        finally:
+            runner.stop()
+
+    http = threading.Thread(target=serve_http, name="outpace-http", daemon=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)      # SIGTERM stops like Ctrl-C
     http.start()
-    runner = app.state.engine
     try:
         runner.run()
         while runner.error is not None and http.is_alive():    # the loop died: requests are told so
@@ -220,7 +248,8 @@ def cmd_serve(args) -> None:
         runner.shutdown()
     else:
         if not server.started:
-            raise SystemExit(f"outpace serve: could not serve on {args.host}:{args.port} (see the error above)")
+            why = f": {failed[0]}" if failed else " (see the error above)"
+            raise SystemExit(f"outpace serve: could not serve on {args.host}:{args.port}{why}")
     finally:
         server.should_exit = True
         http.join(timeout=30)
@@ -229,10 +258,17 @@ def cmd_serve(args) -> None:
 
 def serve_config(args):
     """The serve command's ServerConfig: the API key from --api-key or OUTPACE_API_KEY; a server
-    bound to loopback serves loopback host names only unless --allowed-hosts says otherwise."""
+    bound to loopback serves loopback host names only unless --allowed-hosts says otherwise. A
+    --host that names no address fails here, before the model loads."""
     import os
+    import socket
 
     from outpace.server.config import ServerConfig
+    try:
+        socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as error:
+        raise InvalidParameterError(f"--host {args.host!r} names no address to listen on ({error}): give an "
+                                    "address of this machine, such as 127.0.0.1 or 0.0.0.0") from None
     api_key = args.api_key if args.api_key is not None else os.environ.get("OUTPACE_API_KEY")
     config = ServerConfig(api_key=api_key, allowed_origins=args.allowed_origins, allowed_hosts=args.allowed_hosts,
                           max_body_bytes=args.max_body_bytes, read_timeout_s=args.read_timeout,
@@ -277,12 +313,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--port", type=bounded_int(0, 65535), default=8000, help="port (default 8000)")
     s.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded at once; more wait (default 8)")
     s.add_argument("--max-prefill-tokens", type=int, default=512, help="prompt tokens cached per step (default 512)")
     s.add_argument("--no-calibrate", action="store_true",
                    help="skip measuring verify cost at start (faster start; the draft controller assumes flat cost)")
-    s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    s.add_argument("--threads", type=bounded_int(1), default=None, help="torch CPU threads (default: all cores)")
     s.add_argument("--log-interval", type=float, default=10.0, help="seconds between summary log lines (default 10)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
@@ -317,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the questions N times and time the last: its requests repeat earlier ones, as "
                         "retries or a workload's fixed calls do (default 1)")
     b.add_argument("--out", default="bench-out", help="folder for results.json, results.md, speedup.png")
-    b.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    b.add_argument("--threads", type=bounded_int(1), default=None, help="torch CPU threads (default: all cores)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     add_model_args(b)
     add_sampling_args(b, max_tokens=256)
