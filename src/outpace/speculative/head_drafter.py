@@ -56,6 +56,7 @@ from outpace.model.draft_head import DraftHead, attend
 from outpace.model.eagle3 import load_eagle3_head
 from outpace.model.mtp import load_mtp_head
 from outpace.runner.calibrate import batch_buckets
+from outpace.runner.staging import to_device
 from outpace.speculative.drafter import DraftBatch, DraftContext, Drafter, Drafts, KeptKeys, Prefilled, Verified
 from outpace.speculative.head_graphs import (HeadGraphs, HeadGraphStep, HeadTreeGraphStep, frontier_depth,
                                              frontier_mask, grow_frontier)
@@ -254,8 +255,8 @@ class HeadDrafter(Drafter):
         its slot's entries; the slot's stored output becomes that of pair last[i] ([B])."""
         B, S = tokens.shape
         device = self.device
-        slots = torch.tensor(slots, device=device)
-        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(S, device=device)    # [B, S]
+        slots = to_device(slots, device)
+        positions = to_device(starts, device)[:, None] + torch.arange(S, device=device)    # [B, S]
         out = self._causal_forward(self.head.features(hidden), tokens, slots, positions, max(starts) + S)
         self.last_out[slots] = out[torch.arange(B, device=device), last]
 
@@ -308,8 +309,8 @@ class HeadDrafter(Drafter):
         S = max(chunks.lengths)
         tokens = [self.tokens[s][start + 1:start + 1 + n] + [0] * (S - n)
                   for s, start, n in zip(chunks.seq_ids, chunks.starts, chunks.lengths)]
-        self._catch_up(chunks.hidden[:, :S], torch.tensor(tokens, device=self.device), chunks.slots, chunks.starts,
-                       torch.tensor([n - 1 for n in chunks.lengths], device=self.device))
+        self._catch_up(chunks.hidden[:, :S], to_device(tokens, self.device), chunks.slots, chunks.starts,
+                       to_device([n - 1 for n in chunks.lengths], self.device))
         for seq_id, slot, start, n in zip(chunks.seq_ids, chunks.slots, chunks.starts, chunks.lengths):
             self.kept_keys.adopt(seq_id, slot)     # the target reused no more than reusable_prefix
             self.ready[seq_id] = start + n == len(self.tokens[seq_id]) - 1
@@ -348,7 +349,7 @@ class HeadDrafter(Drafter):
         if not kept:
             return
         if len(kept) < len(batch):
-            index = torch.tensor(kept, device=self.device)
+            index = to_device(kept, self.device)
             result = Verified(batch.subset(kept), result.out_tokens[index], result.num_out[index],
                               result.hidden[index])
             batch = result.batch
@@ -362,8 +363,8 @@ class HeadDrafter(Drafter):
                 self.pending_hidden[slot, offset:offset + S] = hidden[i]
                 self.pending_tokens[slot, offset:offset + S] = tokens[i]
         else:
-            at = torch.tensor(offsets, device=self.device)[:, None] + torch.arange(S, device=self.device)    # [B, S]
-            slots = torch.tensor(batch.slots, device=self.device)[:, None].expand(-1, S)
+            at = to_device(offsets, self.device)[:, None] + torch.arange(S, device=self.device)    # [B, S]
+            slots = to_device(batch.slots, self.device)[:, None].expand(-1, S)
             self.pending_hidden[slots, at] = hidden
             self.pending_tokens[slots, at] = tokens
         for seq_id in batch.seq_ids:        # a prompt of one token has no chunk to catch up
@@ -380,9 +381,9 @@ class HeadDrafter(Drafter):
         starts = [self.caught[s] for s in rows.seq_ids]
         counts = [n - start for n, start in zip(rows.positions, starts)]
         S = max(counts)
-        index = torch.tensor(rows.slots, device=self.device)
+        index = to_device(rows.slots, self.device)
         self._catch_up(self.pending_hidden[index, :S], self.pending_tokens[index, :S], rows.slots, starts,
-                       torch.tensor(counts, device=self.device) - 1)
+                       to_device(counts, self.device) - 1)
         for s, n in zip(rows.seq_ids, rows.positions):
             self.caught[s] = n
         return time.perf_counter() - t0, S
@@ -423,9 +424,9 @@ class HeadDrafter(Drafter):
             self.caught_up = self._catch_up_pending(batch.subset(rows))
             self.drafted.update(batch.seq_ids[i] for i in rows)
         budget = [batch.budget[i] for i in rows]
-        slots = torch.tensor([batch.slots[i] for i in rows], device=self.device)
+        slots = to_device([batch.slots[i] for i in rows], self.device)
         positions = [batch.positions[i] for i in rows]
-        starts = torch.tensor(positions, device=self.device)
+        starts = to_device(positions, self.device)
         drafts: list[list[int]] = [[] for _ in range(len(batch))]
         width = batch.tree_width or self.tree_width      # the controller may ask a chain of a tree drafter
         if width == 1:
