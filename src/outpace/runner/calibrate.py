@@ -28,8 +28,8 @@ CONTEXT = 128   # positions the timing rows sit at: a typical short context
 VERSION = 5
 # a shape's least time is settled once a second round came within this factor of it; one that no
 # other round repeats was the one round a slow spell missed, or a fluke, and rounds past reps measure
-# such shapes again (at most MAX_ROUNDS rounds in all). 1.05 left a quiet 2-core machine's default-
-# model curve unsettled in 2 of 3 starts; 1.10 settled 5 of 5 there
+# such shapes again (at most MAX_ROUNDS rounds in all). 1.05 left the default model's curve
+# unsettled in 2 of 3 starts on a quiet 2-core machine; 1.10 settled 5 of 5 there
 SETTLED = 1.10
 MAX_ROUNDS = 8
 

@@ -115,9 +115,9 @@ class DraftModelDrafter(Drafter):
             per_token = {b: self._time([Row(slot, [0], 1) for slot in range(b)], 3) / b
                          for b in batch_buckets(num_slots)}
             single = per_token[1]           # one row of one token (bucket 1 is always measured)
-            return {"per_token": per_token,
-                    "catch_up": [(1, 0.0)] + [(n, max(self._time([Row(0, [0] * n, 0)], 2) - single, 0.0))
-                                              for n in sorted({width, width + 1, 32, 128}) if 1 < n < max_len]}, True  # kept as timed
+            catch_up = [(1, 0.0)] + [(n, max(self._time([Row(0, [0] * n, 0)], 2) - single, 0.0))
+                                     for n in sorted({width, width + 1, 32, 128}) if 1 < n < max_len]
+            return {"per_token": per_token, "catch_up": catch_up}, True      # kept as timed
         costs = kept(self.runner, ["draft model", num_slots, max_len, width], measure)
         self.per_token = {int(b): seconds for b, seconds in costs["per_token"].items()}
         self.catch_up = [tuple(point) for point in costs["catch_up"]]
