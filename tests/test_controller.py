@@ -291,6 +291,21 @@ def test_a_shape_never_settled_serves_its_run_at_the_others_level_and_is_not_kep
         assert not list(tmp_path.glob("calibration/*.json"))
 
 
+def test_a_single_shape_is_timed_until_a_second_timing_repeats_its_least():
+    """calibrate.settle (a draft model's own costs): timings past reps until a second lies within
+    10% of the least; never settled, the least two timings reached, and not settled."""
+    from outpace.runner.calibrate import MAX_ROUNDS, settle
+
+    times = [10.0, 5.0, 10.0, 5.2, 99.0]
+    taken = iter(times)
+    assert settle(lambda: next(taken), 3) == (5.0, True)
+    assert next(taken) == 99.0                                  # four timings taken
+    taken = iter([2.0] + [9.0] * 20)
+    assert settle(lambda: next(taken), 3) == (9.0, False)
+    assert len(list(taken)) == 21 - MAX_ROUNDS
+    assert settle(lambda: 7.0, 1) == (7.0, True)
+
+
 @pytest.mark.parametrize("packs", [False, True])
 def test_a_calibrated_point_above_a_later_one_is_read_at_the_later(tmp_path, monkeypatch, packs):
     """A forward of 5 tokens a row that reads slower than those of 6 to 9 in every round (a slow

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import time
+from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
@@ -145,6 +146,16 @@ def _measure(runner: ModelRunner, max_seqs: int, num_draft_tokens: int, reps: in
         seconds = best(seconds)
         cost.setdefault(b, []).append([extra, seconds] if runner.packs_rows else seconds)
     return cost, reps < 2 or all(settled(t) for t in times)
+
+
+def settle(time_once: Callable[[], float], reps: int) -> tuple[float, bool]:
+    """One shape's seconds, as _measure reads a shape: at least reps timings (time_once()), then
+    more, up to MAX_ROUNDS, until a second repeats the least; (best's reading, whether it settled).
+    Where reps < 2 the one timing is taken as settled."""
+    times = [time_once() for _ in range(reps)]
+    while reps >= 2 and len(times) < MAX_ROUNDS and not settled(times):
+        times.append(time_once())
+    return best(times), reps < 2 or settled(times)
 
 
 def settled(times: list[float]) -> bool:

@@ -50,7 +50,7 @@ import torch
 
 from outpace.engine.scheduler import common_prefix
 from outpace.errors import InvalidParameterError
-from outpace.runner.calibrate import batch_buckets, kept
+from outpace.runner.calibrate import batch_buckets, kept, settle
 from outpace.runner.model_runner import Row
 from outpace.runner.staging import to_device
 from outpace.sampling.sampler import SamplingState, inverse_cdf, logits_to_probs
@@ -110,28 +110,32 @@ class DraftModelDrafter(Drafter):
         A GPU replays graphs of rows up to `width` tokens (a verify row's) and runs longer rows
         eagerly, at about the same cost for any length (launches, not arithmetic): the curve has
         points on both sides of that step. Writes scratch keys into the slots it uses; prefills
-        overwrite them. Measured once per model and machine (calibrate.kept), as the verify cost."""
-        def measure() -> dict:
-            per_token = {b: self._time([Row(slot, [0], 1) for slot in range(b)], 3) / b
+        overwrite them. Measured once per model and machine (calibrate.kept), each timing settled
+        as the verify cost's shapes are (calibrate.settle): a busy machine's measure is not kept."""
+        def measure() -> tuple[dict, bool]:
+            flags = []
+
+            def seconds(rows: list[Row], reps: int) -> float:
+                value, settled = settle(lambda: self._time(rows), reps)
+                flags.append(settled)
+                return value
+            per_token = {b: seconds([Row(slot, [0], 1) for slot in range(b)], 3) / b
                          for b in batch_buckets(num_slots)}
             single = per_token[1]           # one row of one token (bucket 1 is always measured)
-            catch_up = [(1, 0.0)] + [(n, max(self._time([Row(0, [0] * n, 0)], 2) - single, 0.0))
+            catch_up = [(1, 0.0)] + [(n, max(seconds([Row(0, [0] * n, 0)], 2) - single, 0.0))
                                      for n in sorted({width, width + 1, 32, 128}) if 1 < n < max_len]
-            return {"per_token": per_token, "catch_up": catch_up}, True      # kept as timed
+            return {"per_token": per_token, "catch_up": catch_up}, all(flags)
         costs = kept(self.runner, ["draft model", num_slots, max_len, width], measure)
         self.per_token = {int(b): seconds for b, seconds in costs["per_token"].items()}
         self.catch_up = [tuple(point) for point in costs["catch_up"]]
 
-    def _time(self, rows: list[Row], repeats: int) -> float:
-        """The fastest of `repeats` forwards of these rows, in seconds."""
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            self.runner.forward(rows)
-            if self.runner.device.type == "cuda":
-                torch.cuda.synchronize(self.runner.device)
-            best = min(best, time.perf_counter() - t0)
-        return best
+    def _time(self, rows: list[Row]) -> float:
+        """The seconds of one forward of these rows."""
+        t0 = time.perf_counter()
+        self.runner.forward(rows)
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+        return time.perf_counter() - t0
 
     def cost_per_token(self, batch_size: int) -> float:
         bucket = min((b for b in self.per_token if b >= batch_size), default=max(self.per_token))
