@@ -275,11 +275,12 @@ def test_a_shape_whose_best_no_second_round_repeats_is_measured_again(tmp_path, 
     assert len(list(tmp_path.glob("calibration/*.json"))) == 1
 
 
-def test_a_shape_never_settled_serves_its_run_at_the_others_level_and_is_not_kept(tmp_path, monkeypatch):
+def test_a_shape_never_settled_serves_its_run_at_the_others_level_and_is_not_kept(tmp_path, monkeypatch, capsys):
     """A forward of 5 tokens fast in the first round alone (every other time of it slow) is
     measured up to MAX_ROUNDS, then read at the least time two rounds reached, the level its
     neighbours were measured at, not at the lone fast one; the curve serves the run and is not
-    kept, so the next start measures again."""
+    kept, so the next start measures again. The notice goes to stderr: stdout may be a command's
+    output (generate --json)."""
     from outpace.runner.calibrate import MAX_ROUNDS, measure_verify_cost
 
     runner, seen = _timed_runner(monkeypatch, tmp_path, lambda t, call: 2.0 if t == 5 and call == 0 else 3.0 * t)
@@ -289,6 +290,8 @@ def test_a_shape_never_settled_serves_its_run_at_the_others_level_and_is_not_kep
         assert seen[1:] == [1, 2, 3, 4, 5, 6, 7, 8, 9] * 3 + [5] * (MAX_ROUNDS - 3), start
         assert cost[1] == [3.0, 6.0, 9.0, 12.0, 15.0, 18.0, 21.0, 24.0, 27.0]
         assert not list(tmp_path.glob("calibration/*.json"))
+        out, err = capsys.readouterr()
+        assert out == "" and "too busy to time its forwards steadily" in err
 
 
 def test_a_single_shape_is_timed_until_a_second_timing_repeats_its_least():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
 import time
 from collections.abc import Callable
 
@@ -92,8 +93,9 @@ def kept(runner: ModelRunner, key: list, measure):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result))
     else:
+        # on stderr, with the progress bar: stdout may be the command's output (generate --json)
         tqdm.write("outpace: this machine was too busy to time its forwards steadily; the costs measured "
-                   "serve this run and are measured again at the next start")
+                   "serve this run and are measured again at the next start", file=sys.stderr)
     return result
 
 
