@@ -106,6 +106,35 @@ def test_a_saved_head_loads_back_bit_for_bit(target, tmp_path):
         assert torch.equal(a, b), name
 
 
+def test_an_int8_lm_head_loads_as_its_values_times_their_scales(target, tmp_path):
+    """lm_head_int8 (outpace's extension of the layout): the LM head saved as int8 with a scale a
+    row loads as those values times the scales, within half a step of each row's weights, the other
+    tensors bit for bit; an int8 LM head without its scales, or scales beside a float one, is
+    refused."""
+    from safetensors.torch import load_file, save_file
+    write_eagle3_head(tmp_path / "a", target_config(target))
+    cfg = ModelConfig.from_folder(target)
+    head = load_eagle3_head(tmp_path / "a", cfg, torch.float64, "cpu", 64)
+    save_eagle3_head(head, tmp_path / "b", dtype=torch.float64, lm_head_int8=True)
+    tensors = load_file(str(tmp_path / "b" / "model.safetensors"))
+    weight, scale = tensors["lm_head.weight"], tensors["lm_head.weight_scale"]
+    assert weight.dtype == torch.int8 and scale.shape == (head.cfg.draft_vocab_size,)
+    assert int(weight.abs().amax(dim=1).min()) == 127   # each row's largest weight takes the full range
+    again = load_eagle3_head(tmp_path / "b", cfg, torch.float64, "cpu", 64)
+    assert torch.equal(again.lm_head.weight, (weight.float() * scale[:, None]).double())
+    error = (again.lm_head.weight - head.lm_head.weight).abs()
+    assert (error <= scale.double()[:, None] / 2 + 1e-12).all() and error.max() > 0
+    for name in ("fc.weight", "q.weight", "mlp.down.weight", "norm.weight", "d2t"):
+        assert torch.equal(again.get_parameter(name) if name != "d2t" else again.d2t,
+                           head.get_parameter(name) if name != "d2t" else head.d2t), name
+    save_file({k: v for k, v in tensors.items() if k != "lm_head.weight_scale"}, str(tmp_path / "b" / "model.safetensors"))
+    with pytest.raises(CorruptModelError, match="needs lm_head.weight_scale"):
+        load_eagle3_head(tmp_path / "b", cfg, torch.float64, "cpu", 64)
+    save_file(dict(tensors, **{"lm_head.weight": weight.double()}), str(tmp_path / "b" / "model.safetensors"))
+    with pytest.raises(CorruptModelError, match="not int8"):
+        load_eagle3_head(tmp_path / "b", cfg, torch.float64, "cpu", 64)
+
+
 def test_default_layers_are_eagle3s_and_distinct():
     assert default_layers(30) == (1, 14, 26)            # SmolLM2-135M: inputs of layers 2, 15 and 27
     assert default_layers(32) == (1, 15, 28)            # Llama-3.1-8B

@@ -152,16 +152,16 @@ def test_a_fixed_seed_gives_the_same_head_paused_or_not(trained):
 def test_a_head_trains_further_from_a_saved_one(trained):
     """--init-head: the run starts from the saved head (stopped before its first step it writes
     that head back bit for bit, and acceptance starts where the first run ended, not at the
-    untrained head's), keeps its draft vocabulary whatever --draft-vocab says, and its steps
-    change it; a resumed continuation must name the same head, and a missing one is refused
-    before any prompt is answered."""
+    untrained head's), keeps its draft vocabulary, and its steps change it; a resumed continuation
+    must name the same head, and a missing one, or a --draft-vocab that would drop some of its
+    ids, is refused before any prompt is answered."""
     root, config, summary = trained
     first = load_file(str(root / "a" / "head" / "model.safetensors"))
     runs = {}
     for name, steps in (("again0", 0), ("again", 3)):
         shutil.copytree(root / "a" / "data", root / name / "data")
         runs[name] = train_head(TrainConfig(**{**vars(config), "out": str(root / name), "init_head": str(root / "a" / "head"),
-                                               "draft_vocab": 512, "max_steps": steps}))
+                                               "draft_vocab": None, "max_steps": steps}))
     start = runs["again0"]["acceptance"][0]["mean_accepted"]
     assert abs(start - summary["acceptance"][-1]["mean_accepted"]) < 0.05
     assert start > summary["acceptance"][0]["mean_accepted"] + 0.05
@@ -174,7 +174,45 @@ def test_a_head_trains_further_from_a_saved_one(trained):
         train_head(TrainConfig(**{**vars(config), "out": str(root / "again")}))
     with pytest.raises(ModelNotFoundError, match="no config.json"):     # before any prompt is answered
         train_head(TrainConfig(**{**vars(config), "out": str(root / "nohead"), "init_head": str(root / "missing")}))
+    with pytest.raises(InvalidParameterError, match="only widens: give --draft-vocab 1024 or more"):
+        train_head(TrainConfig(**{**vars(config), "out": str(root / "nohead"), "init_head": str(root / "a" / "head"),
+                                  "draft_vocab": 512}))
     assert not (root / "nohead" / "data").exists()
+
+
+def test_a_larger_draft_vocab_widens_a_saved_head(trained):
+    """--init-head with a larger --draft-vocab: the head keeps its ids and their LM head rows, adds
+    the training answers' most frequent ids it lacks, their rows the target's (as a new head's
+    start), and its other weights; with --lm-head-int8 the saved LM head is int8 and the summary
+    measures that saved head."""
+    from outpace.train.answers import lm_head_rows
+    from outpace.train.draft_vocab import answer_counts
+    root, config, summary = trained
+    first = load_file(str(root / "a" / "head" / "model.safetensors"))
+    shutil.copytree(root / "a" / "data", root / "wide" / "data")
+    wide = train_head(TrainConfig(**{**vars(config), "out": str(root / "wide"), "init_head": str(root / "a" / "head"),
+                                     "draft_vocab": 1536, "max_steps": 0, "lm_head_int8": True}))
+    assert wide["draft_vocab"] == 1536
+    saved = load_file(str(root / "wide" / "head" / "model.safetensors"))
+    ids = torch.arange(1536) + saved["d2t"]
+    own = torch.arange(1024) + first["d2t"]
+    assert torch.equal(ids, ids.sort().values) and torch.isin(own, ids).all()
+    # the new ids: the answers' most frequent among those the head lacked
+    counts = answer_counts(load_shards(root / "a" / "data", "train"), 49152)
+    new = ids[~torch.isin(ids, own)]
+    rest = counts.clone()
+    rest[own] = -1
+    assert counts[new].min() >= rest.topk(len(new)).values.min()
+    rows = saved["lm_head.weight"].float() * saved["lm_head.weight_scale"][:, None]
+    scale = saved["lm_head.weight_scale"][:, None]
+    kept = torch.searchsorted(ids, own)
+    assert ((rows[kept] - first["lm_head.weight"].float()).abs() <= scale[kept] / 2 + 1e-6).all()
+    target = LLM(str(root / "target"), spec="none", dtype="float32", device="cpu", calibrate=False).engine.model
+    fresh = torch.searchsorted(ids, new)
+    assert ((rows[fresh] - lm_head_rows(target, new).float()).abs() <= scale[fresh] / 2 + 1e-6).all()
+    for name in ("fc.weight", "midlayer.mlp.down_proj.weight", "norm.weight"):
+        assert torch.equal(saved[name], first[name]), name
+    assert wide["saved_head_mean_accepted"] > 0
 
 
 def test_the_target_writes_its_own_prompts(tmp_path, default_model_dir):

@@ -377,11 +377,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--held-out", type=int, default=64, help="prompts held back to measure acceptance (default 64)")
     t.add_argument("--max-tokens", type=int, default=256, help="answer tokens at most (default 256)")
     t.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped (default 512)")
-    t.add_argument("--draft-vocab", type=int, default=8192,
-                   help="the head's draft vocabulary (default 8192; with --init-head, that head's)")
+    t.add_argument("--draft-vocab", type=int, default=None,
+                   help="the head's draft vocabulary (default 8192; with --init-head, that head's, and a larger "
+                        "one widens it by the answers' most frequent tokens)")
     t.add_argument("--init-head", default=None,
                    help="train this head further (its folder, or 'shipped': the one that ships for --model) "
-                        "instead of a new one; it keeps its draft vocabulary")
+                        "instead of a new one; it keeps its draft vocabulary unless --draft-vocab widens it")
+    t.add_argument("--lm-head-int8", action="store_true",
+                   help="save the head's LM head as int8 with a scale a row, half its bytes (read by outpace alone)")
     t.add_argument("--ttt-steps", type=int, default=7, help="unrolled steps of the training-time test (default 7)")
     t.add_argument("--epochs", type=int, default=2, help="passes over the answers (default 2)")
     t.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (a rerun continues)")

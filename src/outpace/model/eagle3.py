@@ -18,6 +18,10 @@ attention reads [input_norm(embedding), hidden_norm(feature)] (2H wide: q, k and
                      int64 (target id = draft id + d2t[draft id]); t2d [vocab_size] bool (which
                      target ids the draft vocabulary holds); optionally embed_tokens.weight (else
                      the target's embedding is shared).
+
+outpace's own extension, which heads it ships use to stay small: lm_head.weight may be int8 beside
+lm_head.weight_scale [draft_vocab_size] float32, a row's weights being its int8 values times its
+scale (save_eagle3_head's lm_head_int8).
 """
 from __future__ import annotations
 
@@ -54,7 +58,7 @@ WEIGHTS = {
     "lm_head.weight": ("lm_head.weight", None),
     "d2t": ("d2t", None),
 }
-OPTIONAL = {"embed_tokens.weight", "t2d"}
+OPTIONAL = {"embed_tokens.weight", "t2d", "lm_head.weight_scale"}
 
 
 class Eagle3Head(DraftHead):
@@ -161,6 +165,7 @@ def load_eagle3_head(folder: Path, target: ModelConfig, dtype: torch.dtype, devi
     missing = [name for name in WEIGHTS if name not in tensors]
     if missing:
         raise CorruptModelError(f"weights missing from {folder}: {', '.join(missing[:5])}")
+    _dequantize_lm_head(tensors, folder)
     with torch.no_grad():
         for name, (ours, shard) in WEIGHTS.items():
             dest = params[ours]
@@ -197,6 +202,19 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _dequantize_lm_head(tensors: dict[str, torch.Tensor], folder: Path) -> None:
+    """An int8 LM head (lm_head_int8) in float32: each row's values times its scale."""
+    weight, scale = tensors["lm_head.weight"], tensors.pop("lm_head.weight_scale", None)
+    if weight.dtype != torch.int8:
+        if scale is not None:
+            raise CorruptModelError(f"{folder}: lm_head.weight_scale beside an LM head of {weight.dtype}, not int8")
+        return
+    if scale is None or scale.shape != weight.shape[:1]:
+        raise CorruptModelError(f"{folder}: an int8 lm_head.weight needs lm_head.weight_scale of shape "
+                                f"[{weight.shape[0]}] (one scale a row)")
+    tensors["lm_head.weight"] = weight.float() * scale.float()[:, None]
+
+
 def _check_vocab_map(head: Eagle3Head, t2d: torch.Tensor | None, folder: Path) -> None:
     """d2t must map the draft ids onto distinct target ids, and t2d (when given) mark exactly them."""
     cfg = head.cfg
@@ -211,9 +229,11 @@ def _check_vocab_map(head: Eagle3Head, t2d: torch.Tensor | None, folder: Path) -
 
 
 def save_eagle3_head(head: Eagle3Head, folder: Path, dtype: torch.dtype = torch.bfloat16,
-                     target_name: str | None = None) -> None:
+                     target_name: str | None = None, lm_head_int8: bool = False) -> None:
     """Write the head in the published layout (the vocabulary map and norms keep their dtypes'
-    meaning: d2t int64, t2d bool)."""
+    meaning: d2t int64, t2d bool). lm_head_int8: the LM head, the largest matrix of a head with a
+    large draft vocabulary, as int8 with a float32 scale a row (its largest magnitude over 127),
+    half its bfloat16 bytes; only outpace reads that extension."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cfg = head.cfg
@@ -226,6 +246,11 @@ def save_eagle3_head(head: Eagle3Head, folder: Path, dtype: torch.dtype = torch.
         tensors[name] = tensor.to("cpu", torch.long if name == "d2t" else dtype).contiguous()
     ids = head.to_target(torch.arange(cfg.draft_vocab_size, device=head.d2t.device)).cpu()
     tensors["t2d"] = torch.zeros(cfg.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
+    if lm_head_int8:
+        weight = state["lm_head.weight"].detach().to("cpu", torch.float32)
+        scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+        tensors["lm_head.weight"] = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        tensors["lm_head.weight_scale"] = scale
     save_file(tensors, str(folder / "model.safetensors"))
     config = {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,

@@ -14,7 +14,9 @@ Steps, each resumable in the output folder:
      give the target's distributions) are computed from them as it trains (answers.py).
   3. The draft vocabulary: the `draft_vocab` target tokens most frequent in the training answers;
      with `init_head` the head starts from that head's weights and keeps its draft vocabulary and
-     layers (a head trained further on new prompts: data need not outlive a session).
+     layers (a head trained further on new prompts: data need not outlive a session), or, given
+     a larger `draft_vocab`, its vocabulary widens by the answers' most frequent tokens it lacks
+     (widen_vocab: their LM head rows start from the target's).
   4. Training (unroll.py): batches of like lengths (epoch_batches), `ttt_steps` unrolled steps a
      batch, AdamW, linear warm-up then cosine decay to a tenth, gradients clipped at 0.5. The
      head's LM head starts from the target's rows of the draft vocabulary (a new head's); its
@@ -25,7 +27,8 @@ Steps, each resumable in the output folder:
      continues. A batch's sequences are a function of (seed, step) alone and the head's start of
      the seed, so a fixed seed gives the same head, resumed or not (on one device and thread
      count). head/ holds the result in the published EAGLE-3 layout; summary.json and log.jsonl
-     what it took and how acceptance rose.
+     what it took and how acceptance rose. With `lm_head_int8` the head's LM head is saved as int8
+     (save_eagle3_head), and the saved head's acceptance is measured again after the last step.
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ from outpace.train.self_prompts import self_prompts
 from outpace.train.task_prompts import task_prompts
 from outpace.weights.hub import shipped_head
 
+DEFAULT_DRAFT_VOCAB = 8192
 GRAD_CLIP = 0.5
 GROUP_BATCHES = 64      # batches whose sequences are sorted by length together (epoch_batches)
 MIN_LR_FRACTION = 0.1
@@ -78,8 +82,8 @@ class TrainConfig:
     # answers) the 8192 most frequent ids of one half cover 88% of the other half's tokens (4096:
     # 83%, 16384: 93%), and the LM head, the head's largest matrix, is 6x smaller than the full
     # vocabulary's. The default model's head is then 9.8M parameters, 19.6 MB in bfloat16; 4096
-    # makes it 14.9 MB
-    draft_vocab: int = 8192
+    # makes it 14.9 MB, and so does 8192 with lm_head_int8. None: 8192 for a new head, init_head's own
+    draft_vocab: int | None = None
     init_head: str | None = None    # start from this head's folder ("shipped": the model's shipped head)
     ttt_steps: int = 7              # unrolled steps (EAGLE-3's training-time test; SpecForge's default)
     epochs: int = 2                 # the learning rate's schedule spans them
@@ -95,11 +99,12 @@ class TrainConfig:
     max_num_seqs: int = 64          # prompts answered at once
     shard_size: int = 256
     save_dtype: str = "bfloat16"
+    lm_head_int8: bool = False      # the saved LM head in int8, a float32 scale a row (save_eagle3_head)
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "held_out", "max_tokens", "max_prompt_tokens", "draft_vocab", "ttt_steps",
                      "epochs", "batch_size", "eval_every", "checkpoint_every", "max_num_seqs", "shard_size"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidParameterError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.file_prompts is not None and self.file_prompts < 0:
             raise InvalidParameterError(f"file-prompts must be >= 0, got {self.file_prompts}")
@@ -138,6 +143,10 @@ def train_head(config: TrainConfig) -> dict:
     if config.init_head is not None:
         folder = shipped_head(config.model) if config.init_head == "shipped" else Path(config.init_head)
         start = _loaded_head(folder, target, config.max_prompt_tokens + config.max_tokens + config.ttt_steps + 1)
+        if config.draft_vocab is not None and config.draft_vocab < start.cfg.draft_vocab_size:
+            raise InvalidParameterError(f"the head in {folder} drafts {start.cfg.draft_vocab_size} ids; a vocabulary "
+                                        f"only widens: give --draft-vocab {start.cfg.draft_vocab_size} or more, or "
+                                        "leave it out")
     if config.self_prompts:
         prompts = prompts + self_prompts(llm, config.self_prompts, config.seed, out / "self_prompts.jsonl")
     order = list(range(len(prompts)))
@@ -165,10 +174,11 @@ def train_head(config: TrainConfig) -> dict:
     counts = answer_counts(train_seqs, target.cfg.vocab_size)
     longest = max(len(s.tokens) for s in train_seqs + held_seqs)
     if start is not None:
-        head = start
+        head = start if config.draft_vocab is None else widen_vocab(start, target, counts, config.draft_vocab)
         ids, layers = head.to_target(torch.arange(head.cfg.draft_vocab_size)), head.cfg.target_layers
     else:
-        ids, layers = draft_vocab(counts, config.draft_vocab), default_layers(target.cfg.num_layers)
+        ids = draft_vocab(counts, DEFAULT_DRAFT_VOCAB if config.draft_vocab is None else config.draft_vocab)
+        layers = default_layers(target.cfg.num_layers)
         head = _new_head(target, layers, ids, longest + config.ttt_steps + 1, config.seed)
     head = head.to(device)
     answers = Answers(target, layers, ids, config.ttt_steps, device, longest, config.batch_size)
@@ -223,7 +233,12 @@ def train_head(config: TrainConfig) -> dict:
     train_s = time.perf_counter() - t1
 
     # ---- the result -----------------------------------------------------------------------------
-    save_eagle3_head(head.float(), out / "head", getattr(torch, config.save_dtype), config.model)
+    save_eagle3_head(head.float(), out / "head", getattr(torch, config.save_dtype), config.model, config.lm_head_int8)
+    if config.lm_head_int8:             # what the rounding of the LM head costs, as the saved head drafts
+        saved = _loaded_head(out / "head", target, longest + config.ttt_steps + 1).to(device)
+        per_seq = answers.accepted(saved.eval(), held_seqs, config.batch_size, lambda: _autocast(device))
+        accepted, _, positions = (sum(column) for column in zip(*per_seq)) if per_seq else (0, 0, 0)
+        tqdm.write(f"the saved head (int8 LM head): {accepted / max(positions, 1):.3f} drafts accepted a position")
     summary = {
         "target": config.model, "device": str(device), "seed": config.seed, "init_head": config.init_head,
         "train_sequences": len(train_seqs), "task_prompts_answered": tasks_answered,
@@ -231,6 +246,7 @@ def train_head(config: TrainConfig) -> dict:
         "train_tokens": sum(len(s.tokens) for s in train_seqs),
         "train_answer_tokens": sum(len(s.tokens) - s.prompt_len for s in train_seqs),
         "held_out_sequences": len(held_seqs), "steps": step, "ttt_steps": config.ttt_steps,
+        "saved_head_mean_accepted": accepted / max(positions, 1) if config.lm_head_int8 else log[-1]["mean_accepted"],
         "draft_vocab": len(ids), "draft_vocab_coverage_train": coverage(counts, ids),
         "draft_vocab_coverage_held_out": coverage(answer_counts(held_seqs, target.cfg.vocab_size), ids),
         "head_parameters": sum(p.numel() for p in head.parameters()),
@@ -283,6 +299,28 @@ def _new_head(target, layers: tuple[int, ...], ids: torch.Tensor, max_len: int, 
         head.lm_head.weight.copy_(lm_head_rows(target, ids.to(target.norm.weight.device)).float().cpu())
         head.d2t.copy_(ids - torch.arange(len(ids)))
     return head
+
+
+def widen_vocab(head: Eagle3Head, target, counts: torch.Tensor, size: int) -> Eagle3Head:
+    """The head with a draft vocabulary of `size`: its own ids and the most frequent of the rest by
+    counts, in increasing order; its ids keep their LM head rows, the new ones start from the
+    target's (as a new head's all do). Its other weights are the head's."""
+    if size == head.cfg.draft_vocab_size:
+        return head
+    own = head.to_target(torch.arange(head.cfg.draft_vocab_size))
+    first = counts.clone()
+    first[own] = counts.max() + 1                       # the head's own ids ahead of any other
+    ids = draft_vocab(first, size)
+    widened = Eagle3Head(dataclasses.replace(head.cfg, draft_vocab_size=len(ids)), head.max_positions)
+    state = {k: v for k, v in head.state_dict().items() if k not in ("lm_head.weight", "d2t")}
+    widened.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        rows = lm_head_rows(target, ids.to(target.norm.weight.device)).float().cpu()
+        kept = torch.searchsorted(ids, own)             # where each of the head's ids sits among the new
+        rows[kept] = head.lm_head.weight.detach().float()
+        widened.lm_head.weight.copy_(rows)
+        widened.d2t.copy_(ids - torch.arange(len(ids)))
+    return widened.train().requires_grad_(True)
 
 
 def _loaded_head(folder: Path, target, max_len: int) -> Eagle3Head:
