@@ -213,6 +213,15 @@ def test_a_larger_draft_vocab_widens_a_saved_head(trained):
     for name in ("fc.weight", "midlayer.mlp.down_proj.weight", "norm.weight"):
         assert torch.equal(saved[name], first[name]), name
     assert wide["saved_head_mean_accepted"] > 0
+    # the engine drafts with the int8 head, and greedy output stays the target's
+    prompts = [s.tokens[:s.prompt_len].tolist() for s in load_shards(root / "a" / "data", "heldout")][:4]
+    spec = SpecConfig(method="eagle3", draft_head=str(root / "wide" / "head"), num_draft_tokens=3)
+    llm = LLM(str(root / "target"), spec=spec, dtype="float32", device="cpu", max_num_seqs=4, calibrate=False,
+              max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=16)
+    drafted = llm.generate(prompts, params)
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in llm.generate(prompts, params, speculate=False)]
+    assert sum(o.spec["num_draft_tokens"] for o in drafted) > 0
 
 
 def test_the_target_writes_its_own_prompts(tmp_path, default_model_dir):
