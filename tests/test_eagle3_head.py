@@ -201,8 +201,10 @@ def test_the_default_models_head_ships_and_drafts(default_model_dir):
     assert spec.spec["num_draft_tokens"] > 0
     # a random head's argmax almost never is the target's token; this head's: 41 of 419 here
     assert spec.spec["num_accepted_tokens"] >= max(10, 0.03 * spec.spec["num_draft_tokens"])
-    # beside the quantized target (the GGUF's matrices kept, weights auto), the head's are Q8_0
+    # beside the quantized target (the GGUF's matrices kept, weights auto), the head's are Q8_0,
+    # its LM head Q4_0
     from outpace.kernels.cpu_linear import QuantizedLinear
     if isinstance(llm.engine.model.layers[0].mlp.down, QuantizedLinear):
         head = llm.engine.drafter.head
-        assert all(isinstance(m, QuantizedLinear) and m.qtype == "Q8_0" for m in (head.fc, head.qkv, head.lm_head))
+        assert all(isinstance(m, QuantizedLinear) and m.qtype == "Q8_0" for m in (head.fc, head.qkv))
+        assert isinstance(head.lm_head, QuantizedLinear) and head.lm_head.qtype == "Q4_0"

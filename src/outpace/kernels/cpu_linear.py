@@ -112,17 +112,21 @@ def pack_linears(model: nn.Module) -> None:
                                         f"or use --dtype float32")
 
 
-def quantize_linears(model: nn.Module) -> None:
+def quantize_linears(model: nn.Module, q4_0: tuple[str, ...] = ()) -> None:
     """Replace every nn.Linear of a CPU module whose inputs are whole blocks of 32 with a
-    QuantizedLinear over its weight quantized to Q8_0 (quantize_q8_0), in place; others are packed
-    as pack_linears packs them. For a drafter beside a quantized target (a head): half the bytes
-    of bfloat16 to stream a draft, at the int8 products' rounding, which changes drafts only."""
+    QuantizedLinear over its weight quantized to Q8_0 (quantize_q8_0), or to Q4_0 for the layers
+    named in q4_0 (quantize_q4_0), in place; others are packed as pack_linears packs them. For a
+    drafter beside a quantized target (a head): half the bytes of bfloat16 to stream a draft (a
+    quarter in Q4_0), at the int8 products' rounding, which changes drafts only."""
     if cpu_kernels.has_library():
         for name, module in list(model.named_modules()):
             for child_name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear) and child.in_features % 32 == 0:
-                    layer = QuantizedLinear(quantize_q8_0(child.weight.detach()), "Q8_0", child.in_features,
-                                            child.out_features, child.bias is not None)
+                    full = f"{name}.{child_name}" if name else child_name
+                    weight = child.weight.detach()
+                    blocks, qtype = ((cpu_kernels.quantize_q4_0(weight), "Q4_0") if full in q4_0
+                                     else (quantize_q8_0(weight), "Q8_0"))
+                    layer = QuantizedLinear(blocks, qtype, child.in_features, child.out_features, child.bias is not None)
                     if child.bias is not None:
                         layer.bias.data.copy_(child.bias.detach().float())
                     setattr(module, child_name, layer)
