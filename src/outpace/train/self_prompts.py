@@ -59,12 +59,13 @@ def self_prompts(llm: LLM, count: int, seed: int, path: Path) -> list[str]:
         for i in range(0, batch, CHUNK):
             outputs += llm.generate([prefix] * len(params[i:i + CHUNK]), params[i:i + CHUNK], speculate=False,
                                     on_tokens=lambda seq: bar.update(1) if seq.is_finished else None)
-        bar.close()
         for out in outputs:                 # in request order, so the prompts kept depend on the seed alone
             text = out.text.strip()
             if out.finish_reason == "stop" and len(text) >= MIN_CHARS and text not in seen and len(prompts) < count:
                 seen.add(text)
                 prompts.append(text)
+        bar.set_description(f"writing prompts ({len(prompts)} of {count} kept)")    # the round's own too
+        bar.close()
     if len(prompts) < count:
         raise InvalidParameterError(f"the model wrote {len(prompts)} distinct finished prompts of {count} in "
                                     f"{asked} tries: ask for fewer --self-prompts")
