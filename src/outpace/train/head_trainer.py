@@ -192,10 +192,10 @@ def train_head(config: TrainConfig) -> dict:
         optimizer.load_state_dict(checkpoint["optimizer"])
         step, log = checkpoint["step"], checkpoint["log"]
 
-    def evaluate() -> dict:
-        head.eval()
-        per_seq = answers.accepted(head, held_seqs, config.batch_size, lambda: _autocast(device))
-        head.train()
+    def evaluate(model: Eagle3Head = head) -> dict:
+        model.eval()
+        per_seq = answers.accepted(model, held_seqs, config.batch_size, lambda: _autocast(device))
+        model.train()
         accepted, _, positions = (sum(column) for column in zip(*per_seq)) if per_seq else (0, 0, 0)
         return {"step": step, "mean_accepted": accepted / max(positions, 1), "positions": positions}
 
@@ -234,11 +234,11 @@ def train_head(config: TrainConfig) -> dict:
 
     # ---- the result -----------------------------------------------------------------------------
     save_eagle3_head(head.float(), out / "head", getattr(torch, config.save_dtype), config.model, config.lm_head_int8)
+    saved_accepted = log[-1]["mean_accepted"]
     if config.lm_head_int8:             # what the rounding of the LM head costs, as the saved head drafts
-        saved = _loaded_head(out / "head", target, longest + config.ttt_steps + 1).to(device)
-        per_seq = answers.accepted(saved.eval(), held_seqs, config.batch_size, lambda: _autocast(device))
-        accepted, _, positions = (sum(column) for column in zip(*per_seq)) if per_seq else (0, 0, 0)
-        tqdm.write(f"the saved head (int8 LM head): {accepted / max(positions, 1):.3f} drafts accepted a position")
+        saved_accepted = evaluate(_loaded_head(out / "head", target, longest + config.ttt_steps + 1).to(device))[
+            "mean_accepted"]
+        tqdm.write(f"the saved head (int8 LM head): {saved_accepted:.3f} drafts accepted a position")
     summary = {
         "target": config.model, "device": str(device), "seed": config.seed, "init_head": config.init_head,
         "train_sequences": len(train_seqs), "task_prompts_answered": tasks_answered,
@@ -246,7 +246,7 @@ def train_head(config: TrainConfig) -> dict:
         "train_tokens": sum(len(s.tokens) for s in train_seqs),
         "train_answer_tokens": sum(len(s.tokens) - s.prompt_len for s in train_seqs),
         "held_out_sequences": len(held_seqs), "steps": step, "ttt_steps": config.ttt_steps,
-        "saved_head_mean_accepted": accepted / max(positions, 1) if config.lm_head_int8 else log[-1]["mean_accepted"],
+        "saved_head_mean_accepted": saved_accepted,
         "draft_vocab": len(ids), "draft_vocab_coverage_train": coverage(counts, ids),
         "draft_vocab_coverage_held_out": coverage(answer_counts(held_seqs, target.cfg.vocab_size), ids),
         "head_parameters": sum(p.numel() for p in head.parameters()),
