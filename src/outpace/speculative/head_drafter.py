@@ -64,6 +64,11 @@ from outpace.speculative.head_graphs import (HeadGraphs, HeadGraphStep, HeadTree
 # verify steps' pairs a row may hold pending beyond one step's before it catches up undrafted
 PENDING_STEPS = 32
 PRICE_DECAY = 0.9           # per drafting step, on the CPU's measured seconds of a catch-up and a drafted token
+# a measure counts as at most this many times the larger of the price and the measure before it:
+# one stalled propose (200 ms) had set the price of a drafted token to 100 times its work, and the
+# head never drafted again to measure it anew; a slowdown that lasts is followed from its second
+# measure on
+PRICE_OUTLIER = 4.0
 # (context, cache length) -> the head, loaded and checked against the target
 HeadLoader = Callable[[DraftContext, int], DraftHead]
 
@@ -85,6 +90,7 @@ class HeadDrafter(Drafter):
         self.given_up: set[int] = set()             # sequences the head drafts no more for (pending path)
         self.per_token: dict[int, float] = {}       # batch bucket -> seconds per drafted token
         self.per_step: dict[int, float] = {}        # batch bucket -> seconds of a step's catch-up
+        self.last_measured: dict[tuple[str, int], float] = {}   # (price, bucket) -> its last measure
         self.caught_up = (0.0, 0)                   # the last propose's catch-up (_catch_up_pending's return)
         self.step: HeadGraphStep | None = None      # the head's part of the target's graph step, if any
 
@@ -414,11 +420,18 @@ class HeadDrafter(Drafter):
             if tokens:
                 b = self._bucket(len(batch))
                 catch_up, pairs = self.caught_up
-                seconds = (time.perf_counter() - t0 - catch_up) / tokens
-                self.per_token[b] = PRICE_DECAY * self.per_token[b] + (1 - PRICE_DECAY) * seconds
+                self._price(self.per_token, "token", b, (time.perf_counter() - t0 - catch_up) / tokens)
                 if 0 < pairs <= 1 + max(batch.budget):
-                    self.per_step[b] = PRICE_DECAY * self.per_step[b] + (1 - PRICE_DECAY) * catch_up
+                    self._price(self.per_step, "step", b, catch_up)
         return drafts
+
+    def _price(self, prices: dict[int, float], name: str, bucket: int, seconds: float) -> None:
+        """Move a price a step of PRICE_DECAY toward a measure, the measure held to PRICE_OUTLIER
+        times the larger of the price and the last measure."""
+        last = self.last_measured.get((name, bucket), prices[bucket])
+        self.last_measured[name, bucket] = seconds
+        seconds = min(seconds, PRICE_OUTLIER * max(prices[bucket], last))
+        prices[bucket] = PRICE_DECAY * prices[bucket] + (1 - PRICE_DECAY) * seconds
 
     @torch.inference_mode()
     def _propose(self, batch: DraftBatch) -> Drafts:
