@@ -64,6 +64,38 @@ def test_a_random_head_keeps_greedy_output(folders, plain, tree_width):
     assert sorted(llm.engine.scheduler.free_slots) == [0, 1, 2]
 
 
+
+def test_chains_cut_by_p_min_keep_greedy_output(folders, plain):
+    """A head's chains stop at their first draft below p_min: rows draft a part of their budgets,
+    fewer tokens in all, and greedy output stays plain's."""
+    drafted = {}
+    for p_min in (0.0, 0.9):
+        llm = _llm(folders, p_min=p_min)
+        drafter, cuts = llm.engine.drafter, []
+        propose = drafter.propose
+
+        def recorded(batch):
+            drafts = propose(batch)
+            cuts.extend((n, k) for n, k in zip(drafts.num_draft_host, batch.budget) if k)
+            return drafts
+
+        drafter.propose = recorded
+        out = llm.generate(PROMPTS, PARAMS)
+        assert [o.token_ids for o in out] == plain
+        drafted[p_min] = sum(o.spec["num_draft_tokens"] for o in out)
+        # without a stop a row drafts its whole budget, or nothing where its prompt is not caught up
+        assert any(0 < n < k for n, k in cuts) if p_min else all(n in (0, k) for n, k in cuts)
+    assert 0 < drafted[0.9] < drafted[0.0]
+
+
+def test_a_heads_chains_stop_below_head_p_min_unless_told():
+    from outpace.config import HEAD_P_MIN
+    assert SpecConfig(method="eagle3").p_min == SpecConfig(method="mtp", draft_head="m").p_min == HEAD_P_MIN > 0
+    assert SpecConfig(method="draft", draft_model="d").p_min == SpecConfig().p_min == 0.0
+    assert SpecConfig(method="eagle3", p_min=0.0).p_min == 0.0
+    with pytest.raises(ValueError, match="p_min"):
+        SpecConfig(method="eagle3", p_min=1.0)
+
 def test_a_tree_head_asked_for_chains_drafts_chains(folders, plain):
     """The controller may give a tree head's step chains (DraftBatch.tree_width 1): steps that
     alternate between chains and trees keep greedy output, and the chain steps' drafts are
@@ -821,11 +853,13 @@ def test_on_the_cpu_causal_forwards_run_in_the_attention_kernel(folders, qk_norm
 def test_on_the_cpu_a_head_layer_or_chain_is_one_kernel_call(folders, dtype):
     """On the CPU an EAGLE-3 head's catch-up forward, and a whole greedy chain, run in one kernel
     call each (cpu_kernels.PairHead): outputs, drafts and the keys and values written are the
-    head's forwards through the same kernels one Python call at a time, bit for bit."""
+    head's forwards through the same kernels one Python call at a time, bit for bit (no
+    confidence stop: the next test has it)."""
     from outpace.kernels import cpu_kernels
     if not cpu_kernels.has_library():
         pytest.skip("no C compiler: the CPU kernels are not built")
-    llm = LLM(str(folders[0]), spec=SpecConfig(method="eagle3", draft_head=str(folders[1]), num_draft_tokens=4),
+    llm = LLM(str(folders[0]), spec=SpecConfig(method="eagle3", draft_head=str(folders[1]), num_draft_tokens=4,
+                                               p_min=0.0),
               **dict(OPTIONS, dtype=str(dtype).removeprefix("torch.")))
     drafter = llm.engine.drafter
     pair = drafter.pair
@@ -834,11 +868,54 @@ def test_on_the_cpu_a_head_layer_or_chain_is_one_kernel_call(folders, dtype):
     drafter.last_out.normal_()
     results = _each_way(drafter, before, "pair", (pair, None),
                         lambda: [drafter._causal_forward(feature, tokens, slots, positions, 8),
-                                 drafter._chains(slots, torch.tensor([7, 4]), 4, 7)])
+                                 *drafter._chains(slots, torch.tensor([7, 4]), 4, 7)])
     for one_call, per_op in zip(*results):
         assert torch.equal(one_call, per_op)
-    assert not torch.equal(results[0][2], before[0])        # the pairs' keys were written
+    assert not torch.equal(results[0][3], before[0])        # the pairs' keys were written
 
+
+
+@pytest.mark.parametrize("pair", [True, False], ids=["kernel", "per op"])
+def test_a_chain_stops_at_its_first_draft_below_p_min(folders, pair):
+    """With p_min, a chain's length is its drafts before the first whose probability (the head's
+    top softmax probability there) is below p_min, in the one-call kernel and per op alike, and
+    its drafts up to there are those drafted without a stop. p_min is set between two of the
+    probabilities a full chain drafts at, so that the rows stop at different depths."""
+    from outpace.kernels import cpu_kernels
+    if pair and not cpu_kernels.has_library():
+        pytest.skip("no C compiler: the CPU kernels are not built")
+    llm = LLM(str(folders[0]), spec=SpecConfig(method="eagle3", draft_head=str(folders[1]), num_draft_tokens=4,
+                                               p_min=0.0), **dict(OPTIONS, dtype="float32"))
+    drafter = llm.engine.drafter
+    one_call = drafter.pair if pair else None
+    _, _, slots, _, before = _random_pairs(drafter, torch.float32)
+    torch.manual_seed(1)
+    drafter.last_out.normal_(std=3)
+    logits, probabilities = drafter.head.logits, []
+
+    def recorded(out):
+        result = logits(out)
+        probabilities.append(result.float().softmax(-1).amax(-1))
+        return result
+
+    depth, starts = 4, torch.tensor([7, 4])
+    drafter.head.logits = recorded
+    full, lengths = _each_way(drafter, before, "pair", (None,),
+                              lambda: [drafter._chains(slots, starts, depth, 7)])[0][0]
+    drafter.head.logits = logits
+    assert lengths.tolist() == [depth, depth]
+    probabilities = torch.stack(probabilities, 1)                       # [rows, depth]
+    values = probabilities.flatten().sort().values
+    cut = (values[3] + values[4]).item() / 2                            # between the 4th and 5th of 8
+    below = probabilities < cut
+    expected = torch.where(below.any(1), below.long().argmax(1), depth)
+    assert expected.tolist() != [depth, depth] and expected.unique().numel() == 2, expected
+    drafter.p_min = cut
+    chains, lengths = _each_way(drafter, before, "pair", (one_call,),
+                                lambda: [drafter._chains(slots, starts, depth, 7)])[0][0]
+    assert lengths.tolist() == expected.tolist()
+    for row, n in enumerate(expected.tolist()):
+        assert chains[row, :n].tolist() == full[row, :n].tolist()
 
 def test_on_the_cpu_drafting_is_priced_at_what_it_takes(folders, plain):
     """A head whose drafting takes far longer than its load-time measure (here each propose

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from outpace.config import DRAFT_WEIGHTS, SPEC_METHODS, WEIGHTS
+from outpace.config import DRAFT_WEIGHTS, HEAD_P_MIN, SPEC_METHODS, WEIGHTS
 from outpace.errors import InvalidParameterError, OutpaceError
 
 # the names in outpace.weights.hub.REGISTRY (tests/test_release.py keeps them in step)
@@ -71,8 +71,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "an EAGLE-3 head on the target's hidden states; mtp: a multi-token-prediction module)")
     p.add_argument("--draft-model", default=None,
                    help="with --spec draft: a small model of the target's tokenizer (a known name, a folder or a .gguf)")
-    p.add_argument("--p-min", type=float, default=0.0,
-                   help="with --spec draft: stop drafting a row when the draft's top probability falls below this")
+    p.add_argument("--p-min", type=float, default=None,
+                   help="stop drafting a row when the draft's top probability falls below this (default: 0, no stop, "
+                        f"for --spec draft; {HEAD_P_MIN} for a head's chains, --spec eagle3 or mtp)")
     p.add_argument("--draft-vocab", type=int, default=32768,
                    help="with --spec draft: draft among the first N token ids, the most frequent in BPE vocabularies "
                         "(default 32768; 0: all): the draft's LM head shrinks to N rows")

@@ -117,6 +117,10 @@ MAX_NUM_DRAFT_TOKENS = 32       # the most tokens drafted per step, wherever a b
 # lookup drafts is one the model does not, and shorter matches' drafts are accepted less often
 # than a draft model's (docs/BENCHMARKS.md, the draft model)
 DRAFT_CHAIN_MIN_NGRAM = 3
+# a head's chains stop at the first draft whose top probability is below this (SpecConfig.p_min):
+# on an AMD EPYC with AVX-512 the default model's head alone read 1.284x plain at 0.15 against 1.251x
+# without a stop, 1.263x at 0.25 (docs/BENCHMARKS.md, the EAGLE-3 head on the CPU)
+HEAD_P_MIN = 0.15
 
 
 DRAFT_WEIGHTS = ("q4_0", "file")
@@ -126,7 +130,8 @@ DRAFT_WEIGHTS = ("q4_0", "file")
 class SpecConfig:
     """Speculative decoding. method 'ngram' drafts by prompt lookup over prompt plus output;
     'draft' by a small model of the same tokenizer (draft_model: a known name, a Hugging Face
-    folder or a .gguf file), which stops drafting a row when its top probability falls below p_min,
+    folder or a .gguf file), which stops drafting a row when its top probability falls below p_min
+    (None: 0, no stop),
     and drafts among the first draft_vocab token ids (0: all of them; BPE vocabularies number their
     tokens by merge order, most frequent first, and the draft's LM head is then that much smaller)
     and reads only the last draft_window tokens of each prompt (0: all of it); draft_weights: how
@@ -137,7 +142,10 @@ class SpecConfig:
     'eagle3' by an EAGLE-3 head on the target's hidden states (draft_head: its folder; without
     one, the head that ships for a known model: outpace/heads/<name>); 'mtp' by
     a multi-token-prediction module (draft_head: the folder holding its weights, the target's own
-    where it ships one). With ngram_first, n-gram lookup drafts where the sequence's tail matches,
+    where it ships one); a head's chain stops, as a draft model's does, at its first draft below
+    p_min (None: HEAD_P_MIN; on the CPU and wherever its chains draft outside CUDA graphs: a
+    graph step drafts and verifies the chain's full depth, so a stop would save nothing there).
+    With ngram_first, n-gram lookup drafts where the sequence's tail matches,
     the model or head elsewhere.
 
     tree_width: candidates per tree node (1: chains); above 1 a head drafts token trees of its
@@ -169,7 +177,7 @@ class SpecConfig:
     lookup_memory: int = 0
     exact: bool = False
     draft_model: str | None = None
-    p_min: float = 0.0
+    p_min: float | None = None
     draft_vocab: int = 32768
     draft_window: int = 0
     draft_weights: str = "q4_0"
@@ -190,6 +198,8 @@ class SpecConfig:
         _check(self.lookup_memory >= 0, f"lookup_memory must be >= 0 tokens (0: none), got {self.lookup_memory}")
         _check(self.method != "draft" or bool(self.draft_model),
                "method 'draft' needs draft_model: a known model name, a Hugging Face folder or a .gguf file")
+        if self.p_min is None:
+            self.p_min = HEAD_P_MIN if self.method in ("eagle3", "mtp") else 0.0
         _check(0.0 <= self.p_min < 1.0, f"p_min must be in [0, 1), got {self.p_min}")
         _check(self.draft_vocab >= 0, f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
         _check(self.draft_window >= 0, f"draft_window must be >= 0 (0: the whole prompt), got {self.draft_window}")

@@ -402,15 +402,29 @@ int head_layer(const PairHead *hd, int wide, const void *feature, const int64_t 
     return failed;
 }
 
+/* The largest softmax probability of a row of n logits x whose maximum is top: 1 / sum exp(x - top),
+ * summed in LANES partial sums (a loop the compiler vectorises) */
+static float top_probability(const float *x, long n, float top) {
+    float part[LANES] = {0}, total = 0.0f;
+    long j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int l = 0; l < LANES; l++) part[l] += exp_f32(x[j + l] - top);
+    for (; j < n; j++) total += exp_f32(x[j] - top);
+    for (int l = 0; l < LANES; l++) total += part[l];
+    return 1.0f / total;
+}
+
 /* The head's greedy chains of `depth` drafts for R rows (slots [R], their last tokens at positions
  * starts [R]), from each row's stored output out [R, hidden] (overwritten): draft d is the argmax
  * of the LM head over the final norm of the output before it (DraftHead.logits: the logits in the
  * activations' dtype, then float32), as the target's id; drafts past the first are fed back with
  * that output at position start + d - 1 (head_layer), writing the head's cache there. chain [R,
- * depth] int64. Returns as head_layer does. */
+ * depth] int64. lengths [R]: where p_min > 0, a row's drafts before the first whose probability
+ * (its logits' softmax maximum) is below p_min, else depth; the chains stop once every row's has
+ * (their later entries are left unwritten). Returns as head_layer does. */
 int head_chain(const PairHead *hd, int wide, void *out, long R, long depth, long hidden, long inter, float eps,
                long NH, long KVH, long D, long L, float scale, void *k_cache, void *v_cache, const int64_t *slots,
-               const int64_t *starts, int64_t *chain) {
+               const int64_t *starts, float p_min, int64_t *chain, int64_t *lengths) {
     long size = wide ? 4 : 2, V = hd->draft_vocab;
     int64_t *ids = malloc((size_t)(R * (16 + 4 * V + (hidden + V) * size)));
     if (!ids) return -1;
@@ -418,17 +432,24 @@ int head_chain(const PairHead *hd, int wide, void *out, long R, long depth, long
     float *wide_logits = (float *)(positions + R);
     char *normed = (char *)(wide_logits + R * V), *logits = normed + R * hidden * size;
     int failed = 0;
-    for (long d = 0; d < depth && !failed; d++) {
+    long open = R;      /* rows whose drafts are all above p_min so far */
+    for (long r = 0; r < R; r++) lengths[r] = depth;
+    for (long d = 0; d < depth && open && !failed; d++) {
         add_norm(wide, out, NULL, hd->final_norm, NULL, normed, R, hidden, eps);
         if ((failed = product(&hd->lm_head, normed, wide, R, hidden, logits, V))) break;
         for (long k = 0; k < R * V && !wide; k++) wide_logits[k] = bf16_to_f32(((bf16 *)logits)[k]);
-        argmax_f32(wide ? (const float *)logits : wide_logits, R, V, ids);
+        const float *rows = wide ? (const float *)logits : wide_logits;
+        argmax_f32(rows, R, V, ids);
         for (long r = 0; r < R; r++) {
+            if (p_min > 0.0f && lengths[r] == depth && top_probability(rows + r * V, V, rows[r * V + ids[r]]) < p_min) {
+                lengths[r] = d;
+                open--;
+            }
             ids[r] += hd->d2t[ids[r]];
             chain[r * depth + d] = ids[r];
             positions[r] = starts[r] + d;
         }
-        if (d + 1 < depth)
+        if (d + 1 < depth && open)
             failed = head_layer(hd, wide, out, ids, R, hidden, inter, eps, NH, KVH, D, L, scale, k_cache, v_cache,
                                 slots, 1, positions, out);
     }

@@ -74,7 +74,7 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decoder_stack.restype = ctypes.c_int
     lib.head_layer.argtypes = [p, ctypes.c_int, p, p, i, i, i, f, i, i, i, i, f, p, p, p, i, p, p]
     lib.head_layer.restype = ctypes.c_int
-    lib.head_chain.argtypes = [p, ctypes.c_int, p, i, i, i, i, f, i, i, i, i, f, p, p, p, p, p]
+    lib.head_chain.argtypes = [p, ctypes.c_int, p, i, i, i, i, f, i, i, i, i, f, p, p, p, p, f, p, p]
     lib.head_chain.restype = ctypes.c_int
     lib.linear.argtypes = [p, ctypes.c_int, i, i, p, ctypes.c_int, i, p, p, i]
     lib.linear.restype = ctypes.c_int
@@ -484,19 +484,22 @@ class PairHead:
         return out
 
     def chain(self, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-              starts: torch.Tensor, depth: int) -> torch.Tensor:
+              starts: torch.Tensor, depth: int, p_min: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy chains [R, depth] (the target's ids) of R rows in slots [R] whose last tokens sit
         at starts [R], from their stored outputs out [R, H]: draft d (from 1) is fed at position
-        start + d - 1, writing the head's entry there."""
+        start + d - 1, writing the head's entry there. Also each row's length [R]: its drafts
+        before the first whose probability is below p_min (depth where none is; a chain's entries
+        past every row's length are left unwritten)."""
         out = out.clone(memory_format=torch.contiguous_format)
         slots, starts = slots.contiguous(), starts.contiguous()
         self._check_positions(int(starts.max()) + depth - 2)
         R, H = out.shape
         KVH, L, D = k_cache.shape[1:]
-        chain = torch.empty(R, depth, dtype=torch.int64)
+        chain = torch.zeros(R, depth, dtype=torch.int64)
+        lengths = torch.empty(R, dtype=torch.int64)
         failed = _library().head_chain(
             ctypes.byref(self.head), self.dtype == torch.float32, out.data_ptr(), R, depth, H, self.intermediate,
             self.eps, self.num_heads, KVH, D, L, D ** -0.5, k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-            starts.data_ptr(), chain.data_ptr())
+            starts.data_ptr(), p_min, chain.data_ptr(), lengths.data_ptr())
         _raise_failed(failed, "head step")
-        return chain
+        return chain, lengths

@@ -31,7 +31,7 @@ def make_drafter(spec: SpecConfig, model: str, device: str, max_seqs: int, max_l
         return _after_lookup(model, spec, device, max_seqs, max_len, cuda_graphs) if spec.ngram_first else model
     if spec.method in HEADS:
         folder = spec.draft_head or str(shipped_head(model))
-        head = HeadDrafter(HEADS[spec.method](folder), spec.tree_width)
+        head = HeadDrafter(HEADS[spec.method](folder), spec.tree_width, spec.p_min)
         return _after_lookup(head, spec, device, max_seqs, max_len, cuda_graphs) if spec.ngram_first else head
     return Drafter()
 

@@ -80,9 +80,10 @@ class HeadDrafter(Drafter):
     # the head's (benchmarks/head_acceptance.py; docs/BENCHMARKS.md, the EAGLE-3 head)
     lookup_yields_below = 2
 
-    def __init__(self, load: HeadLoader, tree_width: int = 1):
+    def __init__(self, load: HeadLoader, tree_width: int = 1, p_min: float = 0.0):
         self.load = load
         self.tree_width = tree_width
+        self.p_min = p_min
         self.tokens: dict[int, list[int]] = {}      # seq_id -> its tokens: the prompt, then those accepted
         self.ready: dict[int, bool] = {}            # seq_id -> its prompt is caught up
         self.caught: dict[int, int] = {}            # seq_id -> pairs before this position are in the head's cache
@@ -156,8 +157,8 @@ class HeadDrafter(Drafter):
             hidden = self.last_out.new_zeros(b, 2, len(self.hidden_layers), cfg.target_hidden_size)
 
             def draft():
-                self.head.logits(self._causal_forward(self.last_out.new_zeros(b, 1, cfg.hidden_size), zeros,
-                                                      slots, zeros, 1))
+                self._pick(self._causal_forward(self.last_out.new_zeros(b, 1, cfg.hidden_size), zeros, slots,
+                                                zeros, 1)[:, 0])
 
             def catch_up():
                 self._catch_up(hidden, torch.zeros(b, 2, dtype=torch.long, device=self.device), list(range(b)),
@@ -450,9 +451,10 @@ class HeadDrafter(Drafter):
         drafts: list[list[int]] = [[] for _ in range(len(batch))]
         width = batch.tree_width or self.tree_width      # the controller may ask a chain of a tree drafter
         if width == 1:
-            chains = self._chains(slots, starts, max(budget), max(positions))
-            for i, n, chain in zip(rows, budget, chains.tolist()):      # the one host read of drafting
-                drafts[i] = chain[:n]
+            chains, lengths = self._chains(slots, starts, max(budget), max(positions))
+            # the one host read of drafting: each chain with its length as its last column
+            for i, n, chain in zip(rows, budget, torch.cat([chains, lengths[:, None]], 1).tolist()):
+                drafts[i] = chain[:min(n, chain[-1])]
             return Drafts.from_lists(drafts, device=self.device)
         tokens, scores, parents = self._candidates(slots, starts, max(budget), max(positions), width)
         best = torch.sort(-scores, dim=1, stable=True).indices[:, :max(budget)]   # ties: parents first
@@ -465,21 +467,34 @@ class HeadDrafter(Drafter):
             trees[i] = [node[pars[c]] if pars[c] >= 0 else -1 for c in chosen]
         return Drafts.from_lists(drafts, device=self.device, parents=trees)
 
-    def _chains(self, slots: torch.Tensor, starts: torch.Tensor, depth: int, max_start: int) -> torch.Tensor:
+    def _chains(self, slots: torch.Tensor, starts: torch.Tensor, depth: int,
+                max_start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """_candidates' tree of width 1, without its scores and tree bookkeeping: the head's argmax
-        chain [R, depth] (the target's ids) of R rows whose last tokens sit at starts [R]. Draft d
+        chain [R, depth] (the target's ids) of R rows whose last tokens sit at starts [R], and each
+        chain's length [R]: its drafts before the first whose probability is below p_min. Draft d
         (from 1) is fed at rotary position start + d - 1, writes its entry there and attends to
         it and every entry before it."""
         out = self.last_out[slots]                                              # [R, H]
-        if self.pair is not None:
-            return self.pair.chain(out, self.k_cache, self.v_cache, slots, starts, depth)
-        ids = self.head.logits(out).argmax(-1)                                  # [R] draft ids
-        chain = [self.head.to_target(ids)]
-        for d in range(1, depth):
-            at = (starts + d - 1)[:, None]                                      # [R, 1]
-            out = self._causal_forward(out[:, None], chain[-1][:, None], slots, at, max_start + d)[:, 0]
-            chain.append(self.head.to_target(self.head.logits(out).argmax(-1)))
-        return torch.stack(chain, 1)
+        if self.pair is not None:       # it stops once every chain ended
+            return self.pair.chain(out, self.k_cache, self.v_cache, slots, starts, depth, self.p_min)
+        lengths = torch.full((len(slots),), depth, device=self.device)
+        chain = []
+        for d in range(depth):      # no host read to stop early where every chain ended: a device would wait
+            if d:
+                at = (starts + d - 1)[:, None]                                  # [R, 1]
+                out = self._causal_forward(out[:, None], chain[-1][:, None], slots, at, max_start + d)[:, 0]
+            ids, top = self._pick(out)
+            chain.append(ids)
+            if top is not None:
+                lengths = torch.where((top < self.p_min) & (lengths == depth), d, lengths)
+        return torch.stack(chain, 1), lengths
+
+    def _pick(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head's draft from outputs out [R, H] (the target's ids [R]) and, where p_min stops
+        chains, its probability [R] (None where it does not)."""
+        logits = self.head.logits(out)
+        top = logits.float().softmax(-1).amax(-1) if self.p_min > 0 else None
+        return self.head.to_target(logits.argmax(-1)), top
 
     def _candidates(self, slots: torch.Tensor, starts: torch.Tensor, num_nodes: int, max_start: int, k: int):
         """The candidate nodes of trees of width k for R rows whose last tokens sit at positions
