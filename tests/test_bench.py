@@ -4,6 +4,7 @@ the scripts in benchmarks/ run in small forms, their figures measured.
 A tiny random model keeps the end-to-end run to seconds; a fake LLM checks the conversation
 logic (alternation, each run's own earlier answers, divergence only where contexts match).
 """
+import argparse
 import copy
 import gc
 import importlib
@@ -342,6 +343,28 @@ def test_head_costs_times_every_drafting_step(tmp_path, dataset, default_model_d
     steps = int(out.split(" over ")[-1].split(" verify steps")[0])
     assert steps >= calls and f"mean acceptance length {(accepted + steps) / steps:.2f}" in out
 
+
+
+def test_spec_variants_runs_each_variant_against_plain(tmp_path, dataset, default_model_dir, script, capsys):
+    """benchmarks/spec_variants.py on a tiny target and a random head: a row per variant, each
+    variant's SpecConfig fields set on its own engine (p_min here), every output equal to plain's."""
+    from heads import target_config, write_eagle3_head
+
+    target, head = tmp_path / "target", tmp_path / "head"
+    make_tiny("llama-4-layers", target, vocab_size=49152, tokenizer_from=default_model_dir, dtype=torch.float32)
+    write_eagle3_head(head, target_config(target), layer_ids=(1, 2, 4), dtype=torch.float32)
+    module = script("spec_variants", "--dataset", str(dataset), "--model", str(target), "--variant",
+                    f"draft_head='{head}',p_min=0", "--variant", f"draft_head='{head}',p_min=0.5",
+                    "--limit-per-category", "1", "--max-tokens", "6", "--rounds", "2")
+    assert module.variant("p_min=0.5,num_draft_tokens=3") == {"p_min": 0.5, "num_draft_tokens": 3}
+    with pytest.raises(argparse.ArgumentTypeError):
+        module.variant("p_min")
+    module.main()
+    out = capsys.readouterr().out
+    prompts = 2 * len({r["category"] for r in RECORDS})
+    rows = [line for line in out.splitlines() if line.startswith(f"| draft_head={head},p_min=")]
+    assert len(rows) == 2 and all(row.endswith(f"| {prompts} of {prompts} |") for row in rows)
+    assert out.count("round 0: plain ") == out.count("round 1: plain ") == 1
 
 def test_transformers_assisted_generation_is_a_peer(tiny_folder):
     """benchmarks/spec_peers.py with --spec draft runs transformers' assisted generation (its
