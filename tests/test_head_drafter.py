@@ -972,6 +972,31 @@ def test_on_the_cpu_one_stalled_propose_does_not_price_the_head_out(folders, pla
     assert sum(o.spec["num_draft_tokens"] for o in again) > len(PROMPTS)
 
 
+@pytest.mark.parametrize("relax", [0.9, 1.0], ids=["relaxed", "never relaxed"])
+def test_on_the_cpu_a_head_priced_out_by_a_slowdown_drafts_again_after_it(folders, plain, monkeypatch, relax):
+    """A head slowed for a while (each propose sleeping ten of the target's calibrated plain
+    steps through one generate call) is priced out; once it is fast again, plain steps move its
+    prices back toward their load-time measures (PRICE_RELAX, a tenth a step here for a short
+    test) and it drafts again in the next call. Never relaxed (1.0), as before: it stays priced out,
+    having no propose to measure the price anew."""
+    import time
+    from outpace.speculative import head_drafter
+    monkeypatch.setattr(head_drafter, "PRICE_RELAX", relax)
+    llm = LLM(str(folders[0]), spec=SpecConfig(method="eagle3", draft_head=str(folders[1]), num_draft_tokens=2),
+              **dict(OPTIONS, calibrate=True))
+    llm.engine.controller._gains = lambda seq_ids, available=None, matches=None: [
+        [0.9, 0.81][:2 if available is None else available[i]] for i in range(len(seq_ids))]
+    drafter = llm.engine.drafter
+    chains = drafter._chains
+    pause = 10 * llm.engine.controller.step_cost(len(PROMPTS), len(PROMPTS))
+    drafter._chains = lambda *args: time.sleep(pause) or chains(*args)
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain
+    drafter._chains = chains
+    again = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in again] == plain
+    drafted = sum(o.spec["num_draft_tokens"] for o in again)
+    assert drafted > 4 * len(PROMPTS) if relax < 1 else drafted <= len(PROMPTS)
+
 @pytest.mark.parametrize("every", [1, 12])
 def test_on_the_cpu_a_catch_up_prices_the_step_and_a_long_one_is_left_out(folders, plain, every):
     """The head's catch-ups (prompt chunks' too, which price nothing) sleep five of the target's

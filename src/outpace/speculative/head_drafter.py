@@ -69,6 +69,12 @@ PRICE_DECAY = 0.9           # per drafting step, on the CPU's measured seconds o
 # head never drafted again to measure it anew; a slowdown that lasts is followed from its second
 # measure on
 PRICE_OUTLIER = 4.0
+# per plain step of a batch bucket, on the CPU: the share of its prices kept, the rest moved toward
+# the load-time measures. A slowdown that lasted long enough to price the head out left it priced
+# out for good after it passed: a head that does not draft never measures its price again. At 1% a
+# step the price comes back within a few hundred plain steps (a second or two), while a slowdown
+# that lasts costs a drafting step now and then, which measures it again
+PRICE_RELAX = 0.99
 # (context, cache length) -> the head, loaded and checked against the target
 HeadLoader = Callable[[DraftContext, int], DraftHead]
 
@@ -91,6 +97,7 @@ class HeadDrafter(Drafter):
         self.given_up: set[int] = set()             # sequences the head drafts no more for (pending path)
         self.per_token: dict[int, float] = {}       # batch bucket -> seconds per drafted token
         self.per_step: dict[int, float] = {}        # batch bucket -> seconds of a step's catch-up
+        self.measured: dict[int, tuple[float, float]] = {}     # batch bucket -> both prices as measured at load
         self.last_measured: dict[tuple[str, int], float] = {}   # (price, bucket) -> its last measure
         self.caught_up = (0.0, 0)                   # the last propose's catch-up (_catch_up_pending's return)
         self.step: HeadGraphStep | None = None      # the head's part of the target's graph step, if any
@@ -166,6 +173,7 @@ class HeadDrafter(Drafter):
 
             self.per_token[b] = self._best_seconds(draft) / b
             self.per_step[b] = self._best_seconds(catch_up)
+            self.measured[b] = (self.per_token[b], self.per_step[b])
 
     def _best_seconds(self, run: Callable[[], None], repeats: int = 3) -> float:
         best = float("inf")
@@ -337,6 +345,8 @@ class HeadDrafter(Drafter):
         module docstring)."""
         batch = result.batch
         S = result.out_tokens.shape[1]
+        if self.measured and not any(batch.budget):       # a plain step (prices move on the CPU alone)
+            self._relax(self._bucket(len(batch)))
         for seq_id, slot in zip(batch.seq_ids, batch.slots):     # a prompt of one token has no chunk
             self.kept_keys.adopt(seq_id, slot)
         if self.graphs is not None:
@@ -433,6 +443,12 @@ class HeadDrafter(Drafter):
         self.last_measured[name, bucket] = seconds
         seconds = min(seconds, PRICE_OUTLIER * max(prices[bucket], last))
         prices[bucket] = PRICE_DECAY * prices[bucket] + (1 - PRICE_DECAY) * seconds
+
+    def _relax(self, bucket: int) -> None:
+        """A plain step of the bucket moves its prices a step of PRICE_RELAX toward their load-time
+        measures."""
+        for prices, measured in zip((self.per_token, self.per_step), self.measured[bucket]):
+            prices[bucket] = PRICE_RELAX * prices[bucket] + (1 - PRICE_RELAX) * measured
 
     @torch.inference_mode()
     def _propose(self, batch: DraftBatch) -> Drafts:
