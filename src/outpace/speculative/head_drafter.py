@@ -55,7 +55,7 @@ from outpace.kernels.cpu_linear import QuantizedLinear, QuantizedParts, pack_lin
 from outpace.model.draft_head import DraftHead, attend
 from outpace.model.eagle3 import load_eagle3_head
 from outpace.model.mtp import load_mtp_head
-from outpace.runner.calibrate import batch_buckets
+from outpace.runner.calibrate import batch_buckets, settle
 from outpace.runner.staging import to_device
 from outpace.speculative.drafter import DraftBatch, DraftContext, Drafter, Drafts, KeptKeys, Prefilled, Verified
 from outpace.speculative.head_graphs import (HeadGraphs, HeadGraphStep, HeadTreeGraphStep, frontier_depth,
@@ -171,19 +171,20 @@ class HeadDrafter(Drafter):
                 self._catch_up(hidden, torch.zeros(b, 2, dtype=torch.long, device=self.device), list(range(b)),
                                [0] * b, zeros[:, 0])
 
-            self.per_token[b] = self._best_seconds(draft) / b
-            self.per_step[b] = self._best_seconds(catch_up)
+            self.per_token[b] = self._seconds(draft) / b
+            self.per_step[b] = self._seconds(catch_up)
             self.measured[b] = (self.per_token[b], self.per_step[b])
 
-    def _best_seconds(self, run: Callable[[], None], repeats: int = 3) -> float:
-        best = float("inf")
-        for _ in range(repeats):
+    def _seconds(self, run: Callable[[], None]) -> float:
+        """run()'s seconds, settled as the verify cost's shapes are (calibrate.settle: three
+        timings at least, more on a busy machine until two agree)."""
+        def once() -> float:
             t0 = time.perf_counter()
             run()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            best = min(best, time.perf_counter() - t0)
-        return best
+            return time.perf_counter() - t0
+        return settle(once, 3)[0]
 
     def cost_per_token(self, batch_size: int) -> float:
         # drafting inside the target's graphs is part of the verify forward the engine calibrates
