@@ -949,24 +949,33 @@ def test_on_the_cpu_drafting_is_priced_at_what_it_takes(folders, plain):
 
 def test_on_the_cpu_one_stalled_propose_does_not_price_the_head_out(folders, plain):
     """One propose that stalls (a sleep of a hundred of the target's calibrated plain steps, 0.2 s
-    at least, as on a busy machine) raises the price of a drafted token by at most three tenths
-    (a tenth of the way to PRICE_OUTLIER times it), and the head drafts on in the next requests. Regression:
-    the stall went into the price whole, a drafted token then cost several steps, and the head
-    never drafted again to measure it anew (a 210-prompt bench drafted 282 tokens, all before it)."""
+    at least, as on a busy machine) enters the price of a drafted token as at most PRICE_OUTLIER
+    times the larger of the price and the last measure, where whole it would have multiplied the
+    price several times, and the head drafts on in the next requests. Regression: the stall went
+    into the price whole, a drafted token then cost several steps, and the head never drafted
+    again to measure it anew (a 210-prompt bench drafted 282 tokens, all before it)."""
     import time
+    from outpace.speculative.head_drafter import PRICE_DECAY, PRICE_OUTLIER
     llm = LLM(str(folders[0]), spec=SpecConfig(method="eagle3", draft_head=str(folders[1]), num_draft_tokens=2),
               **dict(OPTIONS, calibrate=True))
     llm.engine.controller._gains = lambda seq_ids, available=None, matches=None: [
         [0.9, 0.81][:2 if available is None else available[i]] for i in range(len(seq_ids))]
     drafter = llm.engine.drafter
-    before = dict(drafter.per_token)
     chains, calls = drafter._chains, itertools.count()
     pause = max(0.2, 100 * llm.engine.controller.step_cost(len(PROMPTS), len(PROMPTS)))
     drafter._chains = lambda *args: (time.sleep(pause) if next(calls) == 3 else None) or chains(*args)
+    price, measures = drafter._price, []
+
+    def recorded(prices, name, bucket, seconds):
+        before, last = prices[bucket], drafter.last_measured.get((name, bucket), prices[bucket])
+        price(prices, name, bucket, seconds)
+        measures.append((name, seconds, before, last, prices[bucket]))
+    drafter._price = recorded
     out = llm.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in out] == plain
-    # a tenth of the way to at most PRICE_OUTLIER (4) times the price: 1.3 times it at most
-    assert max(drafter.per_token[b] / before[b] for b in before) < 1.5
+    (_, seconds, before, last, after), = [m for m in measures if m[0] == "token" and m[1] > pause / 4]
+    assert PRICE_DECAY * before + (1 - PRICE_DECAY) * seconds > 5 * before          # whole, the stall
+    assert after <= (PRICE_DECAY * before + (1 - PRICE_DECAY) * PRICE_OUTLIER * max(before, last)) * (1 + 1e-9)
     again = llm.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in again] == plain
     assert sum(o.spec["num_draft_tokens"] for o in again) > len(PROMPTS)
