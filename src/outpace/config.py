@@ -143,8 +143,8 @@ class SpecConfig:
     one, the head that ships for a known model: outpace/heads/<name>); 'mtp' by
     a multi-token-prediction module (draft_head: the folder holding its weights, the target's own
     where it ships one); a head's chain stops, as a draft model's does, at its first draft below
-    p_min (None: HEAD_P_MIN; on the CPU and wherever its chains draft outside CUDA graphs: a
-    graph step drafts and verifies the chain's full depth, so a stop would save nothing there).
+    p_min (None: HEAD_P_MIN), where it drafts outside CUDA graphs (on the CPU; a graph step
+    drafts and verifies the chain's whole depth, so a stop would save nothing there).
     With ngram_first, n-gram lookup drafts where the sequence's tail matches,
     the model or head elsewhere.
 
