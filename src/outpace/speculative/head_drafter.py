@@ -30,7 +30,8 @@ row's entries before n, its ancestors' entries and its own; each frontier node's
 children become candidates. A row's draft is its budget's best candidates by cumulative
 log-probability (a child never scores above its parent, so every chosen node's parent is chosen);
 with tree_width 1 that is the greedy chain, which _chains drafts without the tree's scores and
-masks. Drafts are the head's argmax choices: one-hot drafts, which greedy and rejection-sampling
+masks, each chain ending before its first draft whose probability is below p_min (chains drafted
+in CUDA graphs keep their captured depth). Drafts are the head's argmax choices: one-hot drafts, which greedy and rejection-sampling
 verification keep lossless.
 
 Where the target replays CUDA graphs, the catch-up of verified rows and the drafting of chains
