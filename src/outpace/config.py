@@ -110,7 +110,8 @@ class SamplingParams:
         return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
 
-SPEC_METHODS = ("none", "ngram", "draft", "eagle3", "mtp")
+HEAD_METHODS = ("eagle3", "mtp")       # the methods whose drafter is a head on the target's hidden states
+SPEC_METHODS = ("none", "ngram", "draft", *HEAD_METHODS)
 MAX_TREE_WIDTH = 8              # the most candidates a head drafts per tree node
 MAX_NUM_DRAFT_TOKENS = 32       # the most tokens drafted per step, wherever a bound is needed
 # the shortest n-gram match that drafts ahead of a draft model (SpecConfig.min_ngram): a row the
@@ -200,7 +201,7 @@ class SpecConfig:
         _check(self.method != "draft" or bool(self.draft_model),
                "method 'draft' needs draft_model: a known model name, a Hugging Face folder or a .gguf file")
         if self.p_min is None:
-            self.p_min = HEAD_P_MIN if self.method in ("eagle3", "mtp") else 0.0
+            self.p_min = HEAD_P_MIN if self.method in HEAD_METHODS else 0.0
         _check(0.0 <= self.p_min < 1.0, f"p_min must be in [0, 1), got {self.p_min}")
         _check(self.draft_vocab >= 0, f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
         _check(self.draft_window >= 0, f"draft_window must be >= 0 (0: the whole prompt), got {self.draft_window}")
@@ -209,7 +210,7 @@ class SpecConfig:
         _check(self.method != "mtp" or bool(self.draft_head),
                "method 'mtp' needs draft_head: the folder holding the module's weights (the target's own where it ships one)")
         _check(1 <= self.tree_width <= MAX_TREE_WIDTH, f"tree_width must be in [1, {MAX_TREE_WIDTH}], got {self.tree_width}")
-        _check(self.tree_width == 1 or self.method in ("ngram", "eagle3", "mtp") and not self.ngram_first,
+        _check(self.tree_width == 1 or self.method in ("ngram", *HEAD_METHODS) and not self.ngram_first,
                "tree_width above 1 (token trees) needs method 'ngram', 'eagle3' or 'mtp' without ngram_first")
         _check(self.tree_width == 1 or not self.exact, "exact mode verifies chains: use tree_width 1 with exact")
 
