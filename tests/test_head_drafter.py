@@ -1042,3 +1042,29 @@ def test_on_the_cpu_a_catch_up_prices_the_step_and_a_long_one_is_left_out(folder
     assert max(drafter.per_token[b] - per_token[b] for b in per_token) < pause / 20
     rise = max(drafter.per_step[b] - per_step[b] for b in per_step)
     assert rise > pause / 8 if every == 1 else rise < pause / 20
+
+def test_on_the_cpu_a_catch_up_is_priced_where_p_min_cuts_every_chain(folders, plain):
+    """Where p_min cuts every chain of a step to nothing, the step still paid its catch-up, and
+    that prices the step; no token was drafted, so the token's price stays. Regression: both
+    prices moved only where a step drafted tokens, so a slowed catch-up went unpriced."""
+    import time
+    llm = LLM(str(folders[0]), spec=SpecConfig(method="eagle3", draft_head=str(folders[1]), num_draft_tokens=2),
+              **dict(OPTIONS, calibrate=True))
+    controller, drafter = llm.engine.controller, llm.engine.drafter
+    controller._gains = lambda seq_ids, available=None, matches=None: [
+        [0.9, 0.81][:2 if available is None else available[i]] for i in range(len(seq_ids))]
+    drafter.p_min = 1.01                    # above every probability: each chain ends before its first draft
+    per_token, per_step = dict(drafter.per_token), dict(drafter.per_step)
+    pause = 5 * controller.step_cost(len(PROMPTS), len(PROMPTS))
+    catch_up = drafter._catch_up
+
+    def slow_catch_up(hidden, tokens, *args):
+        time.sleep(pause)
+        catch_up(hidden, tokens, *args)
+
+    drafter._catch_up = slow_catch_up
+    out = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in out] == plain
+    assert sum(o.spec["num_draft_tokens"] for o in out) == 0
+    assert drafter.per_token == per_token
+    assert max(drafter.per_step[b] - per_step[b] for b in per_step) > pause / 8

@@ -429,13 +429,13 @@ class HeadDrafter(Drafter):
         self.caught_up = (0.0, 0)
         drafts = self._propose(batch)
         if self.device.type == "cpu" and drafts.num_draft_host:
-            tokens = sum(drafts.num_draft_host)
-            if tokens:
-                b = self._bucket(len(batch))
-                catch_up, pairs = self.caught_up
+            b = self._bucket(len(batch))
+            catch_up, pairs = self.caught_up
+            if tokens := sum(drafts.num_draft_host):
                 self._price(self.per_token, "token", b, (time.perf_counter() - t0 - catch_up) / tokens)
-                if 0 < pairs <= 1 + max(batch.budget):
-                    self._price(self.per_step, "step", b, catch_up)
+            # a step whose chains p_min cut to nothing still paid its catch-up
+            if 0 < pairs <= 1 + max(batch.budget):
+                self._price(self.per_step, "step", b, catch_up)
         return drafts
 
     def _price(self, prices: dict[int, float], name: str, bucket: int, seconds: float) -> None:
