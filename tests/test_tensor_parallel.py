@@ -160,6 +160,9 @@ def test_a_killed_worker_ends_the_run_with_a_clear_error(tiny_folder):
 DRIVER = textwrap.dedent("""
     import faulthandler, multiprocessing, signal, sys
     faulthandler.register(signal.SIGUSR1, all_threads=True)     # the test's stack dump if it hangs
+    # Ctrl-C as in a terminal: a shell's background job (a CI run started with &) passes SIGINT on
+    # ignored, and Python then leaves it ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from outpace.config import SamplingParams
     from outpace.llm import LLM
     if __name__ == "__main__":
