@@ -119,9 +119,8 @@ MAX_NUM_DRAFT_TOKENS = 32       # the most tokens drafted per step, wherever a b
 # than a draft model's (docs/BENCHMARKS.md, the draft model)
 DRAFT_CHAIN_MIN_NGRAM = 3
 # a head's chains stop at the first draft whose top probability is below this (SpecConfig.p_min):
-# on an AMD EPYC with AVX-512, in one process, the default model's head alone read 1.303x plain at
-# 0.15, 1.285x without a stop and 1.271x at 0.3; with its AVX2 kernels 1.135x against 1.143x, level
-# (docs/BENCHMARKS.md, the EAGLE-3 head on the CPU)
+# on the CPU the stop reads 1.4-1.5% above none with the AVX-512 kernels and level with the AVX2 ones,
+# and 0.1-0.2 read level with each other (docs/BENCHMARKS.md and the benchmark log, the EAGLE-3 head)
 HEAD_P_MIN = 0.15
 
 
