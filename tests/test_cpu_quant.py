@@ -303,26 +303,35 @@ def test_dequantized_rows_are_ggufs_dequantizer_bit_for_bit(qtype):
         cpu_kernels.dequantize_rows(blocks, qtype, torch.tensor([40]), torch.float32)
 
 
-def test_quantize_q8_0_writes_ggmls_blocks():
-    """quantize_q8_0 (a head beside a quantized target): the bytes of ggml's reference Q8_0
-    quantizer, a block of zeros and a large weight included, and a QuantizedLinear over them
-    computes as over the file's own blocks."""
-    from gguf.quants import quantize as gguf_quantize
-    from outpace.kernels.cpu_linear import QuantizedLinear, quantize_q8_0
+def test_quantize_linears_puts_a_heads_products_in_q4_0():
+    """quantize_linears (a head beside a quantized target): each linear whose inputs are whole
+    blocks of 32 becomes a Q4_0 QuantizedLinear over quantize_q4_0's blocks of its weight, its bias
+    kept; one whose inputs are not is packed as pack_linears packs it, and computes as before."""
+    from torch import nn
+    from outpace.kernels.cpu_linear import QuantizedLinear, quantize_linears
+    if not cpu_kernels.has_library():
+        pytest.skip("no C compiler for the CPU kernels")
     torch.manual_seed(0)
-    weight = torch.randn(37, 320) * 0.05
-    weight[0, :32] = 0.0
-    weight[1, 5] = 3.0
-    weight[2, :32] = torch.arange(32) - 15.5                # d = 1: every weight a half, rounded away from zero
-    weight[2, 0] = 127.0
-    ours = quantize_q8_0(weight)
-    assert torch.equal(ours, torch.from_numpy(gguf_quantize(weight.numpy(), GGMLQuantizationType.Q8_0)))
-    x = torch.randn(3, 320)
-    layer = QuantizedLinear(ours, "Q8_0", 320, 37, False)
-    want = cpu_kernels.linear(x, cpu_kernels.pack_quantized(ours, "Q8_0"), cpu_kernels.QUANT_FORMATS["Q8_0"],
-                              None, 37)
-    assert torch.equal(layer(x), want)
-    torch.testing.assert_close(layer(x), x @ weight.T, rtol=0.05, atol=0.05)
+    model = nn.Sequential(nn.Linear(320, 37, bias=True), nn.Sequential(nn.Linear(64, 48, bias=False)),
+                          nn.Linear(40, 8, bias=False))
+    for layer in model.modules():
+        if isinstance(layer, nn.Linear):
+            layer.weight.data.mul_(0.05)
+    x = {320: torch.randn(3, 320), 64: torch.randn(3, 64), 40: torch.randn(3, 40)}
+    odd = model[2](x[40])
+    weights = {n: model[0].weight.detach().clone() if n == 320 else model[1][0].weight.detach().clone()
+               for n in (320, 64)}
+    bias = model[0].bias.detach().clone()
+    quantize_linears(model)
+    for n, layer in ((320, model[0]), (64, model[1][0])):
+        assert isinstance(layer, QuantizedLinear) and layer.qtype == "Q4_0"
+        want = QuantizedLinear(cpu_kernels.quantize_q4_0(weights[n]), "Q4_0", n, len(weights[n]), False)(x[n])
+        if n == 320:
+            want = want + bias
+        torch.testing.assert_close(layer(x[n]), want)
+        torch.testing.assert_close(layer(x[n]), x[n] @ weights[n].T + (bias if n == 320 else 0), rtol=0.1, atol=0.1)
+    assert not isinstance(model[2], QuantizedLinear)
+    torch.testing.assert_close(model[2](x[40]), odd)
 
 
 def test_quantize_q4_0_writes_ggufs_blocks():

@@ -112,38 +112,21 @@ def pack_linears(model: nn.Module) -> None:
                                         f"or use --dtype float32")
 
 
-def quantize_linears(model: nn.Module, q4_0: tuple[str, ...] = ()) -> None:
+def quantize_linears(model: nn.Module) -> None:
     """Replace every nn.Linear of a CPU module whose inputs are whole blocks of 32 with a
-    QuantizedLinear over its weight quantized to Q8_0 (quantize_q8_0), or to Q4_0 for the layers
-    named in q4_0 (quantize_q4_0), in place; others are packed as pack_linears packs them. For a
-    drafter beside a quantized target (a head): half the bytes of bfloat16 to stream a draft (a
-    quarter in Q4_0), at the int8 products' rounding, which changes drafts only."""
+    QuantizedLinear over its weight quantized to Q4_0 (cpu_kernels.quantize_q4_0), in place; others
+    are packed as pack_linears packs them. For a drafter beside a quantized target (a head): a
+    quarter of bfloat16's bytes to stream a draft, at Q4_0's rounding, which changes drafts only."""
     if cpu_kernels.has_library():
-        for name, module in list(model.named_modules()):
+        for module in list(model.modules()):
             for child_name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear) and child.in_features % 32 == 0:
-                    full = f"{name}.{child_name}" if name else child_name
-                    weight = child.weight.detach()
-                    blocks, qtype = ((cpu_kernels.quantize_q4_0(weight), "Q4_0") if full in q4_0
-                                     else (quantize_q8_0(weight), "Q8_0"))
-                    layer = QuantizedLinear(blocks, qtype, child.in_features, child.out_features, child.bias is not None)
+                    layer = QuantizedLinear(cpu_kernels.quantize_q4_0(child.weight.detach()), "Q4_0",
+                                            child.in_features, child.out_features, child.bias is not None)
                     if child.bias is not None:
                         layer.bias.data.copy_(child.bias.detach().float())
                     setattr(module, child_name, layer)
     pack_linears(model)
-
-
-def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
-    """A weight [N, K] (K a multiple of 32) as GGUF's Q8_0 blocks [N, K / 32 * 34] uint8, the bytes
-    ggml's reference quantizer writes: per 32 inputs d = max |w| / 127, stored in float16, and the
-    weights as w / d (d in float32) rounded half away from zero, in int8."""
-    N, K = weight.shape
-    w = weight.float().view(N, K // 32, 32)
-    d = w.abs().amax(-1, keepdim=True) / 127                                       # [N, K / 32, 1]
-    scaled = (w * torch.where(d == 0, torch.zeros_like(d), 1 / d)).abs()
-    whole = scaled.floor()
-    q = (w.sign() * (whole + (2 * (scaled - whole)).floor())).to(torch.int8)        # [N, K / 32, 32]
-    return torch.cat([d.to(torch.float16).view(torch.uint8), q.view(torch.uint8)], -1).view(N, -1)
 
 
 class QuantizedLinear(nn.Module):

@@ -111,11 +111,11 @@ class HeadDrafter(Drafter):
         if context.device.type == "cpu":        # its products in the CPU kernels, as the target's
             is_quantized = any(isinstance(m, (QuantizedLinear, QuantizedParts)) for m in context.target.modules())
             if is_quantized:
-                # the LM head in Q4_0: its rows are a third of an 8,192-id head's weights and only
-                # rank the draft ids; on an AVX-512 EPYC, in Q8_0 the 8,192-id head's chain with
-                # n-gram lookup read 3% slower than the 4,096-id head's, in Q4_0 level, accepting
-                # as many drafts
-                quantize_linears(head, q4_0=("lm_head",))
+                # every product in Q4_0: a catch-up streams the head's weights from memory after
+                # the target's step has pushed them out of the caches, so bytes are its time; on an
+                # AVX-512 EPYC the head alone read 4% faster than with Q8_0 products (the LM head
+                # Q4_0 in both), accepting as many drafts (docs/BENCHMARKS.md, "CPU: EAGLE-3 head")
+                quantize_linears(head)
             else:
                 pack_linears(head)
             head.kernels = cpu_kernels.pointwise_fits(context.dtype, context.device)
