@@ -319,17 +319,14 @@ def test_quantize_linears_puts_a_heads_products_in_q4_0():
             layer.weight.data.mul_(0.05)
     x = {320: torch.randn(3, 320), 64: torch.randn(3, 64), 40: torch.randn(3, 40)}
     odd = model[2](x[40])
-    weights = {n: model[0].weight.detach().clone() if n == 320 else model[1][0].weight.detach().clone()
-               for n in (320, 64)}
-    bias = model[0].bias.detach().clone()
+    weights = {320: model[0].weight.detach().clone(), 64: model[1][0].weight.detach().clone()}
+    biases = {320: model[0].bias.detach().clone(), 64: torch.zeros(48)}
     quantize_linears(model)
     for n, layer in ((320, model[0]), (64, model[1][0])):
         assert isinstance(layer, QuantizedLinear) and layer.qtype == "Q4_0"
-        want = QuantizedLinear(cpu_kernels.quantize_q4_0(weights[n]), "Q4_0", n, len(weights[n]), False)(x[n])
-        if n == 320:
-            want = want + bias
-        torch.testing.assert_close(layer(x[n]), want)
-        torch.testing.assert_close(layer(x[n]), x[n] @ weights[n].T + (bias if n == 320 else 0), rtol=0.1, atol=0.1)
+        blocks = QuantizedLinear(cpu_kernels.quantize_q4_0(weights[n]), "Q4_0", n, len(weights[n]), False)
+        torch.testing.assert_close(layer(x[n]), blocks(x[n]) + biases[n])
+        torch.testing.assert_close(layer(x[n]), x[n] @ weights[n].T + biases[n], rtol=0.1, atol=0.1)
     assert not isinstance(model[2], QuantizedLinear)
     torch.testing.assert_close(model[2](x[40]), odd)
 
