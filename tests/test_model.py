@@ -1,7 +1,10 @@
 """The model runtime matches transformers' own implementation of each family."""
+import os
+
 import pytest
 import torch
 
+from outpace.runner.kv_cache import KVCache
 from outpace.runner.model_runner import FP32_PREFILL_MIN_TOKENS, ModelRunner, Row
 from outpace.weights.loader import load_model
 from tiny import FAMILIES, make_tiny
@@ -161,6 +164,24 @@ def test_exact_mode_prompt_cache_does_not_depend_on_chunking(tmp_path, monkeypat
             runner.forward([Row(0, prompt[a:b], a)], logits="none")
         logits.append(runner.forward(last)[0])
     assert all(torch.equal(logits[0], other) for other in logits[1:])
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads resident memory from Linux's /proc")
+def test_cpu_kv_cache_pages_arrive_as_written():
+    """A CPU cache of the default model's shape (0.47 GB) takes memory as positions are written:
+    a request's first 64 positions in a fresh slot, not that slot's whole 120 MB (huge pages)."""
+    before = _resident_bytes()
+    cache = KVCache(30, 8, 3, 2560, 64, torch.bfloat16)
+    assert _resident_bytes() - before < 8 << 20
+    cache.k[:, 5, :, :64] = 1
+    cache.v[:, 5, :, :64] = 1
+    assert _resident_bytes() - before < 16 << 20
+    assert cache.k[:, 4].abs().sum() == 0 and cache.v[:, 5, :, 64:].abs().sum() == 0
 
 
 def test_hidden_states_are_each_layers_output(pair):

@@ -9,21 +9,26 @@ slot of a sequence that shares it (copy_prefix).
 """
 from __future__ import annotations
 
-import numpy as np
-import torch
+import mmap
 
-# numpy's dtype of the same width as each torch dtype a cache may hold (bfloat16 has none: int16 bits)
-_NUMPY_BITS = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
-               torch.bfloat16: np.int16}
+import torch
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """torch.zeros, but on the CPU from calloc's pages (numpy's zeros), which the OS zeroes as they
-    are first touched: torch.zeros writes every byte at once, 0.1-0.4 s for a 0.5 GB cache at
-    every start, most of which a short conversation never reaches."""
-    if torch.device(device).type != "cpu" or dtype not in _NUMPY_BITS:
+    """torch.zeros, but on the CPU from anonymous pages the OS zeroes as they are first touched:
+    torch.zeros writes every byte at once, 0.1-0.4 s for a 0.5 GB cache at every start, most of
+    which a short conversation never reaches. The pages stay small (MADV_NOHUGEPAGE): on huge
+    pages (numpy's zeros asks for them) a request's first writes to a slot fault in 2 MB pages
+    that hold every layer's whole slot, about 120 MB for the default model, which took 75-360 ms
+    on an EPYC (THP compaction on first touch); the first requests of a new server each paid it.
+    Decoding reads the cache as fast from small pages (docs/BENCHMARKS.md, "KV cache pages")."""
+    size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or size == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.from_numpy(np.zeros(shape, dtype=_NUMPY_BITS[dtype])).view(dtype)
+    pages = mmap.mmap(-1, size)
+    if hasattr(pages, "madvise") and hasattr(mmap, "MADV_NOHUGEPAGE"):
+        pages.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(pages, dtype=dtype).view(shape)      # the tensor keeps the mapping
 
 
 class KVCache:
