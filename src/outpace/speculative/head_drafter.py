@@ -280,7 +280,10 @@ class HeadDrafter(Drafter):
         B, S = tokens.shape
         device = self.device
         slots = to_device(slots, device)
-        positions = to_device(starts, device)[:, None] + torch.arange(S, device=device)    # [B, S]
+        if B == 1:
+            positions = torch.arange(starts[0], starts[0] + S, device=device)[None]
+        else:
+            positions = to_device(starts, device)[:, None] + torch.arange(S, device=device)    # [B, S]
         out = self._causal_forward(self.head.features(hidden), tokens, slots, positions, max(starts) + S)
         self.last_out[slots] = out[torch.arange(B, device=device), last]
 
@@ -363,7 +366,8 @@ class HeadDrafter(Drafter):
         # since its last catch-up, and is given up where it did not
         full = [i for i, (s, n) in enumerate(zip(batch.seq_ids, batch.positions))
                 if s not in self.given_up and n - self.caught[s] + S > self.max_pending]
-        self._catch_up_pending(batch.subset([i for i in full if batch.seq_ids[i] in self.drafted]))
+        if full:
+            self._catch_up_pending(batch, [i for i in full if batch.seq_ids[i] in self.drafted])
         for i in full:
             s = batch.seq_ids[i]
             if s in self.drafted:
@@ -396,21 +400,27 @@ class HeadDrafter(Drafter):
         for seq_id in batch.seq_ids:        # a prompt of one token has no chunk to catch up
             self.ready[seq_id] = True
 
-    def _catch_up_pending(self, batch: DraftBatch) -> tuple[float, int]:
-        """The pending pairs of the batch's rows (whose last tokens sit at batch.positions n: pairs
-        caught .. n - 1, complete) in one forward: each slot's stored output becomes pair n - 1's.
-        Returns the seconds it took and the most pairs a row caught up (0, 0 where none had any)."""
-        rows = batch.subset([i for i, (s, n) in enumerate(zip(batch.seq_ids, batch.positions)) if n > self.caught[s]])
-        if not len(rows):
+    def _catch_up_pending(self, batch: DraftBatch, rows: list[int]) -> tuple[float, int]:
+        """The pending pairs of the batch's rows `rows` (whose last tokens sit at batch.positions n:
+        pairs caught .. n - 1, complete) in one forward: each slot's stored output becomes pair
+        n - 1's. Returns the seconds it took and the most pairs a row caught up (0, 0 where none
+        had any)."""
+        rows = [i for i in rows if batch.positions[i] > self.caught[batch.seq_ids[i]]]
+        if not rows:
             return 0.0, 0
         t0 = time.perf_counter()
-        starts = [self.caught[s] for s in rows.seq_ids]
-        counts = [n - start for n, start in zip(rows.positions, starts)]
+        seq_ids, slots = [batch.seq_ids[i] for i in rows], [batch.slots[i] for i in rows]
+        ends = [batch.positions[i] for i in rows]
+        starts = [self.caught[s] for s in seq_ids]
+        counts = [n - start for n, start in zip(ends, starts)]
         S = max(counts)
-        index = to_device(rows.slots, self.device)
-        self._catch_up(self.pending_hidden[index, :S], self.pending_tokens[index, :S], rows.slots, starts,
-                       to_device(counts, self.device) - 1)
-        for s, n in zip(rows.seq_ids, rows.positions):
+        if len(rows) == 1:      # one row's pending pairs are a slice (an indexed read costs more)
+            hidden, tokens = self.pending_hidden[slots[0], None, :S], self.pending_tokens[slots[0], None, :S]
+        else:
+            index = to_device(slots, self.device)
+            hidden, tokens = self.pending_hidden[index, :S], self.pending_tokens[index, :S]
+        self._catch_up(hidden, tokens, slots, starts, to_device(counts, self.device) - 1)
+        for s, n in zip(seq_ids, ends):
             self.caught[s] = n
         return time.perf_counter() - t0, S
 
@@ -460,7 +470,7 @@ class HeadDrafter(Drafter):
         if self.graphs is not None and self.graphs.draft_shapes:
             return self.graphs.propose(batch, rows)
         if self.graphs is None:
-            self.caught_up = self._catch_up_pending(batch.subset(rows))
+            self.caught_up = self._catch_up_pending(batch, rows)
             self.drafted.update(batch.seq_ids[i] for i in rows)
         budget = [batch.budget[i] for i in rows]
         slots = to_device([batch.slots[i] for i in rows], self.device)
