@@ -13,7 +13,6 @@
  * reference's arithmetic step by step. Attention's dot products and softmax sums are the
  * exception: they accumulate in float32 in an order of their own, as PyTorch's kernels do.
  */
-#include <limits.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,11 +34,6 @@ typedef uint16_t bf16;
  * products: the default model's decode step at 100-151 tokens of context is 1.03-1.07x faster on
  * two threads than from 512 keys (AMD EPYC, Zen 3) */
 #define PARALLEL_MIN_KEYS 64
-/* rope_attend splits a query's keys in two from this many (split_point): the default model's layers
- * then ran 1.09-1.15x as fast at 700-1200 keys of context, 1 or 4 tokens (AMD EPYC, 2 cores); from
- * 128 keys they were level at 300 keys, where the halves' extra setup and merge cost what the
- * balance saves */
-#define SPLIT_MIN_KEYS 512
 /* the kernels that work row by row (norms, SwiGLU, rotation, argmax) share rows among threads where
  * there are two or more and PARALLEL_MIN_VALUES values in all, and quantize_rows its blocks from
  * that many values: within a step the threads still spin from the products, so a verify of the
@@ -105,32 +99,6 @@ static inline void query_keys(const int64_t *positions, long tokens, long group,
             last[t * group + r] = pos;
         }
     }
-}
-
-/* Where rope_attend splits the keys first .. last of a query (of a model with an odd number of
- * key/value heads): one with SPLIT_MIN_KEYS keys or more at a multiple of 16 near their middle, so
- * that two threads attend to its halves (the default model's three key/value heads otherwise leave
- * one of two threads idle for a third of a step's attention); last + 1 (no split) for fewer. It
- * depends on the query's own keys alone, so a query's result is the same in any call. */
-static inline long split_point(long first, long last) {
-    return last - first + 1 >= SPLIT_MIN_KEYS ? ((first + last + 1) / 2) & ~15L : last + 1;
-}
-
-/* Narrows each query's keys first[i] .. last[i] to part `part` of them: 0 those before its split
- * point, 1 those from it on; lo and hi bound what is left. Returns 0 where no query has keys left. */
-static inline int query_part(long *first, long *last, long queries, long part, long *lo, long *hi) {
-    *lo = LONG_MAX;
-    *hi = -1;
-    for (long i = 0; i < queries; i++) {
-        long at = split_point(first[i], last[i]);
-        if (part) first[i] = at;
-        else last[i] = at - 1;
-        if (first[i] <= last[i]) {
-            *lo = first[i] < *lo ? first[i] : *lo;
-            *hi = last[i] > *hi ? last[i] : *hi;
-        }
-    }
-    return *hi >= 0;
 }
 
 /* keep[c]: which of the `width` (at most 16) keys from position j0 query i0 + c attends to, a bit

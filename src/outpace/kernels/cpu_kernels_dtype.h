@@ -239,42 +239,6 @@ static inline void NAME(prefetch_ahead)(const T *cache, const int64_t *map, long
 }
 #endif
 
-#if defined(LOAD16) || defined(LOAD8)
-/* A blocked kernel's part of a query's keys (rope_attend splits those of a query with many): its
- * maximum score, its exponentials' sum and its weighted values [D], unnormalised, at p, for
- * merge_parts */
-static inline void NAME(keep_part)(float *p, float top, float total, const float *acc, long D) {
-    p[0] = top;
-    p[1] = total;
-    for (long d = 0; d < D; d++) p[2 + d] = acc[d];
-}
-
-/* keep_part's record of a part none of the call's queries has keys in */
-static void NAME(no_keys)(long tokens, long group, long D, float *partial, long partial_stride) {
-    for (long t = 0; t < tokens; t++) {
-        for (long r = 0; r < group; r++) {
-            float *p = partial + t * partial_stride + r * 2 * (D + 2);
-            p[0] = -INFINITY;
-            for (long d = 1; d < D + 2; d++) p[d] = 0.0f;
-        }
-    }
-}
-#endif
-
-/* A query's output from its two parts' records (keep_part) p (then p + D + 2): where the second is
- * empty (the query's keys were not split) the first's values over its sum, as an unsplit call
- * computes them; else each part's sum and values scaled by e^(its maximum - the larger maximum). */
-static inline void NAME(merge_parts)(const float *p, long D, T *out) {
-    const float *q = p + D + 2;
-    if (q[0] == -INFINITY) {
-        for (long d = 0; d < D; d++) out[d] = STORE(p[2 + d] / p[1]);
-        return;
-    }
-    float top = p[0] > q[0] ? p[0] : q[0], a = exp_f32(p[0] - top), b = exp_f32(q[0] - top);
-    float total = p[1] * a + q[1] * b;
-    for (long d = 0; d < D; d++) out[d] = STORE((p[2 + d] * a + q[2 + d] * b) / total);
-}
-
 #ifdef LOAD16
 /* Attention of `tokens` tokens of one slot, each at its own position, over one key/value head
  * (keys, values: position 0 of [L, D], the key of a position at its row key_row(map, position)),
@@ -291,14 +255,10 @@ static inline void NAME(merge_parts)(const float *p, long D, T *out) {
 static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, const T *sin, const T *keys,
                                  const T *values, const int64_t *positions, const int64_t *map, long tokens,
                                  long window, long group, long D, float scale, float *scratch, T *out,
-                                 long out_stride, long half, float *partial, long partial_stride) {
+                                 long out_stride) {
     long queries = tokens * group, lo, hi;
     long first[BLOCK_QUERIES], last[BLOCK_QUERIES];     /* each query's keys */
     query_keys(positions, tokens, group, window, first, last, &lo, &hi);
-    if (half >= 0 && !query_part(first, last, queries, half, &lo, &hi)) {
-        NAME(no_keys)(tokens, group, D, partial, partial_stride);
-        return;
-    }
     long base = lo / 16 * 16, span = hi + 1 - base;
     /* q [queries, D], acc [queries, D], kt [D, 16], vb [16, D], top and sums [queries, 16],
      * scores [queries, span rounded up to 16] */
@@ -513,8 +473,7 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
         for (long r = 0; r < group; r++) {
             long i = t * group + r;
             float total = _mm512_reduce_add_ps(_mm512_loadu_ps(sums + i * 16));
-            if (partial) NAME(keep_part)(partial + t * partial_stride + r * 2 * (D + 2), top[i * 16], total, acc + i * D, D);
-            else for (long d = 0; d < D; d++) out[t * out_stride + r * D + d] = STORE(acc[i * D + d] / total);
+            for (long d = 0; d < D; d++) out[t * out_stride + r * D + d] = STORE(acc[i * D + d] / total);
         }
     }
 }
@@ -531,14 +490,10 @@ static void NAME(attend_blocked)(const T *qk, long qk_stride, const T *cos, cons
 static void NAME(attend_blocked8)(const T *qk, long qk_stride, const T *cos, const T *sin, const T *keys,
                                   const T *values, const int64_t *positions, const int64_t *map, long tokens,
                                   long window, long group, long D, float scale, float *scratch, T *out,
-                                  long out_stride, long half, float *partial, long partial_stride) {
+                                  long out_stride) {
     long queries = tokens * group, lo, hi;
     long first[BLOCK_QUERIES], last[BLOCK_QUERIES];     /* each query's keys */
     query_keys(positions, tokens, group, window, first, last, &lo, &hi);
-    if (half >= 0 && !query_part(first, last, queries, half, &lo, &hi)) {
-        NAME(no_keys)(tokens, group, D, partial, partial_stride);
-        return;
-    }
     long base = lo / 8 * 8, stride = (hi + 1 - base + 7) / 8 * 8;
     /* q [queries, D], acc [queries, D], kt [D, 8], vb [8, D], top and sums [queries, 8],
      * scores [queries, stride] */
@@ -640,28 +595,9 @@ static void NAME(attend_blocked8)(const T *qk, long qk_stride, const T *cos, con
             long i = t * group + r;
             float total = 0.0f;
             for (int l = 0; l < 8; l++) total += sums[i * 8 + l];
-            if (partial) NAME(keep_part)(partial + t * partial_stride + r * 2 * (D + 2), top[i * 8], total, acc + i * D, D);
-            else for (long d = 0; d < D; d++) out[t * out_stride + r * D + d] = STORE(acc[i * D + d] / total);
+            for (long d = 0; d < D; d++) out[t * out_stride + r * D + d] = STORE(acc[i * D + d] / total);
         }
     }
-}
-#endif
-
-#if defined(LOAD16) || defined(LOAD8)
-/* attend_blocked where AVX-512 is, else attend_blocked8 (their arguments); half: -1 every key of
- * each query, its output written to out; 0 or 1 the query's keys before or from its split point,
- * recorded (keep_part) at partial + t * partial_stride + r * 2 * (D + 2) for token t's head r */
-static void NAME(attend_blocked_any)(const T *qk, long qk_stride, const T *cos, const T *sin, const T *keys,
-                                     const T *values, const int64_t *positions, const int64_t *map, long tokens,
-                                     long window, long group, long D, float scale, float *scratch, T *out,
-                                     long out_stride, long half, float *partial, long partial_stride) {
-#ifdef LOAD16
-    NAME(attend_blocked)(qk, qk_stride, cos, sin, keys, values, positions, map, tokens, window, group, D, scale,
-                         scratch, out, out_stride, half, partial, partial_stride);
-#else
-    NAME(attend_blocked8)(qk, qk_stride, cos, sin, keys, values, positions, map, tokens, window, group, D, scale,
-                          scratch, out, out_stride, half, partial, partial_stride);
-#endif
 }
 #endif
 
@@ -730,27 +666,10 @@ int NAME(rope_attend)(const T *qk, long qk_stride, const T *v, long v_stride, co
         t = end;
     }
     starts[runs] = tokens;
-    /* With an odd number of key/value heads a blocked call attends to the keys of a query of
-     * SPLIT_MIN_KEYS keys or more in two halves (split_point), whose records (keep_part) it merges:
-     * a row's KVH pieces would leave one of two threads idle for one piece's time. Where the
-     * call's pieces are few (a step's rows), each half is a piece of its own and the records
-     * [T, NH, 2, D + 2] are merged once every piece is done; elsewhere (prompt chunks, many rows)
-     * a piece attends to its queries' two halves in turn, with the same arithmetic, into records
-     * in its scratch, and merges them (pieces of their own made prefill of 600-2000 tokens 4-12%
-     * slower). With an even number the pieces already share out evenly (two threads took 1.3-2.4%
-     * longer on Qwen2.5-Coder-1.5B's two heads split, at 700 keys) */
-    int split = blocked && KVH % 2 && max_keys >= SPLIT_MIN_KEYS;
-    long halves = split && runs * KVH < 4 ? 2 : 1, pieces = runs * KVH * halves;
-    size_t scratch_floats = blocked ? (size_t)(run * group * (2 * D + D / 2 + 32 + max_keys + 16) + 32 * D
-                                               + (split ? run * group * 2 * (D + 2) : 0))
+    size_t scratch_floats = blocked ? (size_t)(run * group * (2 * D + D / 2 + 32 + max_keys + 16) + 32 * D)
                                     : (size_t)(group * max_keys + 2 * group * D);
-    float *partial = halves > 1 ? malloc(sizeof(float) * (size_t)(tokens * NH * 2 * (D + 2))) : NULL;
-    if (halves > 1 && !partial) {
-        free(starts);
-        return -1;
-    }
     int failed = 0;
-#pragma omp parallel if (pieces > 1 && work >= PARALLEL_MIN_KEYS)
+#pragma omp parallel if (runs * KVH > 1 && work >= PARALLEL_MIN_KEYS)
     {
         float *scratch = malloc(sizeof(float) * scratch_floats);      /* this thread's */
         if (!scratch) {
@@ -760,56 +679,38 @@ int NAME(rope_attend)(const T *qk, long qk_stride, const T *v, long v_stride, co
         /* pieces dealt round-robin: a prompt chunk's later runs read more keys (causal), and
          * contiguous halves gave the second thread about three times the first's work (prefill of
          * 700 tokens 0.63 -> 0.56 s, 1000 tokens 0.93 -> 0.87) */
-#pragma omp for schedule(static, 1)
-        for (long k = 0; k < pieces; k++) {
-            /* piece k: run u, key/value head g, half h of its queries' keys (-1: all) */
-            long u = k / (KVH * halves), g = k / halves % KVH, h = halves > 1 ? k % halves : -1;
-            long t = starts[u], n = starts[u + 1] - t, base = (slots[t / slot_div] * KVH + g) * L * D;
-            const int64_t *extent = tree ? tree + t * tree_stride : positions + t;
-            const int64_t *map = tree ? tree + t * tree_stride + 1 : NULL;
-            const T *q_heads = qk + t * qk_stride + g * group * D;
-            T *o = out + (t * NH + g * group) * D;
-            if (!scratch) continue;
-            if (!blocked) {
+#pragma omp for collapse(2) schedule(static, 1)
+        for (long u = 0; u < runs; u++) {
+            for (long g = 0; g < KVH; g++) {
+                long t = starts[u], base = (slots[t / slot_div] * KVH + g) * L * D;
+                const int64_t *extent = tree ? tree + t * tree_stride : positions + t;
+                const int64_t *map = tree ? tree + t * tree_stride + 1 : NULL;
+                const T *q_heads = qk + t * qk_stride + g * group * D;
+                T *o = out + (t * NH + g * group) * D;
+                if (!scratch) continue;
+#ifdef LOAD16
+                if (blocked) {
+                    NAME(attend_blocked)(q_heads, qk_stride, cos + t * D, sin + t * D, k_cache + base, v_cache + base,
+                                         extent, map, starts[u + 1] - t, window, group, D, scale, scratch, o,
+                                         NH * D);
+                    continue;
+                }
+#endif
+#ifdef LOAD8
+                if (blocked) {
+                    NAME(attend_blocked8)(q_heads, qk_stride, cos + t * D, sin + t * D, k_cache + base, v_cache + base,
+                                          extent, map, starts[u + 1] - t, window, group, D, scale, scratch, o,
+                                          NH * D);
+                    continue;
+                }
+#endif
                 NAME(attend_group)(q_heads, cos + t * D, sin + t * D, k_cache + base, v_cache + base, *extent, map,
                                    window, group, D, scale, scratch, o);
-                continue;
             }
-#if defined(LOAD16) || defined(LOAD8)
-            long keys = 0;          /* the run's most keys */
-            for (long i = 0; i < n; i++) {
-                long count = window > 0 && extent[i] + 1 > window ? window : extent[i] + 1;
-                keys = count > keys ? count : keys;
-            }
-            if (h >= 0) {
-                NAME(attend_blocked_any)(q_heads, qk_stride, cos + t * D, sin + t * D, k_cache + base,
-                                         v_cache + base, extent, map, n, window, group, D, scale, scratch, o, NH * D, h,
-                                         partial + ((t * NH + g * group) * 2 + h) * (D + 2), NH * 2 * (D + 2));
-            } else if (split && keys >= SPLIT_MIN_KEYS) {
-                float *records = scratch + scratch_floats - run * group * 2 * (D + 2);
-                for (long half = 0; half < 2; half++) {
-                    NAME(attend_blocked_any)(q_heads, qk_stride, cos + t * D, sin + t * D, k_cache + base,
-                                             v_cache + base, extent, map, n, window, group, D, scale, scratch, o,
-                                             NH * D, half, records + half * (D + 2), group * 2 * (D + 2));
-                }
-                for (long i = 0; i < n * group; i++) {
-                    NAME(merge_parts)(records + i * 2 * (D + 2), D, o + i / group * NH * D + i % group * D);
-                }
-            } else {
-                NAME(attend_blocked_any)(q_heads, qk_stride, cos + t * D, sin + t * D, k_cache + base,
-                                         v_cache + base, extent, map, n, window, group, D, scale, scratch, o, NH * D,
-                                         -1, NULL, 0);
-            }
-#endif
-        }
-        if (partial) {      /* after the implicit barrier: every record written */
-#pragma omp for schedule(static)
-            for (long q = 0; q < tokens * NH; q++) NAME(merge_parts)(partial + q * 2 * (D + 2), D, out + q * D);
         }
         free(scratch);
     }
     free(starts);
-    free(partial);
     if (failed) return -1;
     return 0;
 }
