@@ -168,20 +168,45 @@ def test_rope_attend_equals_masked_attention(dtype, heads, kv_heads, dim, window
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,dim,window,tokens", [(6, 2, 32, None, 4), (9, 3, 64, 37, 12),
-                                                              (32, 2, 64, None, 3), (6, 2, 24, 20, 5),
-                                                              (9, 3, 64, None, 70)])
-def test_each_token_computes_alike_in_any_call(dtype, heads, kv_heads, dim, window, tokens):
+@pytest.mark.parametrize("heads,kv_heads,dim,window", [(9, 3, 64, None), (3, 1, 128, 700), (15, 5, 32, None),
+                                                       (8, 2, 64, None)])
+def test_rope_attend_long_contexts_equal_masked_attention(dtype, heads, kv_heads, dim, window):
+    """Rows of a thousand keys and more, and across 512, on scattered slots; one, two, three and
+    five key/value heads; a window that still holds hundreds."""
+    g = torch.Generator().manual_seed(3)
+    L = 1300
+    k_cache = torch.randn(2, kv_heads, L, dim, generator=g).to(dtype)
+    v_cache = torch.randn(2, kv_heads, L, dim, generator=g).to(dtype)
+    slots = torch.tensor([1, 0])
+    positions = torch.tensor([[507, 508, 509, 510, 511, 512], [1200, 1201, 1202, 1203, 1204, 1205]])
+    qkv = torch.randn(2, 6, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    angles = positions[..., None].float() * torch.linspace(0.1, 1.0, dim // 2)
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)[:, :, None]
+    sin = torch.cat([-angles.sin(), angles.sin()], -1).to(dtype)[:, :, None]
+    expected, k_expected, v_expected = reference_attention(qkv, heads, cos.reshape(12, 1, dim),
+                                                           sin.reshape(12, 1, dim), k_cache, v_cache, slots,
+                                                           positions.flatten(), window)
+    out = cpu_kernels.rope_attend(qkv, heads, cos, sin, k_cache, v_cache, slots, positions, window)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+    tolerance = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1.6e-2, rtol=1.6e-2)
+    torch.testing.assert_close(out.float(), expected.float(), **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim,window,tokens,start", [
+    (6, 2, 32, None, 4, 300), (9, 3, 64, 37, 12, 300), (32, 2, 64, None, 3, 300), (6, 2, 24, 20, 5, 300),
+    (9, 3, 64, None, 70, 300), (9, 3, 64, None, 12, 505), (6, 3, 128, 600, 5, 900), (9, 3, 64, None, 70, 480)])
+def test_each_token_computes_alike_in_any_call(dtype, heads, kv_heads, dim, window, tokens, start):
     """What exact mode rests on: a token's output does not depend on the other tokens of the call
     (a row of several tokens, split into several pieces of work or not, in the longer runs of a
-    call of more than 64 tokens; a window; one query head a group or many), nor on how the call's
-    work was shared among threads (300 keys make it parallel)."""
+    call of more than 64 tokens; a window; one query head a group or many; past 512 keys), nor on
+    how the call's work was shared among threads (300 keys make it parallel)."""
     g = torch.Generator().manual_seed(2)
-    k_cache = torch.randn(1, kv_heads, 400, dim, generator=g).to(dtype)
-    v_cache = torch.randn(1, kv_heads, 400, dim, generator=g).to(dtype)
+    k_cache = torch.randn(1, kv_heads, start + 100, dim, generator=g).to(dtype)
+    v_cache = torch.randn(1, kv_heads, start + 100, dim, generator=g).to(dtype)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
     cos, sin = (torch.rand(tokens, 1, dim, generator=g).to(dtype) for _ in range(2))
-    positions, slot = torch.arange(300, 300 + tokens), torch.tensor([0])
+    positions, slot = torch.arange(start, start + tokens), torch.tensor([0])
     together = cpu_kernels.rope_attend(qkv, heads, cos, sin, k_cache, v_cache, slot, positions, window)
     for t in range(tokens):
         alone = cpu_kernels.rope_attend(qkv[t:t + 1], heads, cos[t:t + 1], sin[t:t + 1], k_cache, v_cache, slot,
