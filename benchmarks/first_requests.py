@@ -3,7 +3,10 @@ wait for beyond steady state (memory the engine takes from the OS on first use, 
 writes among it).
 
     python benchmarks/ab_revisions.py --base 3ae8307 --rounds 3 \
-        --metric 'first 8 requests: ([0-9.]+) s' -- python benchmarks/first_requests.py
+        --metric 'first 8 requests: ([0-9.]+) s' -- python "$PWD/benchmarks/first_requests.py"
+
+(the path from this checkout: ab_revisions runs the command in each revision's folder, and a
+revision older than this script has none)
 
 One process: an LLM built with prefix caching off, then --requests requests of --max-tokens greedy
 tokens one after another (short prompts, each a new question), timed together; then as many again.

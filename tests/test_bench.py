@@ -432,6 +432,14 @@ def test_exact_cost_times_each_mode(dataset, default_model_dir, script, capsys):
     assert all(float(rate) > 0 for _, rate in rates)
 
 
+def test_first_requests_times_both_rounds(default_model_dir, script, capsys):
+    """benchmarks/first_requests.py in a small form: a fresh engine's first requests, then as many
+    more, each round's seconds printed."""
+    script("first_requests", "--requests", "2", "--max-tokens", "2").main()
+    rounds = re.findall(r"^(first|next) 2 requests: (\S+) s$", capsys.readouterr().out, re.M)
+    assert [name for name, _ in rounds] == ["first", "next"] and all(float(s) > 0 for _, s in rounds)
+
+
 def test_weights_ab_runs_every_mode_and_compares_outputs(dataset, default_model_dir, script, capsys):
     """benchmarks/weights_ab.py in a small form: the default model's quantized and bf16 engines,
     each plain and with n-gram drafting, and every speculative output equal to its engine's plain
