@@ -9,6 +9,7 @@ slot of a sequence that shares it (copy_prefix).
 """
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -22,7 +23,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     that hold every layer's whole slot, about 120 MB for the default model, which took 75-360 ms
     on an EPYC (THP compaction on first touch); the first requests of a new server each paid it.
     Decoding reads the cache as fast from small pages (docs/BENCHMARKS.md, "KV cache pages")."""
-    size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    size = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or size == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
     pages = mmap.mmap(-1, size)

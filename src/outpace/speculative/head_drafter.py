@@ -280,10 +280,7 @@ class HeadDrafter(Drafter):
         B, S = tokens.shape
         device = self.device
         slots = to_device(slots, device)
-        if B == 1:
-            positions = torch.arange(starts[0], starts[0] + S, device=device)[None]
-        else:
-            positions = to_device(starts, device)[:, None] + torch.arange(S, device=device)    # [B, S]
+        positions = to_device([list(range(start, start + S)) for start in starts], device)     # [B, S]
         out = self._causal_forward(self.head.features(hidden), tokens, slots, positions, max(starts) + S)
         self.last_out[slots] = out[torch.arange(B, device=device), last]
 
@@ -414,12 +411,9 @@ class HeadDrafter(Drafter):
         starts = [self.caught[s] for s in seq_ids]
         counts = [n - start for n, start in zip(ends, starts)]
         S = max(counts)
-        if len(rows) == 1:      # one row's pending pairs are a slice (an indexed read costs more)
-            hidden, tokens = self.pending_hidden[slots[0], None, :S], self.pending_tokens[slots[0], None, :S]
-        else:
-            index = to_device(slots, self.device)
-            hidden, tokens = self.pending_hidden[index, :S], self.pending_tokens[index, :S]
-        self._catch_up(hidden, tokens, slots, starts, to_device(counts, self.device) - 1)
+        index = to_device(slots, self.device)
+        self._catch_up(self.pending_hidden[index, :S], self.pending_tokens[index, :S], slots, starts,
+                       to_device(counts, self.device) - 1)
         for s, n in zip(seq_ids, ends):
             self.caught[s] = n
         return time.perf_counter() - t0, S
