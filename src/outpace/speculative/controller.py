@@ -584,12 +584,17 @@ class DraftController:
         decayed least-squares line, its slope shrunk toward none by SLOPE_PRIOR). The drafter's
         price is taken out first because _costs charges it on top of the fit: left in, a draft
         model's forwards were counted twice, and a chain's free lookup rows paid for them through
-        the slope. It is taken out down to nothing left, not below: a price above what the steps
-        took is kept, not refunded through the fit (free rows would then look cheaper than nothing).
-        Where the host measured the drafting take more than its price (draft_seconds: on the CPU a
-        propose's time is its work, and a price that is a decayed mean of it lags a change), the
-        measure is taken out instead: left in, the lag went into the intercept, which plain steps
-        are charged too, and drafting looked cheaper against them. One fit rather than separate
+        the slope. It is taken out down to a plain step's overhead (the fit's intercept) where that
+        is below nothing, else to nothing, not below: a price above what the steps took is kept,
+        not refunded through the fit (free rows would then look cheaper than nothing). The floor
+        follows a negative intercept, a calibration slower than the steps (measured while the
+        machine was busy, or kept from a slower spell): at nothing, a drafting step's overhead stood
+        above a plain step's by what the calibration missed, and the slope charged that to each
+        drafted token. Where the host measured the drafting take more than its price
+        (draft_seconds: on the CPU a propose's time is its work, and a price that is a decayed
+        mean of it lags a change), the measure is taken out instead: left in, the lag went into
+        the intercept, which plain steps are charged too, and drafting looked cheaper against
+        them. One fit rather than separate
         means of plain and drafting steps: where nearly every step drafts, a plain steps' mean goes
         stale and the drafting one absorbs its error, so drafted tokens look cheaper than they are;
         its intercept is the plain steps' mean only while recent plain steps weigh enough
@@ -602,7 +607,7 @@ class DraftController:
         extra = seconds - forward
         if paid_tokens and self.draft_cost is not None:
             price = self.draft_cost(batch_size) * paid_tokens + self.draft_step_cost(batch_size)
-            extra = max(extra - max(price, draft_seconds), 0.0)
+            extra = max(extra - max(price, draft_seconds), min(self.fit.get(b, (0.0, 0.0))[0], 0.0))
         x, y = self._drafting(batch_size, tokens), min(extra, OUTLIER_FORWARDS * forward)
         sums = self.sums.setdefault(b, LineFit())
         sums.add(x, y, FIT_DECAY)
