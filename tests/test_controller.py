@@ -518,10 +518,10 @@ def test_drafting_measured_above_its_price_stays_out_of_the_fit():
 def test_a_calibration_slower_than_the_steps_does_not_raise_a_drafted_tokens_cost():
     """The calibration was timed 1.5x slower than the steps run (a busy machine at start), so
     plain steps took 0.5 s less than it says. A paid drafted token (0.1 s, its price) costs its
-    calibrated forward share and its price, as with a true calibration, so the engine drafts as
-    long as it would. Regression: drafting steps' overhead was floored at nothing while plain
-    steps' stood at -0.5, and the fit charged each drafted token about 0.1 s more (a draft of 4
-    priced 1.13 s above a plain step, not 0.7)."""
+    calibrated forward share and its price, and the fit adds nothing to it. Regression: drafting
+    steps' overhead was floored at nothing while plain steps' stood at -0.5, and the fit charged
+    each drafted token about 0.1 s more (a draft of 4 priced 1.1 s above a plain step, not
+    0.7)."""
     c = DraftController(8, {1: [[0, 1.5], [8, 1.5 + 8 * 0.075]]}, packed=True, draft_cost=lambda batch_size: 0.1)
     for i in range(300):
         drafted = (0, 2, 4, 6)[i % 4]

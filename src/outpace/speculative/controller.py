@@ -584,21 +584,20 @@ class DraftController:
         decayed least-squares line, its slope shrunk toward none by SLOPE_PRIOR). The drafter's
         price is taken out first because _costs charges it on top of the fit: left in, a draft
         model's forwards were counted twice, and a chain's free lookup rows paid for them through
-        the slope. It is taken out down to a plain step's overhead (the fit's intercept) where that
-        is below nothing, else to nothing, not below: a price above what the steps took is kept,
-        not refunded through the fit (free rows would then look cheaper than nothing). The floor
-        follows a negative intercept, a calibration slower than the steps (measured while the
-        machine was busy, or kept from a slower spell): at nothing, a drafting step's overhead stood
-        above a plain step's by what the calibration missed, and the slope charged that to each
-        drafted token. Where the host measured the drafting take more than its price
-        (draft_seconds: on the CPU a propose's time is its work, and a price that is a decayed
-        mean of it lags a change), the measure is taken out instead: left in, the lag went into
-        the intercept, which plain steps are charged too, and drafting looked cheaper against
-        them. One fit rather than separate
-        means of plain and drafting steps: where nearly every step drafts, a plain steps' mean goes
-        stale and the drafting one absorbs its error, so drafted tokens look cheaper than they are;
-        its intercept is the plain steps' mean only while recent plain steps weigh enough
-        (LineFit.line). One slow step (a first call, a collection pause) counts as at most a few
+        the slope. It is taken out down to nothing left, or down to the fit's intercept (a plain
+        step's overhead) where that is negative, not below: a price above what the steps took is
+        kept, not refunded through the fit (free rows would then look cheaper than nothing). The
+        intercept is negative where the calibration is slower than the steps (timed while the
+        machine was busy, or kept from a slower spell); floored at nothing there, a drafting
+        step's overhead stood above a plain step's by what the calibration missed, and the slope
+        charged that to each drafted token. Where the host measured the drafting take more than
+        its price (draft_seconds: on the CPU a propose's time is its work, and a price that is a
+        decayed mean of it lags a change), the measure is taken out instead: left in, the lag went
+        into the intercept, which plain steps are charged too, and drafting looked cheaper against
+        them. One fit rather than separate means of plain and drafting steps: where nearly every
+        step drafts, a plain steps' mean goes stale and the drafting one absorbs its error, so
+        drafted tokens look cheaper than they are; its intercept is the plain steps' mean only
+        while recent plain steps weigh enough (LineFit.line). One slow step (a first call, a collection pause) counts as at most a few
         forwards."""
         if not self.buckets:
             return
