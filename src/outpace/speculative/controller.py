@@ -597,8 +597,8 @@ class DraftController:
         them. One fit rather than separate means of plain and drafting steps: where nearly every
         step drafts, a plain steps' mean goes stale and the drafting one absorbs its error, so
         drafted tokens look cheaper than they are; its intercept is the plain steps' mean only
-        while recent plain steps weigh enough (LineFit.line). One slow step (a first call, a collection pause) counts as at most a few
-        forwards."""
+        while recent plain steps weigh enough (LineFit.line). One slow step (a first call, a
+        collection pause) counts as at most a few forwards."""
         if not self.buckets:
             return
         b = self._bucket(batch_size)

@@ -363,8 +363,7 @@ class HeadDrafter(Drafter):
         # since its last catch-up, and is given up where it did not
         full = [i for i, (s, n) in enumerate(zip(batch.seq_ids, batch.positions))
                 if s not in self.given_up and n - self.caught[s] + S > self.max_pending]
-        if full:
-            self._catch_up_pending(batch, [i for i in full if batch.seq_ids[i] in self.drafted])
+        self._catch_up_pending(batch, [i for i in full if batch.seq_ids[i] in self.drafted])
         for i in full:
             s = batch.seq_ids[i]
             if s in self.drafted:
