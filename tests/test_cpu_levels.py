@@ -30,11 +30,15 @@ def x86_cpu(monkeypatch):
 def test_highest_level_the_cpu_has_is_chosen(x86_cpu, monkeypatch):
     monkeypatch.delenv(cpu_isa.ENV, raising=False)
     for flags, level in ((set(), "portable"), (AVX2_CPU, "avx2"), (AVX2_CPU | {"avx512f"}, "avx2"),
-                         (AVX512_CPU, "avx512"), (AVX512_CPU | {"avx512_bf16"}, "avx512"),
+                         (AVX2_CPU | {"avx_vnni"}, "avx2_vnni"), (AVX2_CPU | {"avx512_vnni"}, "avx2"),
+                         (AVX512_CPU, "avx512"), (AVX512_CPU | {"avx_vnni"}, "avx512"),
+                         (AVX512_CPU | {"avx512_bf16"}, "avx512"),
                          (AVX512_CPU | {"avx512_bf16", "avx512_vnni"}, "avx512_bf16")):
         x86_cpu(flags)
         assert cpu_isa.chosen().name == level
         assert cpu_isa.testable()[0] == "portable" and cpu_isa.testable()[-1] == level
+    x86_cpu(AVX512_CPU | {"avx_vnni"})     # AVX-VNNI beside AVX-512: every level is tested
+    assert cpu_isa.testable() == ("portable", "avx2", "avx2_vnni", "avx512")
 
 
 def test_env_caps_the_level(x86_cpu, monkeypatch, capsys):
@@ -46,9 +50,12 @@ def test_env_caps_the_level(x86_cpu, monkeypatch, capsys):
     monkeypatch.setenv(cpu_isa.ENV, "avx512_bf16")        # above what the CPU has: said once, capped
     assert cpu_isa.chosen().name == "avx512"
     assert "lacks avx512_bf16" in capsys.readouterr().err
+    monkeypatch.setenv(cpu_isa.ENV, "avx2_vnni")          # a level an AVX-512 CPU may lack
+    assert cpu_isa.chosen().name == "avx2"
+    assert "lacks avx_vnni" in capsys.readouterr().err
     for wrong in ("avx3", "neon", "AVX2"):
         monkeypatch.setenv(cpu_isa.ENV, wrong)
-        with pytest.raises(InvalidParameterError, match="portable, avx2, avx512, avx512_bf16"):
+        with pytest.raises(InvalidParameterError, match="portable, avx2, avx2_vnni, avx512, avx512_bf16"):
             cpu_isa.chosen()
 
 
@@ -62,7 +69,8 @@ def test_aarch64_always_has_neon(monkeypatch):
 
 
 def test_auto_dtype_follows_the_level(monkeypatch):
-    for level, bf16 in (("portable", False), ("avx2", True), ("avx512", True), ("avx512_bf16", True)):
+    for level, bf16 in (("portable", False), ("avx2", True), ("avx2_vnni", True), ("avx512", True),
+                        ("avx512_bf16", True)):
         monkeypatch.setattr(cpu_kernels, "level", lambda level=level: level)
         assert cpu_linear.prefers_bfloat16() is bf16
     monkeypatch.setattr(cpu_kernels, "level", lambda: None)

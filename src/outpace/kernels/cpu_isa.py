@@ -33,12 +33,16 @@ class Level:
 
 
 _AVX2 = Level("avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c"))
+# Intel's client CPUs from Alder Lake on have VNNI's int8 products on 8 lanes (AVX-VNNI) but no AVX-512
+_AVX2_VNNI = Level("avx2_vnni", _AVX2.flags + ("-mavxvnni",), _AVX2.needs + ("avx_vnni",))
 _AVX512 = Level("avx512", _AVX2.flags + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
                 _AVX2.needs + ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
-# lowest first; each level's CPUs run every level before it. avx512_bf16 takes VNNI's vpdpbusd
-# (int8 products) too: every CPU with AVX-512 BF16 has it (Cooper Lake, Sapphire Rapids, Zen 4)
+# lowest first: a CPU runs the highest level whose flags it has. Each level's CPUs run every level
+# before it but avx2_vnni, which AVX-512 CPUs before Sapphire Rapids and Zen 4 lack. avx512_bf16
+# takes VNNI's vpdpbusd (int8 products) too: every CPU with AVX-512 BF16 has it (Cooper Lake,
+# Sapphire Rapids, Zen 4)
 LEVELS: dict[str, tuple[Level, ...]] = {
-    "x86_64": (Level("portable", ("-DOUTPACE_PORTABLE",), ()), _AVX2, _AVX512,
+    "x86_64": (Level("portable", ("-DOUTPACE_PORTABLE",), ()), _AVX2, _AVX2_VNNI, _AVX512,
                Level("avx512_bf16", _AVX512.flags + ("-mavx512bf16", "-mavx512vnni"),
                      _AVX512.needs + ("avx512_bf16", "avx512_vnni"))),
     # Advanced SIMD is part of every ARMv8-A CPU: `neon` differs from `portable` by its intrinsics

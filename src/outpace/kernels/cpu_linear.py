@@ -31,7 +31,7 @@ _ops = getattr(torch.ops, "mkldnn", None)
 # instruction-set levels at which `auto` picks bfloat16 for a CPU model: a decode step reads half
 # the bytes of float32 weights and the kernels widen them in registers, so bfloat16 decodes faster
 # wherever the products are vectorised (docs/DESIGN.md, "CPU steps")
-BF16_LEVELS = frozenset({"avx2", "avx512", "avx512_bf16", "neon"})
+BF16_LEVELS = frozenset({"avx2", "avx2_vnni", "avx512", "avx512_bf16", "neon"})
 
 
 @functools.cache

@@ -181,7 +181,6 @@ static inline VF vf_fmadd(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 #define UNROLL_RUNS_FROM 4  /* 4- and 5-row Q4_K tiles unroll a sub-block's runs whole (1.08x and 1.20x on an AMD
                              * EPYC, Zen 3: in the loop a 5-row tile's sums spill); fewer rows keep the loop
                              * (unrolled, 1-2 rows 0.97x) */
-#define DOT_S8_OFFSET 0
 typedef __m256i VI;
 static inline VI vi_zero(void) { return _mm256_setzero_si256(); }
 static inline VI vi_set1(int32_t x) { return _mm256_set1_epi32(x); }
@@ -205,6 +204,14 @@ static inline VI vi_fifth_bits(VI v, uint64_t bits) {    /* byte b takes byte b 
     __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
     return _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(16)));
 }
+#ifdef __AVXVNNI__     /* avx2_vnni: VNNI's vpdpbusd on 8 lanes (Intel's client cores from Alder Lake on) */
+#define DOT_S8_OFFSET 128
+static inline VI vi_dot_u8(VI acc, VI w, int32_t x4) { return _mm256_dpbusd_avx_epi32(acc, w, _mm256_set1_epi32(x4)); }
+static inline VI vi_dot_s8(VI acc, VI w, int32_t x4) {
+    return _mm256_dpbusd_avx_epi32(acc, _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)), _mm256_set1_epi32(x4));
+}
+#else
+#define DOT_S8_OFFSET 0
 static inline VI vi_dot_u8(VI acc, VI w, int32_t x4) {
     __m256i pairs = _mm256_maddubs_epi16(w, _mm256_set1_epi32(x4));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
@@ -218,6 +225,7 @@ static inline VI vi_dot_s8(VI acc, VI w, int32_t x4) {
 #define SUM16 1
 static inline VI vi_sum16_u8(VI s, VI w, int32_t x4) { return _mm256_add_epi16(s, _mm256_maddubs_epi16(w, _mm256_set1_epi32(x4))); }
 static inline VI vi_add_sum16(VI acc, VI s) { return _mm256_add_epi32(acc, _mm256_madd_epi16(s, _mm256_set1_epi16(1))); }
+#endif
 /* v, held in a register at this point (an empty asm takes it and gives it back). GCC 12 otherwise
  * computed a run's products ahead of their adds and spilled the sums of a 5-row tile (10 of the 16
  * registers) to the stack, every run's adds then waiting on a reload; the products' tiles keep
