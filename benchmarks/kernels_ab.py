@@ -1,8 +1,10 @@
 """One recorded call of a model's decoder layers (cpu_kernels.DecoderStack: a decode step's or a
-verify's) timed with this checkout's CPU kernels and another checkout's, call by call in one process.
+verify's) timed with this checkout's CPU kernels and another checkout's, or another level's, call by
+call in one process.
 
     python benchmarks/kernels_ab.py --base ../base/src [--model smollm2-135m] [--tokens 1,5]
         [--min-position 150] [--calls 400] [--threads 2]
+    OUTPACE_CPU_ISA=avx2_vnni python benchmarks/kernels_ab.py --base-level avx2 ...
 
 A shared two-core machine drifts by 10-35% between runs, so two processes do not resolve a kernel
 change of a few percent. Here the two builds alternate call by call over the same inputs, caches
@@ -10,7 +12,8 @@ and packed weights (cpu_kernels.using), so drift weighs on both alike. For each 
 model answers a repetitive prompt (sized to reach --min-position), drafting (tokens - 1) n-gram
 tokens a step (none for 1 token), and its first layers call of that many tokens whose positions
 are all past --min-position is recorded. Both checkouts must share the packed formats and the
-layer structure's layout: this compares kernels, not formats. Reported per token count: each build's median and
+layer structure's layout: this compares kernels, not formats. --base-level builds the base (this
+checkout, or --base's) at another instruction-set level than the one the kernels run at. Reported per token count: each build's median and
 10th-percentile milliseconds, base over this checkout, and whether their outputs are the same bits.
 """
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 import torch
 
 from outpace.config import SamplingParams, SpecConfig
-from outpace.kernels import cpu_isa, cpu_kernels
+from outpace.kernels import cpu_build, cpu_isa, cpu_kernels
 from outpace.llm import LLM
 
 SENTENCE = "Write a long story about a dragon and a knight, repeat the knight's name often. "
@@ -55,7 +58,8 @@ def record(model: str, count: int, min_position: int) -> tuple | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--base", type=Path, required=True, help="the other checkout's src folder")
+    parser.add_argument("--base", type=Path, help="the other checkout's src folder (default: this one)")
+    parser.add_argument("--base-level", help="the base's instruction-set level (default: the one the kernels run at)")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--tokens", default="1,5", help="token counts of the calls, comma-separated")
     parser.add_argument("--min-position", type=int, default=150)
@@ -63,9 +67,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.base is None and args.base_level is None:
+        parser.error("give --base, --base-level or both")
+    source = args.base / "outpace" / "kernels" / "cpu_kernels.c" if args.base else cpu_build.SOURCE
+    levels = {level.name: level for level in cpu_isa.runnable()}
+    if args.base_level is not None and args.base_level not in levels:
+        parser.error(f"--base-level {args.base_level}: this CPU runs {', '.join(levels)}")
     libraries = {"this": cpu_kernels.library_of(),
-                 "base": cpu_kernels.library_of(args.base / "outpace" / "kernels" / "cpu_kernels.c")}
-    print(f"threads {args.threads}; kernels at {cpu_kernels.level()}; {cpu_isa.cpu_description()}")
+                 "base": cpu_kernels.library_of(source, levels.get(args.base_level))}
+    print(f"threads {args.threads}; kernels at {cpu_kernels.level()}, base at {args.base_level or cpu_kernels.level()}; "
+          f"{cpu_isa.cpu_description()}")
     for count in (int(t) for t in args.tokens.split(",")):
         recorded = record(args.model, count, args.min_position)
         if recorded is None:

@@ -98,10 +98,10 @@ def _library() -> ctypes.CDLL | None:
     return None if loaded is None else loaded[0]
 
 
-def library_of(source: Path = cpu_build.SOURCE) -> ctypes.CDLL:
+def library_of(source: Path = cpu_build.SOURCE, level: cpu_isa.Level | None = None) -> ctypes.CDLL:
     """The kernels of a cpu_kernels.c (by default this checkout's; another checkout's with the
-    headers beside it) built at this machine's level, for `using`."""
-    return _declared(ctypes.CDLL(str(cpu_build.build(cpu_isa.chosen(), source))))
+    headers beside it) built at `level` (by default this machine's), for `using`."""
+    return _declared(ctypes.CDLL(str(cpu_build.build(level or cpu_isa.chosen(), source))))
 
 
 @contextlib.contextmanager
