@@ -24,6 +24,7 @@ from outpace.bench.dataset import Record, load_spec_bench
 from outpace.bench.margin import divergence, first_difference
 from outpace.bench.summary import summarize
 from outpace.cli import main
+from outpace.kernels import cpu_isa, cpu_kernels
 from outpace.llm import RequestOutput
 from tiny import make_tiny
 
@@ -82,6 +83,8 @@ def test_bench_results_are_computed_from_the_runs(tiny_folder, dataset, tmp_path
     assert gc.get_freeze_count() > 0            # the loaded engine left the collector's sweeps
     assert set(results["categories"]) == {"writing", "summarization"}
     assert {"config", "definitions", "overall", "questions", "skipped"} <= set(results)
+    environment = results["config"]["environment"]      # what a CPU figure depends on
+    assert environment["cpu"] == cpu_isa.cpu_description() and environment["cpu_kernels"] == cpu_kernels.level()
 
     questions = results["questions"]
     assert [q["question_id"] for q in questions] == [1, 2]

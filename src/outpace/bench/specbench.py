@@ -25,6 +25,7 @@ from outpace.bench.summary import DEFINITIONS, markdown_table, summarize
 from outpace.cli import model_options, settle_heap
 from outpace.config import SamplingParams, SpecConfig
 from outpace.errors import OutpaceError, PromptTooLongError
+from outpace.kernels import cpu_isa, cpu_kernels
 from outpace.llm import LLM, RequestOutput
 
 RUNS = ("spec", "baseline")
@@ -102,8 +103,13 @@ def warm_up(llm: LLM, record: Record) -> None:
 
 
 def environment(llm: LLM) -> dict:
+    """What the figures depend on: a CPU's by its feature flags (cpu_isa.cpu_description) and the
+    level its kernels ran at (None on a GPU, or where they are off), since a figure from one CPU
+    is not a figure for another."""
+    on_cpu = str(llm.engine.device) == "cpu"
     return {"torch": torch.__version__, "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version(),
+            "cpu": cpu_isa.cpu_description(), "cpu_kernels": cpu_kernels.level() if on_cpu else None,
             "device": llm.engine.device, "dtype": str(llm.engine.dtype).removeprefix("torch."),
             "load_s": llm.engine.load_s, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
