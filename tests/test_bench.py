@@ -9,6 +9,7 @@ import copy
 import gc
 import importlib
 import json
+import math
 import os
 import re
 import subprocess
@@ -318,7 +319,9 @@ def test_draft_costs_prints_both_tables(tmp_path, default_model_dir, script, cap
     for table in tables:
         rows = [row.strip("|").split("|") for row in table.strip().splitlines()[2:]]
         assert [int(row[0]) for row in rows] == [1, 2]
-        assert all(float(cell.strip().rstrip("x")) > 0 for row in rows for cell in row[1:])
+        # a calibration that a busy machine stalled (a forward of 0.1 s) rounds a best case to 0.00x
+        values = [float(cell.strip().rstrip("x")) for row in rows for cell in row[1:]]
+        assert all(math.isfinite(v) and v >= 0 for v in values) and float(rows[0][1]) > 0
 
 
 @pytest.mark.parametrize("tree_width", [1, 3])
