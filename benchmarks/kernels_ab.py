@@ -13,8 +13,9 @@ model answers a repetitive prompt (sized to reach --min-position), drafting (tok
 tokens a step (none for 1 token), and its first layers call of that many tokens whose positions
 are all past --min-position is recorded. Both checkouts must share the packed formats and the
 layer structure's layout: this compares kernels, not formats. --base-level builds the base (this
-checkout, or --base's) at another instruction-set level than the one the kernels run at. Reported per token count: each build's median and
-10th-percentile milliseconds, base over this checkout, and whether their outputs are the same bits.
+checkout, or --base's) at another instruction-set level than the one the kernels run at. Reported
+per token count: each build's median and 10th-percentile milliseconds, base over this checkout, and
+whether their outputs are the same bits.
 """
 from __future__ import annotations
 
@@ -75,8 +76,8 @@ def main() -> None:
         parser.error(f"--base-level {args.base_level}: this CPU runs {', '.join(levels)}")
     libraries = {"this": cpu_kernels.library_of(),
                  "base": cpu_kernels.library_of(source, levels.get(args.base_level))}
-    print(f"threads {args.threads}; kernels at {cpu_kernels.level()}, base at {args.base_level or cpu_kernels.level()}; "
-          f"{cpu_isa.cpu_description()}")
+    base_level = args.base_level or cpu_kernels.level()
+    print(f"threads {args.threads}; kernels at {cpu_kernels.level()}, base at {base_level}; {cpu_isa.cpu_description()}")
     for count in (int(t) for t in args.tokens.split(",")):
         recorded = record(args.model, count, args.min_position)
         if recorded is None:

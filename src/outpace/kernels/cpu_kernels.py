@@ -11,10 +11,10 @@ float32 products read 4, and GGUF's quantized blocks (QUANT_FORMATS) as the file
 blocks of 32 inputs (Q8_0, Q4_1, Q4_0, Q5_0) and the k-quants' super-blocks of 256 (Q4_K, Q6_K),
 their sub-block scales joined per block of 32 inputs.
 
-The C is compiled per instruction-set level (cpu_isa: portable, avx2, avx2_vnni, avx512, avx512_bf16; on
-aarch64 portable, neon) with the system's C compiler into the outpace cache folder (cpu_build,
-one compile of a few seconds at first use) and loaded with ctypes; the level is the highest the CPU
-has, capped by OUTPACE_CPU_ISA. Attention shares its work among OpenMP threads (PyTorch's own
+The C is compiled per instruction-set level (cpu_isa: portable, avx2, avx2_vnni, avx512,
+avx512_bf16; on aarch64 portable, neon) with the system's C compiler into the outpace cache folder
+(cpu_build, one compile of a few seconds at first use) and loaded with ctypes; the level is the
+highest the CPU has, capped by OUTPACE_CPU_ISA. Attention shares its work among OpenMP threads (PyTorch's own
 libgomp, already loaded) from 64 keys summed over its key/value heads (22 tokens of context for
 the default model's three). Without a compiler, or with
 OUTPACE_CPU_KERNELS=0, steps run PyTorch's ops; the first case says so once on stderr.
