@@ -490,6 +490,19 @@ def test_cpu_decode_levels_times_both_dtypes_at_each_level(default_model_dir):
     assert all(float(a) > 0 and float(b) > 0 for _, a, b in found)
 
 
+def test_kernels_ab_times_another_level_of_this_checkout(tiny_folder, script, capsys):
+    """benchmarks/kernels_ab.py --base-level: a recorded layers call timed with this checkout's
+    portable build against the level the kernels run at, call by call, a line a token count."""
+    if not cpu_kernels.has_library():
+        pytest.skip("the CPU kernels do not load here (no C compiler, or turned off)")
+    script("kernels_ab", "--base-level", "portable", "--model", str(tiny_folder), "--tokens", "1,3", "--calls", "4",
+           "--min-position", "40").main()
+    out = capsys.readouterr().out
+    assert f"kernels at {cpu_kernels.level()}, base at portable" in out
+    lines = re.findall(r"^(\d+) tokens at positions .* base / this [0-9.]+ .*same bits: (?:True|False)$", out, re.M)
+    assert lines == ["1", "3"]
+
+
 def test_serve_bench_measures_each_level_over_http(dataset, default_model_dir, tmp_path):
     """benchmarks/serve_bench.py in a small form: a server on a free port, two concurrency levels,
     both modes measured at each, and greedy speculative outputs equal plain ones."""
